@@ -1,0 +1,59 @@
+# The two user-facing targets are `make test` and `make demo`: each does all
+# set-up on a fresh machine (virtual environment, Debian packages, Kafka and
+# Spark jars from Maven Central, FerretDB via go install, services started)
+# and is cheap when repeated.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+INFRA  := infra/services.sh
+# Exports the running services' addresses (SAGA_KAFKA_BOOTSTRAP, ...) into a recipe.
+WITH_ENV := eval "$$($(INFRA) env)" &&
+
+.PHONY: help venv lint unit test test-all demo bench chaos chaos-short infra-up infra-down infra-status clean
+
+help:
+	@echo "make test          install everything, start the local services, lint, run the test suite"
+	@echo "make demo          install everything, start the local services, run the demo workload"
+	@echo "make infra-up      provision and start Kafka, PostgreSQL, Redis, FerretDB"
+	@echo "make infra-status  which services are up, and their addresses as shell exports"
+	@echo "make infra-down    stop the services started by infra-up"
+	@echo "make lint          ruff and mypy"
+	@echo "make unit          the unit tests only (no services)"
+
+$(VENV)/.installed: pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@$(PY) -m pip install -q --upgrade pip
+	@echo "installing saga-olep and its dev tools into $(VENV)"
+	@$(PY) -m pip install -q -e '.[dev]'
+	@touch $@
+
+venv: $(VENV)/.installed
+
+lint: venv
+	$(VENV)/bin/ruff check coordinator participants streams tests
+	$(VENV)/bin/ruff format --check coordinator participants streams tests
+	$(VENV)/bin/mypy
+
+unit: venv
+	$(VENV)/bin/pytest -m unit -q
+
+infra-up:
+	@$(INFRA) up
+
+infra-down:
+	@$(INFRA) down
+
+infra-status:
+	@$(INFRA) status
+
+test: venv lint infra-up
+	@$(WITH_ENV) $(VENV)/bin/pytest -m "not slow and not chaos" -q
+
+demo: venv infra-up
+	@$(WITH_ENV) $(VENV)/bin/saga demo
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

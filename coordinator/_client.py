@@ -1,0 +1,391 @@
+"""The client library: submit sagas, follow their status, abort them.
+
+``SagaClient`` (threads) and ``AsyncSagaClient`` (asyncio) share one design:
+requests go to the requests topic through an idempotent producer, and one
+background reader follows the compacted status topic for every transaction the
+client cares about, so thousands of in-flight sagas cost one consumer, not one
+per call.
+
+    with SagaClient(KafkaSettings.from_sources(None, None, None, os.environ)) as client:
+        tx = client.submit([Step("ledger", "increment", {...}), ...], saga="transfer")
+        final = client.result(tx, timeout=10)      # SagaStatus, state committed/rolled_back/failed
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+from streams import (
+    ConflictingRequest,
+    InvalidRecord,
+    Mode,
+    SagaAbort,
+    SagaRequest,
+    SagaStatus,
+    SagaTimeout,
+    Step,
+    decode,
+    decode_as,
+    encode,
+)
+from streams._kafka import Consumer, KafkaSettings, Producer
+
+log = logging.getLogger("saga.client")
+
+DEFAULT_TIMEOUT_S = 30.0
+
+
+def _now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+def _as_step(step: Step | Mapping[str, Any]) -> Step:
+    if isinstance(step, Step):
+        return step
+    try:
+        return Step(
+            participant=step["participant"], action=step["action"], args=dict(step.get("args", {}))
+        )
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise InvalidRecord(
+            f"a step must be an object with 'participant', 'action' and 'args', got {step!r}"
+        ) from exc
+
+
+def _still_running(tx_id: str, timeout: float, current: SagaStatus | None) -> SagaTimeout:
+    state = current.state.value if current is not None else "not seen by the coordinator yet"
+    return SagaTimeout(
+        f"transaction {tx_id} is still running after {timeout:g} s (state: {state}); "
+        "call result() again later or check `saga status`"
+    )
+
+
+class StatusView:
+    """Follows the status topic in a background thread; the latest record per transaction.
+
+    ``from_beginning`` reads the whole (compacted) topic first, so ``get`` knows
+    transactions submitted by anyone before the view started; otherwise only
+    what is published from now on is seen.
+    """
+
+    def __init__(self, settings: KafkaSettings, *, from_beginning: bool = True) -> None:
+        self._settings = settings
+        self._topic = settings.topics.status
+        self._latest: dict[str, SagaStatus] = {}
+        self._cond = threading.Condition()
+        self._stop = threading.Event()
+        self._caught_up = threading.Event()
+        self._error: BaseException | None = None
+        self._listeners: list[Callable[[SagaStatus], None]] = []
+        self._consumer = Consumer(settings, group_id=None, client_id="saga.client.status")
+        partitions = self._consumer.list_partitions(self._topic)
+        self._ends: dict[int, int] = {}
+        start: list[tuple[str, int, int]] = []
+        for p in range(partitions):
+            low, high = self._consumer.watermarks(self._topic, p)
+            if from_beginning:
+                start.append((self._topic, p, low))
+                if high > low:
+                    self._ends[p] = high
+            else:
+                start.append((self._topic, p, high))
+        self._consumer.assign(start)
+        if not self._ends:
+            self._caught_up.set()
+        self._thread = threading.Thread(target=self._run, name="saga-status", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                batch = self._consumer.poll_batch(2000, 0.1)
+                if batch:
+                    with self._cond:
+                        for m in batch:
+                            if m.value is None:
+                                continue
+                            try:
+                                status = decode_as(m.value, SagaStatus)
+                            except InvalidRecord:
+                                continue
+                            assert isinstance(status, SagaStatus)
+                            self._latest[status.tx_id] = status
+                            for listener in self._listeners:
+                                listener(status)
+                        self._cond.notify_all()
+                if not self._caught_up.is_set():
+                    self._check_caught_up()
+        except BaseException as exc:  # surfaced to callers; the thread must not die silently
+            self._error = exc
+            with self._cond:
+                self._cond.notify_all()
+        finally:
+            self._consumer.close()
+
+    def _check_caught_up(self) -> None:
+        positions = self._consumer.position([(self._topic, p) for p in self._ends])
+        if all(pos >= self._ends[p] for (_, p), pos in positions.items()):
+            self._caught_up.set()
+
+    def wait_caught_up(self, timeout: float) -> bool:
+        return self._caught_up.wait(timeout)
+
+    def listen(self, listener: Callable[[SagaStatus], None]) -> None:
+        """Call ``listener`` (in the reader thread, quickly) with every new status."""
+        with self._cond:
+            self._listeners.append(listener)
+
+    def get(self, tx_id: str) -> SagaStatus | None:
+        with self._cond:
+            return self._latest.get(tx_id)
+
+    def snapshot(self) -> dict[str, SagaStatus]:
+        with self._cond:
+            return dict(self._latest)
+
+    def wait_final(self, tx_id: str, timeout: float) -> SagaStatus | None:
+        """The final status of ``tx_id``, or ``None`` if it is not final within ``timeout``."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                if self._error is not None:
+                    raise self._error
+                status = self._latest.get(tx_id)
+                if status is not None and status.state.final:
+                    return status
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._cond.wait(left)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+
+class SagaClient:
+    """Submit sagas and follow them; safe to share between threads."""
+
+    def __init__(self, settings: KafkaSettings, *, status_from_beginning: bool = True) -> None:
+        self.settings = settings
+        self.topics = settings.topics
+        self._producer = Producer(settings, client_id="saga.client")
+        self._view = StatusView(settings, from_beginning=status_from_beginning)
+        self._submitted: dict[str, str] = {}
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> SagaClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------ building
+
+    def build(
+        self,
+        steps: Sequence[Step | Mapping[str, Any]],
+        *,
+        saga: str = "saga",
+        mode: Mode | str = Mode.PARALLEL,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        tx_id: str | None = None,
+        meta: Mapping[str, Any] | None = None,
+        now_ms: int | None = None,
+    ) -> SagaRequest:
+        """The request ``submit`` would send, checked against the wire contract.
+
+        Raises :class:`InvalidRecord` with a readable reason for bad input.
+        """
+        try:
+            mode = Mode(mode)
+        except ValueError as exc:
+            raise InvalidRecord(f"mode must be 'parallel' or 'sequential', got {mode!r}") from exc
+        if timeout <= 0:
+            raise InvalidRecord(f"timeout must be positive seconds, got {timeout!r}")
+        created = _now_ms() if now_ms is None else now_ms
+        request = SagaRequest(
+            tx_id=tx_id if tx_id is not None else uuid.uuid4().hex,
+            saga=saga,
+            mode=mode,
+            steps=tuple(_as_step(s) for s in steps),
+            deadline_ms=created + int(timeout * 1000),
+            created_ms=created,
+            meta=meta,
+        )
+        # Round-trip through the codec: the one place that enforces the contract.
+        checked = decode(encode(request))
+        assert isinstance(checked, SagaRequest)
+        return checked
+
+    # ------------------------------------------------------------ calls
+
+    def submit(
+        self,
+        steps: Sequence[Step | Mapping[str, Any]],
+        *,
+        saga: str = "saga",
+        mode: Mode | str = Mode.PARALLEL,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        tx_id: str | None = None,
+        meta: Mapping[str, Any] | None = None,
+        wait_delivery: bool = True,
+    ) -> str:
+        """Append a saga request to the log; returns its ``tx_id``.
+
+        Resubmitting a ``tx_id`` with the same steps, saga name, mode and meta
+        is harmless and leads to the same outcome; with a different payload it
+        raises :class:`ConflictingRequest`. With ``wait_delivery`` (default) the
+        call returns once Kafka has the request.
+        """
+        request = self.build(steps, saga=saga, mode=mode, timeout=timeout, tx_id=tx_id, meta=meta)
+        self.send(request, wait_delivery=wait_delivery)
+        return request.tx_id
+
+    def send(self, request: SagaRequest, *, wait_delivery: bool = True) -> None:
+        """Append a request built by :meth:`build` (for callers that batch their sends)."""
+        fingerprint = request.fingerprint()
+        with self._lock:
+            known = self._submitted.get(request.tx_id)
+            status = self._view.get(request.tx_id)
+            if status is not None and status.fingerprint is not None:
+                known = status.fingerprint
+            if known is not None and known != fingerprint:
+                raise ConflictingRequest(
+                    f"transaction {request.tx_id} was already submitted with a different "
+                    "payload: use a new tx_id for a different transaction"
+                )
+            self._submitted[request.tx_id] = fingerprint
+        self._producer.produce(self.topics.requests, request.tx_id, encode(request))
+        if wait_delivery:
+            self._producer.flush(30)
+
+    def flush(self, timeout: float = 30) -> None:
+        self._producer.flush(timeout)
+
+    def status(self, tx_id: str) -> SagaStatus | None:
+        """The latest published status of ``tx_id`` (``None``: not seen yet)."""
+        return self._view.get(tx_id)
+
+    def result(self, tx_id: str, timeout: float = DEFAULT_TIMEOUT_S) -> SagaStatus:
+        """Wait for the final status (committed, rolled_back or failed).
+
+        Raises :class:`SagaTimeout` when the saga is still running after ``timeout``.
+        """
+        status = self._view.wait_final(tx_id, timeout)
+        if status is None:
+            raise _still_running(tx_id, timeout, self._view.get(tx_id))
+        return status
+
+    def abort(self, tx_id: str, reason: str = "") -> None:
+        """Ask for a rollback; honoured only while the transaction has no decision."""
+        record = SagaAbort(tx_id=tx_id, reason=reason, at_ms=_now_ms())
+        self._producer.produce(self.topics.requests, tx_id, encode(record))
+        self._producer.flush(30)
+
+    def wait_caught_up(self, timeout: float = 30) -> bool:
+        """Whether the status reader has read what existed when the client started."""
+        return self._view.wait_caught_up(timeout)
+
+    def statuses(self) -> dict[str, SagaStatus]:
+        return self._view.snapshot()
+
+    def close(self) -> None:
+        self._view.close()
+        self._producer.flush(10)
+        self._producer.close()
+
+
+class AsyncSagaClient:
+    """The asyncio twin of :class:`SagaClient`; the blocking work runs in a thread."""
+
+    def __init__(self, settings: KafkaSettings, *, status_from_beginning: bool = True) -> None:
+        self._client = SagaClient(settings, status_from_beginning=status_from_beginning)
+        self._waiters: dict[str, list[asyncio.Future[SagaStatus]]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._client._view.listen(self._on_status)
+
+    def _on_status(self, status: SagaStatus) -> None:
+        # Reader thread: hand final states to the event loop, which owns the futures.
+        if status.state.final and self._loop is not None and status.tx_id in self._waiters:
+            self._loop.call_soon_threadsafe(self._resolve, status)
+
+    def _resolve(self, status: SagaStatus) -> None:
+        for fut in self._waiters.pop(status.tx_id, []):
+            if not fut.done():
+                fut.set_result(status)
+
+    async def __aenter__(self) -> AsyncSagaClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def submit(
+        self,
+        steps: Sequence[Step | Mapping[str, Any]],
+        *,
+        saga: str = "saga",
+        mode: Mode | str = Mode.PARALLEL,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        tx_id: str | None = None,
+        meta: Mapping[str, Any] | None = None,
+    ) -> str:
+        return await asyncio.to_thread(
+            self._client.submit,
+            steps,
+            saga=saga,
+            mode=mode,
+            timeout=timeout,
+            tx_id=tx_id,
+            meta=meta,
+        )
+
+    async def submit_many(self, requests: Iterable[SagaRequest]) -> list[str]:
+        """Send pre-built requests with one flush at the end."""
+
+        def send_all() -> list[str]:
+            ids = []
+            for r in requests:
+                self._client.send(r, wait_delivery=False)
+                ids.append(r.tx_id)
+            self._client.flush()
+            return ids
+
+        return await asyncio.to_thread(send_all)
+
+    def build(self, steps: Sequence[Step | Mapping[str, Any]], **kwargs: Any) -> SagaRequest:
+        return self._client.build(steps, **kwargs)
+
+    def status(self, tx_id: str) -> SagaStatus | None:
+        return self._client.status(tx_id)
+
+    async def result(self, tx_id: str, timeout: float = DEFAULT_TIMEOUT_S) -> SagaStatus:
+        """Wait for the final status; thousands of waits share the one status reader."""
+        self._loop = asyncio.get_running_loop()
+        fut: asyncio.Future[SagaStatus] = self._loop.create_future()
+        self._waiters.setdefault(tx_id, []).append(fut)
+        current = self._client.status(tx_id)  # final before we started waiting?
+        if current is not None and current.state.final:
+            self._resolve(current)
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        except TimeoutError:
+            waiting = self._waiters.get(tx_id, [])
+            if fut in waiting:
+                waiting.remove(fut)
+            if not waiting:
+                self._waiters.pop(tx_id, None)
+            raise _still_running(tx_id, timeout, self._client.status(tx_id)) from None
+
+    async def abort(self, tx_id: str, reason: str = "") -> None:
+        await asyncio.to_thread(self._client.abort, tx_id, reason)
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self._client.close)

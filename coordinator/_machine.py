@@ -1,0 +1,384 @@
+"""The saga state machine: a pure function of its inputs.
+
+``decide(saga, input) -> (saga, outputs)`` holds every rule of the coordinator
+and nothing else: no I/O, no clock reads, no id generation. Time arrives inside
+the input (``at_ms`` / ``now_ms``). The service around it (``_service``) feeds
+it what it consumes and produces what it returns, inside Kafka transactions.
+
+Rules (DESIGN §1, §6):
+
+* every step ``applied`` and no decision yet -> ``commit``;
+* the first ``failed`` step, an operator abort, or the deadline passing before
+  a decision -> ``rollback``; a step reported ``compensated`` before any
+  decision also forces ``rollback`` (a commit could no longer hold);
+* at most one decision per transaction, ever: later inputs never change it;
+* after ``commit`` the saga is ``committed`` once every step is ``committed``;
+  after ``rollback`` it is ``rolled_back`` once every step is ``compensated``,
+  or ``failed`` when a compensation could not be completed.
+
+A step event may arrive before its request (topics are read concurrently). The
+machine then keeps a *placeholder* saga (``request_seen`` false) that records
+the events, publishes it (so a restarted coordinator rebuilds it from the status
+topic) and completes it when the request arrives. A ``failed`` step needs no
+request to decide: the transaction rolls back at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from streams import (
+    Decision,
+    Outcome,
+    SagaAbort,
+    SagaRequest,
+    SagaState,
+    SagaStatus,
+    StepEvent,
+    StepProgress,
+    StepStatus,
+)
+
+UNKNOWN_PARTICIPANT = "?"
+"""Participant name of a step known only from an early event's index."""
+
+# How far a step has come; a report never moves a step backwards.
+_RANK = {
+    StepStatus.PENDING: 0,
+    StepStatus.APPLIED: 1,
+    StepStatus.FAILED: 1,
+    StepStatus.COMPENSATION_FAILED: 2,
+    StepStatus.COMMITTED: 3,
+    StepStatus.COMPENSATED: 3,
+}
+
+
+# ---------------------------------------------------------------- inputs
+
+
+@dataclass(frozen=True, slots=True)
+class RequestReceived:
+    request: SagaRequest
+    at_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class StepReported:
+    event: StepEvent
+    at_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class AbortRequested:
+    abort: SagaAbort
+
+
+@dataclass(frozen=True, slots=True)
+class Tick:
+    """Time has reached ``now_ms``: deadlines up to it have passed."""
+
+    now_ms: int
+
+
+Input = RequestReceived | StepReported | AbortRequested | Tick
+
+
+# ---------------------------------------------------------------- outputs
+
+
+@dataclass(frozen=True, slots=True)
+class Ignored:
+    """An input that changes nothing and deserves a word in the log or the DLQ."""
+
+    tx_id: str
+    reason: str
+
+
+Output = Decision | SagaStatus | Ignored
+
+
+# ---------------------------------------------------------------- state
+
+
+@dataclass(frozen=True, slots=True)
+class Saga:
+    """The coordinator's view of one transaction."""
+
+    tx_id: str
+    saga: str
+    request_seen: bool
+    participants: tuple[str, ...]
+    steps: tuple[StepStatus, ...]
+    outcome: Outcome | None
+    state: SagaState
+    reason: str | None
+    created_ms: int
+    updated_ms: int
+    deadline_ms: int
+    fingerprint: str | None
+
+    @property
+    def decided(self) -> bool:
+        return self.outcome is not None
+
+    def status(self) -> SagaStatus:
+        """The record that publishes this state on the status topic."""
+        return SagaStatus(
+            tx_id=self.tx_id,
+            saga=self.saga,
+            state=self.state,
+            steps=tuple(
+                StepProgress(participant=p, status=s)
+                for p, s in zip(self.participants, self.steps, strict=True)
+            ),
+            reason=self.reason,
+            created_ms=self.created_ms,
+            updated_ms=self.updated_ms,
+            deadline_ms=self.deadline_ms,
+            fingerprint=self.fingerprint,
+        )
+
+    @classmethod
+    def from_status(cls, status: SagaStatus) -> Saga:
+        """Rebuild the state that published ``status`` (restart, rebalance)."""
+        outcome: Outcome | None
+        if status.state in (SagaState.COMMITTING, SagaState.COMMITTED):
+            outcome = Outcome.COMMIT
+        elif status.state in (SagaState.ROLLING_BACK, SagaState.ROLLED_BACK, SagaState.FAILED):
+            outcome = Outcome.ROLLBACK
+        else:
+            outcome = None
+        return cls(
+            tx_id=status.tx_id,
+            saga=status.saga,
+            request_seen=status.fingerprint is not None,
+            participants=tuple(s.participant for s in status.steps),
+            steps=tuple(s.status for s in status.steps),
+            outcome=outcome,
+            state=status.state,
+            reason=status.reason,
+            created_ms=status.created_ms,
+            updated_ms=status.updated_ms,
+            deadline_ms=status.deadline_ms,
+            fingerprint=status.fingerprint,
+        )
+
+
+def _new_from_request(request: SagaRequest, at_ms: int) -> Saga:
+    return Saga(
+        tx_id=request.tx_id,
+        saga=request.saga,
+        request_seen=True,
+        participants=tuple(s.participant for s in request.steps),
+        steps=(StepStatus.PENDING,) * len(request.steps),
+        outcome=None,
+        state=SagaState.PENDING,
+        reason=None,
+        created_ms=request.created_ms,
+        updated_ms=at_ms,
+        deadline_ms=request.deadline_ms,
+        fingerprint=request.fingerprint(),
+    )
+
+
+def _placeholder(tx_id: str, at_ms: int) -> Saga:
+    return Saga(
+        tx_id=tx_id,
+        saga="",
+        request_seen=False,
+        participants=(),
+        steps=(),
+        outcome=None,
+        state=SagaState.PENDING,
+        reason="request not seen yet",
+        created_ms=at_ms,
+        updated_ms=at_ms,
+        deadline_ms=0,
+        fingerprint=None,
+    )
+
+
+# ---------------------------------------------------------------- transitions
+
+
+def decide(saga: Saga | None, inp: Input) -> tuple[Saga | None, list[Output]]:
+    """Apply one input to one transaction's state.
+
+    Returns the new state and what to publish: at most one ``Decision`` (only
+    when the transaction is decided by this very input), a ``SagaStatus`` when
+    the state changed, and ``Ignored`` notes for inputs that change nothing and
+    are worth reporting. ``saga`` is ``None`` for a transaction not seen before.
+    """
+    if isinstance(inp, RequestReceived):
+        if saga is not None and saga.request_seen:
+            if saga.fingerprint == inp.request.fingerprint():
+                return saga, []  # a repeated request: same payload, nothing changes
+            return saga, [
+                Ignored(
+                    inp.request.tx_id,
+                    f"transaction {inp.request.tx_id} was already submitted with a different "
+                    "payload; the new request is ignored",
+                )
+            ]
+        before, after = saga, _settle(_on_request(saga, inp), inp.at_ms)
+    elif isinstance(inp, StepReported):
+        before = saga
+        result = _on_step(saga, inp)
+        if isinstance(result, Ignored):
+            return saga, [result]
+        after = _settle(result, inp.at_ms)
+    elif isinstance(inp, AbortRequested):
+        before = saga
+        if saga is None:
+            # The request may still come: record the abort by deciding now, so
+            # the request, when it arrives, finds the rollback.
+            saga = _placeholder(inp.abort.tx_id, inp.abort.at_ms)
+        if saga.decided:
+            return saga, [
+                Ignored(saga.tx_id, f"abort of {saga.tx_id} ignored: it is already decided")
+            ]
+        reason = "aborted by operator" + (f": {inp.abort.reason}" if inp.abort.reason else "")
+        after = _settle(_decide(saga, Outcome.ROLLBACK, reason, inp.abort.at_ms), inp.abort.at_ms)
+    else:
+        if saga is None:
+            return None, []
+        before, after = saga, _settle(saga, inp.now_ms)
+    return after, _outputs(before, after)
+
+
+def _on_request(saga: Saga | None, inp: RequestReceived) -> Saga:
+    request = inp.request
+    fresh = _new_from_request(request, inp.at_ms)
+    if saga is None:
+        return fresh
+    # Complete a placeholder: keep what early events and an early decision said.
+    steps = list(fresh.steps)
+    for index, status in enumerate(saga.steps):
+        if index < len(steps):
+            steps[index] = status
+    return replace(
+        fresh,
+        steps=tuple(steps),
+        outcome=saga.outcome,
+        state=saga.state,
+        reason=saga.reason if saga.decided else None,
+    )
+
+
+def _on_step(saga: Saga | None, inp: StepReported) -> Saga | Ignored:
+    event = inp.event
+    if saga is None:
+        saga = _placeholder(event.tx_id, inp.at_ms)
+    if saga.request_seen:
+        if event.step >= len(saga.steps):
+            return Ignored(
+                event.tx_id,
+                f"step {event.step} of {event.tx_id} does not exist "
+                f"(the request has {len(saga.steps)} steps)",
+            )
+        if saga.participants[event.step] != event.participant:
+            return Ignored(
+                event.tx_id,
+                f"step {event.step} of {event.tx_id} belongs to "
+                f"{saga.participants[event.step]!r}, not {event.participant!r}",
+            )
+    elif event.step >= len(saga.steps):
+        grow = event.step + 1 - len(saga.steps)
+        saga = replace(
+            saga,
+            steps=saga.steps + (StepStatus.PENDING,) * grow,
+            participants=saga.participants + (UNKNOWN_PARTICIPANT,) * grow,
+        )
+    current = saga.steps[event.step]
+    if not _advances(current, event.status):
+        return saga
+    steps = list(saga.steps)
+    steps[event.step] = event.status
+    participants = list(saga.participants)
+    participants[event.step] = event.participant
+    saga = replace(saga, steps=tuple(steps), participants=tuple(participants), updated_ms=inp.at_ms)
+
+    if not saga.decided:
+        if event.status is StepStatus.FAILED:
+            reason = f"step {event.step} failed" + (f": {event.reason}" if event.reason else "")
+            saga = _decide(saga, Outcome.ROLLBACK, reason, inp.at_ms)
+        elif event.status in (StepStatus.COMPENSATED, StepStatus.COMPENSATION_FAILED):
+            saga = _decide(
+                saga,
+                Outcome.ROLLBACK,
+                f"step {event.step} was compensated before a decision",
+                inp.at_ms,
+            )
+    return saga
+
+
+def _advances(current: StepStatus, new: StepStatus) -> bool:
+    if _RANK[new] > _RANK[current]:
+        return True
+    # A compensation retried after a failure may still succeed; nothing else moves sideways.
+    return current is StepStatus.COMPENSATION_FAILED and new is StepStatus.COMPENSATED
+
+
+def _decide(saga: Saga, outcome: Outcome, reason: str, at_ms: int) -> Saga:
+    state = SagaState.COMMITTING if outcome is Outcome.COMMIT else SagaState.ROLLING_BACK
+    return replace(saga, outcome=outcome, state=state, reason=reason, updated_ms=at_ms)
+
+
+def _settle(saga: Saga, at_ms: int) -> Saga:
+    """Decide commit when every step is applied, and reach final states."""
+    if not saga.request_seen:
+        return saga
+    if not saga.decided:
+        if saga.steps and all(s is StepStatus.APPLIED for s in saga.steps):
+            return _settle(_decide(saga, Outcome.COMMIT, "all steps applied", at_ms), at_ms)
+        if at_ms >= saga.deadline_ms:
+            return _settle(_decide(saga, Outcome.ROLLBACK, "deadline passed", at_ms), at_ms)
+        return saga
+    state = saga.state
+    if saga.outcome is Outcome.COMMIT:
+        if all(s is StepStatus.COMMITTED for s in saga.steps):
+            state = SagaState.COMMITTED
+    elif all(s is StepStatus.COMPENSATED for s in saga.steps):
+        state = SagaState.ROLLED_BACK
+    elif all(s in (StepStatus.COMPENSATED, StepStatus.COMPENSATION_FAILED) for s in saga.steps):
+        state = SagaState.FAILED
+    else:
+        state = SagaState.ROLLING_BACK
+    if state is SagaState.FAILED and saga.state is not SagaState.FAILED:
+        failed = [i for i, s in enumerate(saga.steps) if s is StepStatus.COMPENSATION_FAILED]
+        reason = f"{saga.reason}; compensation of step(s) {failed} failed: an operator must act"
+        return replace(saga, state=state, reason=reason, updated_ms=at_ms)
+    if state is not saga.state:
+        return replace(saga, state=state, updated_ms=at_ms)
+    return saga
+
+
+def _outputs(before: Saga | None, after: Saga) -> list[Output]:
+    out: list[Output] = []
+    if after.outcome is not None and (before is None or before.outcome is None):
+        assert after.reason is not None
+        out.append(
+            Decision(
+                tx_id=after.tx_id,
+                outcome=after.outcome,
+                reason=after.reason,
+                at_ms=after.updated_ms,
+            )
+        )
+    if before is None or _published_view(before) != _published_view(after):
+        out.append(after.status())
+    return out
+
+
+def _published_view(saga: Saga) -> tuple[object, ...]:
+    # updated_ms alone does not make a new status worth publishing
+    return (
+        saga.saga,
+        saga.request_seen,
+        saga.participants,
+        saga.steps,
+        saga.outcome,
+        saga.state,
+        saga.reason,
+        saga.deadline_ms,
+    )

@@ -1,0 +1,354 @@
+"""The coordinator service: the state machine between Kafka consumer and producer.
+
+It consumes ``requests``, ``events`` and ``decisions`` (the last only to move
+poison records to the DLQ: the coordinator is the one transactional writer of
+the DLQ, so each rejected record lands there exactly once). Each batch runs in
+one Kafka transaction that holds the decisions, the status records, the DLQ
+records and the consumed offsets (read-process-write, exactly once).
+
+State lives per partition. When partitions are assigned, their state is rebuilt
+from the compacted status topic (the same partition number: all topics are
+keyed by ``tx_id`` and have the same partition count) before any of their
+records is processed. A batch's state changes are kept aside and merged only
+after its transaction commits, so an aborted transaction leaves memory as the
+log: the batch is re-read and re-decided the same way.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from coordinator._machine import (
+    AbortRequested,
+    Ignored,
+    Input,
+    RequestReceived,
+    Saga,
+    StepReported,
+    Tick,
+    decide,
+)
+from streams import (
+    Decision,
+    InvalidRecord,
+    SagaAbort,
+    SagaRequest,
+    SagaStatus,
+    StepEvent,
+    decode_as,
+    encode,
+)
+from streams._kafka import (
+    Consumer,
+    KafkaSettings,
+    Message,
+    TransactionAborted,
+    TransactionalProducer,
+    send_to_dlq,
+)
+
+log = logging.getLogger("saga.coordinator")
+
+Clock = Callable[[], int]
+
+
+def wall_clock_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+@dataclass(slots=True)
+class CoordinatorStats:
+    """Counters a monitor (or a test) can read while the service runs."""
+
+    batches: int = 0
+    records: int = 0
+    decisions: int = 0
+    commits: int = 0
+    rollbacks: int = 0
+    dlq: int = 0
+    aborted_transactions: int = 0
+    restored: int = 0
+
+
+@dataclass(slots=True)
+class _Partition:
+    sagas: dict[str, Saga] = field(default_factory=dict)
+    deadlines: list[tuple[int, str]] = field(default_factory=list)
+
+
+class CoordinatorService:
+    """Runs one coordinator instance until :meth:`stop` (or SIGTERM/SIGINT).
+
+    Several instances share the partitions through one consumer group
+    (``<prefix>.coordinator``). ``instance_id`` must be stable for an instance
+    across restarts and unique among live instances: it names the
+    transactional producer, so a restarted instance fences its predecessor and
+    aborts what that one left open.
+    """
+
+    def __init__(
+        self,
+        settings: KafkaSettings,
+        *,
+        instance_id: str = "0",
+        batch_size: int = 2000,
+        poll_timeout_s: float = 0.05,
+        transaction_timeout_ms: int = 10_000,
+        clock: Clock = wall_clock_ms,
+    ) -> None:
+        self.settings = settings
+        self.topics = settings.topics
+        self.instance_id = instance_id
+        self.batch_size = batch_size
+        self.poll_timeout_s = poll_timeout_s
+        self.clock = clock
+        self.stats = CoordinatorStats()
+        self._stop = threading.Event()
+        self._partitions: dict[int, _Partition] = {}
+        self._consumer = Consumer(
+            settings,
+            group_id=f"{self.topics.prefix}.coordinator",
+            client_id=f"{self.topics.prefix}.coordinator.{instance_id}",
+            on_assign=self._on_assign,
+            on_revoke=self._on_revoke,
+            on_lost=self._on_revoke,
+        )
+        self._producer = TransactionalProducer(
+            settings,
+            transactional_id=f"{self.topics.prefix}.coordinator.{instance_id}",
+            transaction_timeout_ms=transaction_timeout_ms,
+        )
+
+    # ------------------------------------------------------------ lifecycle
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def install_signal_handlers(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: self.stop())
+
+    def run(self) -> None:
+        """Consume, decide and produce until stopped; raises FatalKafkaError when fenced."""
+        self._producer.init()
+        self._consumer.subscribe([self.topics.requests, self.topics.events, self.topics.decisions])
+        log.info("coordinator %s running on %s", self.instance_id, self.settings.bootstrap)
+        try:
+            while not self._stop.is_set():
+                messages = self._consumer.poll_batch(self.batch_size, self.poll_timeout_s)
+                now = self.clock()
+                if messages or self._deadline_due(now):
+                    self._process(messages, now)
+        finally:
+            self._consumer.close()
+            self._producer.close()
+
+    # ------------------------------------------------------------ rebalance
+
+    def _on_assign(self, partitions: list[tuple[str, int]]) -> None:
+        numbers = sorted({p for t, p in partitions if t == self.topics.requests})
+        new = [p for p in numbers if p not in self._partitions]
+        if not new:
+            return
+        restored = self._restore(new)
+        for p in new:
+            part = _Partition()
+            for saga in restored.get(p, ()):
+                part.sagas[saga.tx_id] = saga
+                if not saga.decided and saga.request_seen:
+                    heapq.heappush(part.deadlines, (saga.deadline_ms, saga.tx_id))
+            self._partitions[p] = part
+            self.stats.restored += len(part.sagas)
+        log.info("assigned partitions %s (restored %d sagas)", new, self.stats.restored)
+
+    def _on_revoke(self, partitions: list[tuple[str, int]]) -> None:
+        for t, p in partitions:
+            if t == self.topics.requests:
+                self._partitions.pop(p, None)
+
+    def _restore(self, partitions: list[int]) -> dict[int, list[Saga]]:
+        """Read the status topic's partitions to their end; the latest record per tx wins."""
+        latest: dict[int, dict[str, SagaStatus]] = {p: {} for p in partitions}
+        reader = Consumer(
+            self.settings,
+            group_id=None,
+            client_id=f"{self.topics.prefix}.coordinator.{self.instance_id}.restore",
+        )
+        try:
+            ends = {p: reader.watermarks(self.topics.status, p)[1] for p in partitions}
+            todo = {p for p in partitions if ends[p] > 0}
+            reader.assign([(self.topics.status, p, 0) for p in todo])
+            while todo:
+                for m in reader.poll_batch(5000, 0.5):
+                    if m.value is not None:
+                        try:
+                            status = decode_as(m.value, SagaStatus)
+                        except InvalidRecord:
+                            status = None
+                        if isinstance(status, SagaStatus):
+                            latest[m.partition][status.tx_id] = status
+                    if m.offset + 1 >= ends[m.partition]:
+                        todo.discard(m.partition)
+                # Transaction markers occupy offsets too: the position tells when we are done.
+                for (_, p), pos in reader.position([(self.topics.status, p) for p in todo]).items():
+                    if pos >= ends[p]:
+                        todo.discard(p)
+        finally:
+            reader.close()
+        return {p: [Saga.from_status(s) for s in latest[p].values()] for p in partitions}
+
+    # ------------------------------------------------------------ processing
+
+    def _deadline_due(self, now: int) -> bool:
+        return any(part.deadlines and part.deadlines[0][0] <= now for part in self._partitions.values())
+
+    def _process(self, messages: list[Message], now: int) -> None:
+        changed: dict[str, tuple[int, Saga]] = {}
+        outputs: list[tuple[int, Decision | SagaStatus]] = []
+        rejected: list[tuple[Message, str]] = []
+        new_deadlines: list[tuple[int, int, str]] = []
+
+        def current(partition: int, tx_id: str) -> Saga | None:
+            if tx_id in changed:
+                return changed[tx_id][1]
+            part = self._partitions.get(partition)
+            return part.sagas.get(tx_id) if part else None
+
+        def feed(partition: int, tx_id: str, inp: Input, source: Message | None) -> None:
+            before = current(partition, tx_id)
+            after, outs = decide(before, inp)
+            if after is None:
+                return
+            changed[tx_id] = (partition, after)
+            if not after.decided and after.request_seen and (
+                before is None or not before.request_seen
+            ):
+                new_deadlines.append((partition, after.deadline_ms, tx_id))
+            for out in outs:
+                if isinstance(out, Ignored):
+                    if source is not None and source.topic == self.topics.requests:
+                        rejected.append((source, out.reason))
+                    else:
+                        log.warning("%s", out.reason)
+                else:
+                    outputs.append((partition, out))
+
+        for m in messages:
+            if m.partition not in self._partitions:
+                continue  # revoked while in flight: its new owner processes it
+            inp = self._to_input(m, now, rejected)
+            if inp is not None:
+                tx_id = _tx_of(inp)
+                feed(m.partition, tx_id, inp, m)
+
+        for p, part in self._partitions.items():
+            while part.deadlines and part.deadlines[0][0] <= now:
+                _, tx_id = heapq.heappop(part.deadlines)
+                saga = current(p, tx_id)
+                if saga is not None and not saga.decided:
+                    feed(p, tx_id, Tick(now), None)
+
+        self._commit_batch(messages, changed, outputs, rejected)
+        for p, deadline, tx_id in new_deadlines:
+            part = self._partitions.get(p)
+            if part is not None:
+                heapq.heappush(part.deadlines, (deadline, tx_id))
+        for tx_id, (p, saga) in changed.items():
+            part = self._partitions.get(p)
+            if part is not None:
+                part.sagas[tx_id] = saga
+
+    def _to_input(self, m: Message, now: int, rejected: list[tuple[Message, str]]) -> Input | None:
+        try:
+            if m.topic == self.topics.requests:
+                record = decode_as(m.value, SagaRequest, SagaAbort)
+            elif m.topic == self.topics.events:
+                record = decode_as(m.value, StepEvent)
+            else:
+                decode_as(m.value, Decision)  # only checked: decisions are ours
+                return None
+        except InvalidRecord as exc:
+            rejected.append((m, exc.reason))
+            return None
+        key = m.key.decode("utf-8", "replace") if m.key is not None else None
+        if key != record.tx_id:
+            rejected.append((m, f"record key {key!r} differs from its tx_id {record.tx_id!r}"))
+            return None
+        if isinstance(record, SagaRequest):
+            return RequestReceived(record, now)
+        if isinstance(record, SagaAbort):
+            return AbortRequested(record)
+        assert isinstance(record, StepEvent)
+        return StepReported(record, now)
+
+    def _commit_batch(
+        self,
+        messages: list[Message],
+        changed: dict[str, tuple[int, Saga]],
+        outputs: list[tuple[int, Decision | SagaStatus]],
+        rejected: list[tuple[Message, str]],
+    ) -> None:
+        # Only the last status of a transaction in this batch matters (the topic is compacted).
+        last_status: dict[str, SagaStatus] = {}
+        decisions: list[Decision] = []
+        for _, out in outputs:
+            if isinstance(out, Decision):
+                decisions.append(out)
+            else:
+                last_status[out.tx_id] = out
+        offsets: dict[tuple[str, int], int] = {}
+        for m in messages:
+            offsets[(m.topic, m.partition)] = m.offset + 1
+        try:
+            self._producer.begin()
+            for d in decisions:
+                self._producer.produce(self.topics.decisions, d.tx_id, encode(d))
+            for s in last_status.values():
+                self._producer.produce(self.topics.status, s.tx_id, encode(s))
+            for m, reason in rejected:
+                send_to_dlq(self._producer, self.topics, m, reason, component="coordinator")
+            if offsets:
+                self._producer.send_offsets(self._consumer, offsets)
+            self._producer.commit()
+        except TransactionAborted as exc:
+            log.warning("transaction aborted, re-processing the batch: %s", exc)
+            self.stats.aborted_transactions += 1
+            self._producer.abort()
+            self._rewind(messages)
+            changed.clear()
+            return
+        self.stats.batches += 1
+        self.stats.records += len(messages)
+        self.stats.dlq += len(rejected)
+        self.stats.decisions += len(decisions)
+        for d in decisions:
+            if d.outcome == "commit":
+                self.stats.commits += 1
+            else:
+                self.stats.rollbacks += 1
+
+    def _rewind(self, messages: Iterable[Message]) -> None:
+        first: dict[tuple[str, int], int] = {}
+        for m in messages:
+            key = (m.topic, m.partition)
+            if key not in first or m.offset < first[key]:
+                first[key] = m.offset
+        for (topic, partition), offset in first.items():
+            if partition in self._partitions:
+                self._consumer.seek(topic, partition, offset)
+
+
+def _tx_of(inp: Input) -> str:
+    if isinstance(inp, RequestReceived):
+        return inp.request.tx_id
+    if isinstance(inp, StepReported):
+        return inp.event.tx_id
+    if isinstance(inp, AbortRequested):
+        return inp.abort.tx_id
+    raise TypeError(inp)

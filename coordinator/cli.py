@@ -1,0 +1,302 @@
+"""The ``saga`` command line.
+
+Every command takes the Kafka address from ``--bootstrap`` or
+``SAGA_KAFKA_BOOTSTRAP``, the topic prefix from ``--prefix`` or
+``SAGA_TOPIC_PREFIX`` (default ``saga``), and Kafka client settings (SASL, TLS)
+from ``--kafka-config FILE`` (``key=value`` lines) or ``SAGA_KAFKA_<NAME>``
+variables. Expected failures print one sentence and exit non-zero; there are no
+stack traces for them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import Any, NoReturn, TypeVar
+
+import click
+
+from streams import ConfigurationError, InvalidRecord, SagaError, SagaTimeout, schema, to_dict
+from streams._kafka import KafkaSettings, create_topics
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _fail(message: str, code: int = 1) -> NoReturn:
+    click.echo(f"saga: {message}", err=True)
+    sys.exit(code)
+
+
+def kafka_options(fn: F) -> F:
+    fn = click.option(
+        "--kafka-config",
+        type=click.Path(dir_okay=False),
+        default=None,
+        help="File of key=value Kafka client settings (security.protocol, sasl.*, ssl.*).",
+    )(fn)
+    fn = click.option(
+        "--prefix", default=None, help="Topic prefix [env SAGA_TOPIC_PREFIX; default: saga]."
+    )(fn)
+    fn = click.option(
+        "--bootstrap", default=None, help="Kafka bootstrap servers [env SAGA_KAFKA_BOOTSTRAP]."
+    )(fn)
+    return fn
+
+
+def settings_from(
+    bootstrap: str | None, prefix: str | None, kafka_config: str | None
+) -> KafkaSettings:
+    return KafkaSettings.from_sources(bootstrap, prefix, kafka_config, os.environ)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("-v", "--verbose", count=True, help="More log output (-v info, -vv debug).")
+def main(verbose: int) -> None:
+    """saga: all-or-nothing changes across PostgreSQL, MongoDB and Redis through Kafka.
+
+    Start with `saga topics create`, then run `saga coordinator run` and one
+    `saga participant run` per storage, and submit sagas with `saga submit` or
+    the client library.
+    """
+    level = logging.WARNING - 10 * min(verbose, 2)
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+# ---------------------------------------------------------------- topics
+
+
+@main.group()
+def topics() -> None:
+    """Create the saga topics."""
+
+
+@topics.command("create")
+@kafka_options
+@click.option("--partitions", type=click.IntRange(1, 1024), default=8, show_default=True,
+              help="Partitions per topic: the unit of parallelism.")
+@click.option("--replication-factor", type=click.IntRange(1, 16), default=1, show_default=True)
+def topics_create(
+    bootstrap: str | None, prefix: str | None, kafka_config: str | None,
+    partitions: int, replication_factor: int,
+) -> None:
+    """Create requests, events, decisions, status (compacted) and dlq with one partition count."""
+    settings = settings_from(bootstrap, prefix, kafka_config)
+    created = create_topics(settings, partitions, replication_factor)
+    for name in settings.topics.all:
+        click.echo(f"{name}: {'created' if name in created else 'exists'} ({partitions} partitions)")
+
+
+# ---------------------------------------------------------------- coordinator
+
+
+@main.group()
+def coordinator() -> None:
+    """Run the coordinator service."""
+
+
+@coordinator.command("run")
+@kafka_options
+@click.option("--instance-id", default="0", show_default=True,
+              help="Stable and unique per coordinator process; names its transactional producer.")
+def coordinator_run(
+    bootstrap: str | None, prefix: str | None, kafka_config: str | None, instance_id: str
+) -> None:
+    """Consume requests and step events, decide commit or rollback, publish status."""
+    from coordinator._service import CoordinatorService
+
+    service = CoordinatorService(settings_from(bootstrap, prefix, kafka_config),
+                                 instance_id=instance_id)
+    service.install_signal_handlers()
+    service.run()
+
+
+# ---------------------------------------------------------------- participant
+
+
+@main.group()
+def participant() -> None:
+    """Run a participant worker for one storage."""
+
+
+@participant.command("run")
+@kafka_options
+@click.option("--name", required=True, help="Participant name, as steps name it.")
+@click.option("--storage", type=click.Choice(["sql", "mongo", "redis"]), required=True)
+@click.option("--url", required=True, help="Storage URL (postgresql://..., sqlite:///..., ...).")
+@click.option("--targets", required=True,
+              help="Comma-separated allow-list of tables / collections / key prefixes.")
+@click.option("--handlers", default=None, help="Dotted path of a module with custom HANDLERS.")
+@click.option("--schema", "db_schema", default=None, help="SQL schema of the tables and ledger.")
+def participant_run(
+    bootstrap: str | None, prefix: str | None, kafka_config: str | None,
+    name: str, storage: str, url: str, targets: str, handlers: str | None, db_schema: str | None,
+) -> None:
+    """Apply this participant's steps, confirm on commit, compensate on rollback."""
+    from participants import ParticipantRuntime, open_storage
+
+    target_list = [t.strip() for t in targets.split(",") if t.strip()]
+    store = open_storage(storage, name=name, url=url, targets=target_list,
+                         handlers=handlers, schema=db_schema)
+    runtime = ParticipantRuntime(name, store, settings_from(bootstrap, prefix, kafka_config))
+    runtime.install_signal_handlers()
+    runtime.run()
+
+
+# ---------------------------------------------------------------- client commands
+
+
+def _read_submission(source: str) -> dict[str, Any]:
+    try:
+        text = sys.stdin.read() if source == "-" else open(source, encoding="utf-8").read()  # noqa: SIM115
+    except OSError as exc:
+        raise ConfigurationError(f"cannot read {source}: {exc.strerror}") from exc
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidRecord(f"{source} is not valid JSON: {exc.msg} at line {exc.lineno}") from exc
+    if not isinstance(data, dict) or not isinstance(data.get("steps"), list):
+        raise InvalidRecord(
+            f"{source} must hold an object with a 'steps' list "
+            '(e.g. {"saga": "transfer", "steps": [{"participant": ..., "action": ..., "args": {...}}]})'
+        )
+    return data
+
+
+@main.command()
+@kafka_options
+@click.argument("source", default="-")
+@click.option("--wait/--no-wait", default=False, help="Wait for the final status and print it.")
+@click.option("--timeout", type=float, default=None,
+              help="Seconds until the saga's deadline (overrides the file's timeout_s; default 30).")
+def submit(
+    bootstrap: str | None, prefix: str | None, kafka_config: str | None,
+    source: str, wait: bool, timeout: float | None,
+) -> None:
+    """Submit a saga from a JSON file (or - for stdin); prints its tx_id.
+
+    The JSON object has `steps` (list of {participant, action, args}) and
+    optionally `saga`, `mode` (parallel|sequential), `timeout_s`, `tx_id`, `meta`.
+    """
+    from coordinator._client import SagaClient
+
+    data = _read_submission(source)
+    deadline_s = timeout if timeout is not None else float(data.get("timeout_s", 30))
+    with SagaClient(settings_from(bootstrap, prefix, kafka_config),
+                    status_from_beginning=False) as client:
+        tx_id = client.submit(
+            data["steps"], saga=str(data.get("saga", "saga")), mode=data.get("mode", "parallel"),
+            timeout=deadline_s, tx_id=data.get("tx_id"), meta=data.get("meta"),
+        )
+        click.echo(tx_id)
+        if wait:
+            status = client.result(tx_id, timeout=deadline_s + 30)
+            click.echo(json.dumps(to_dict(status), indent=2))
+            if status.state != "committed":
+                sys.exit(3)
+
+
+@main.command()
+@kafka_options
+@click.argument("tx_id")
+def status(bootstrap: str | None, prefix: str | None, kafka_config: str | None, tx_id: str) -> None:
+    """Print the latest status of a transaction (reads the status topic)."""
+    from coordinator._client import StatusView
+
+    view = StatusView(settings_from(bootstrap, prefix, kafka_config), from_beginning=True)
+    try:
+        view.wait_caught_up(60)
+        found = view.get(tx_id)
+    finally:
+        view.close()
+    if found is None:
+        _fail(f"no status for transaction {tx_id}: the coordinator has not seen it (yet)")
+    click.echo(json.dumps(to_dict(found), indent=2))
+
+
+@main.command()
+@kafka_options
+@click.option("--interval", type=float, default=1.0, show_default=True, help="Seconds per refresh.")
+@click.option("--once", is_flag=True, help="Print one snapshot and exit (for scripts).")
+def watch(
+    bootstrap: str | None, prefix: str | None, kafka_config: str | None,
+    interval: float, once: bool,
+) -> None:
+    """A live view of the status topic: counts per state and the latest transactions."""
+    from rich.console import Group
+    from rich.live import Live
+    from rich.table import Table
+
+    from coordinator._client import StatusView
+
+    view = StatusView(settings_from(bootstrap, prefix, kafka_config), from_beginning=True)
+
+    def render() -> Group:
+        snap = view.snapshot()
+        counts = Counter(s.state.value for s in snap.values())
+        summary = Table(title=f"saga status ({len(snap)} transactions)")
+        for state in ("pending", "committing", "committed", "rolling_back", "rolled_back", "failed"):
+            summary.add_column(state, justify="right")
+        summary.add_row(*(str(counts.get(s, 0)) for s in (
+            "pending", "committing", "committed", "rolling_back", "rolled_back", "failed")))
+        latest = Table(title="latest")
+        for col in ("tx_id", "saga", "state", "steps", "reason"):
+            latest.add_column(col)
+        for s in sorted(snap.values(), key=lambda s: s.updated_ms, reverse=True)[:15]:
+            steps = " ".join(f"{p.participant}:{p.status.value}" for p in s.steps)
+            latest.add_row(s.tx_id, s.saga, s.state.value, steps, s.reason or "")
+        return Group(summary, latest)
+
+    try:
+        view.wait_caught_up(60)
+        if once:
+            from rich.console import Console
+
+            Console().print(render())
+            return
+        with Live(render(), refresh_per_second=4) as live:
+            while True:
+                time.sleep(interval)
+                live.update(render())
+    except KeyboardInterrupt:
+        pass
+    finally:
+        view.close()
+
+
+@main.command("schema")
+@click.argument("record_type", required=False)
+def schema_cmd(record_type: str | None) -> None:
+    """Print the JSON Schema of a record type (saga.request, saga.step, ...), or list them."""
+    from streams import SCHEMA_NAMES
+
+    if record_type is None:
+        for name in SCHEMA_NAMES:
+            click.echo(name)
+        return
+    if record_type not in SCHEMA_NAMES:
+        _fail(f"unknown record type {record_type!r}; one of: {', '.join(SCHEMA_NAMES)}", 2)
+    click.echo(json.dumps(schema(record_type), indent=2))
+
+
+def run() -> None:
+    """Entry point: turn expected failures into one sentence and an exit code."""
+    try:
+        main(standalone_mode=False)
+    except click.exceptions.Abort:
+        _fail("aborted", 130)
+    except click.ClickException as exc:
+        exc.show()
+        sys.exit(exc.exit_code)
+    except SagaTimeout as exc:
+        _fail(str(exc), 4)
+    except ConfigurationError as exc:
+        _fail(str(exc), 2)
+    except SagaError as exc:
+        _fail(str(exc), 1)
+    except KeyboardInterrupt:
+        sys.exit(130)

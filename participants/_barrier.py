@@ -1,0 +1,285 @@
+"""The barrier: what a participant does with one signal about one of its steps.
+
+A pure function of the step's ledger entry and the signal, so the guarantees of
+DESIGN §4 are decided in one place, tested without services, and shared by every
+storage. The storage runs the returned ``Plan`` inside the same local atomic unit
+that reads and writes the ledger entry.
+
+Signals about a step ``(tx_id, step)``:
+
+* ``Requested``            the request names this participant for the step;
+* ``PredecessorApplied``   (sequential) step ``step - 1`` was applied, so this one may go
+  (when it comes before the request, the runtime remembers it and sets
+  ``Requested.predecessor_applied``);
+* ``Decided``              the coordinator's decision for the transaction;
+* ``SuccessorCompensated`` (sequential rollback) step ``step + 1`` is compensated.
+
+Guarantees:
+
+* **idempotency** — a signal already acted on changes nothing; the plan says
+  which event to emit again;
+* **null compensation** — a rollback for a step never applied changes nothing,
+  reports ``compensated`` and closes the step;
+* **hanging prevention** — a request for a closed step, or one that arrives
+  after its deadline, is never applied;
+* **order** — in sequential sagas a step is applied only after its predecessor
+  was applied, and compensated only after its successor was compensated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from enum import StrEnum
+from typing import Any
+
+from streams import Mode, Outcome, StepStatus
+
+
+class LedgerStatus(StrEnum):
+    WAITING = "waiting"  # sequential: request seen, predecessor not applied yet
+    APPLIED = "applied"
+    FAILED = "failed"
+    COMMITTED = "committed"
+    COMPENSATED = "compensated"
+    COMPENSATION_FAILED = "compensation_failed"
+
+
+@dataclass(frozen=True, slots=True)
+class LedgerEntry:
+    """What a participant remembers of one of its steps.
+
+    ``effect`` is true once the business change took effect (it stays true after
+    a compensation undid it: the ledger says the step was applied exactly once).
+    ``before`` is the before-image the compensation restores. ``rollback_pending``
+    marks a sequential step whose rollback waits for its successor;
+    ``successor_compensated`` records that the successor was compensated before
+    the rollback reached this step.
+    """
+
+    tx_id: str
+    step: int
+    status: LedgerStatus
+    action: str | None = None
+    args: Mapping[str, Any] | None = None
+    mode: Mode = Mode.PARALLEL
+    n_steps: int = 0
+    deadline_ms: int = 0
+    effect: bool = False
+    before: Any = None
+    reason: str | None = None
+    rollback_pending: bool = False
+    successor_compensated: bool = False
+    updated_ms: int = 0
+
+
+# ---------------------------------------------------------------- signals
+
+
+@dataclass(frozen=True, slots=True)
+class Requested:
+    tx_id: str
+    step: int
+    action: str
+    args: Mapping[str, Any]
+    mode: Mode
+    n_steps: int
+    deadline_ms: int
+    now_ms: int
+    predecessor_applied: bool = False  # sequential: step - 1 was seen applied already
+
+
+@dataclass(frozen=True, slots=True)
+class PredecessorApplied:
+    tx_id: str
+    step: int  # this participant's step, whose predecessor was applied
+    now_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class Decided:
+    tx_id: str
+    step: int
+    outcome: Outcome
+    now_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class SuccessorCompensated:
+    tx_id: str
+    step: int  # this participant's step, whose successor was compensated
+    now_ms: int
+
+
+Signal = Requested | PredecessorApplied | Decided | SuccessorCompensated
+
+
+# ---------------------------------------------------------------- plans
+
+
+class Effect(StrEnum):
+    """What the storage must do to its business data."""
+
+    NONE = "none"
+    APPLY = "apply"  # run the action (try); on a business rejection write FAILED instead
+    CONFIRM = "confirm"  # run the custom confirm, if any
+    COMPENSATE = "compensate"  # undo the change from the before-image (or custom cancel)
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """The barrier's answer: the business effect, the ledger entry to write, the event to emit.
+
+    ``entry`` is ``None`` when the ledger must not change. ``emit`` is the step
+    status to report (``None``: report nothing yet). For ``Effect.APPLY`` the
+    entry is the one to write when the action succeeds; the storage writes
+    ``failed`` (and emits ``failed``) when it is rejected.
+    """
+
+    effect: Effect
+    entry: LedgerEntry | None
+    emit: StepStatus | None
+    note: str | None = None
+
+
+_REEMIT = {
+    LedgerStatus.APPLIED: StepStatus.APPLIED,
+    LedgerStatus.FAILED: StepStatus.FAILED,
+    LedgerStatus.COMMITTED: StepStatus.COMMITTED,
+    LedgerStatus.COMPENSATED: StepStatus.COMPENSATED,
+    LedgerStatus.COMPENSATION_FAILED: StepStatus.COMPENSATION_FAILED,
+}
+
+
+def _nothing(note: str | None = None) -> Plan:
+    return Plan(Effect.NONE, None, None, note)
+
+
+def _reemit(entry: LedgerEntry) -> Plan:
+    return Plan(Effect.NONE, None, _REEMIT.get(entry.status))
+
+
+def plan(entry: LedgerEntry | None, tx_rolled_back: bool, signal: Signal) -> Plan:
+    """Decide what to do with ``signal`` given the step's ledger ``entry``.
+
+    ``tx_rolled_back`` is true when a rollback for the transaction was recorded
+    before this participant knew its steps (the transaction-level marker).
+    """
+    if isinstance(signal, Requested):
+        return _on_request(entry, tx_rolled_back, signal)
+    if isinstance(signal, PredecessorApplied):
+        return _on_predecessor(entry, signal)
+    if isinstance(signal, Decided):
+        return _on_decision(entry, signal)
+    return _on_successor(entry, signal)
+
+
+def _entry(
+    s: Requested, status: LedgerStatus, reason: str | None = None, *, effect: bool = False
+) -> LedgerEntry:
+    return LedgerEntry(
+        tx_id=s.tx_id,
+        step=s.step,
+        status=status,
+        action=s.action,
+        args=s.args,
+        mode=s.mode,
+        n_steps=s.n_steps,
+        deadline_ms=s.deadline_ms,
+        effect=effect,
+        reason=reason,
+        updated_ms=s.now_ms,
+    )
+
+
+def _on_request(entry: LedgerEntry | None, tx_rolled_back: bool, s: Requested) -> Plan:
+    if entry is not None and entry.status is LedgerStatus.WAITING:
+        if s.predecessor_applied:
+            return _on_predecessor(entry, PredecessorApplied(s.tx_id, s.step, s.now_ms))
+        return _nothing("request repeated while waiting for the predecessor")
+    if entry is not None:
+        return _reemit(entry)  # idempotency: the request was acted on already
+    if tx_rolled_back:
+        # Hanging prevention: the rollback came first; the step is closed for good.
+        closed = _entry(s, LedgerStatus.COMPENSATED, "rolled back before the request arrived")
+        return Plan(Effect.NONE, closed, StepStatus.COMPENSATED)
+    if s.now_ms > s.deadline_ms:
+        failed = _entry(s, LedgerStatus.FAILED, "deadline passed before the step was applied")
+        return Plan(Effect.NONE, failed, StepStatus.FAILED)
+    if s.mode is Mode.SEQUENTIAL and s.step > 0 and not s.predecessor_applied:
+        return Plan(Effect.NONE, _entry(s, LedgerStatus.WAITING), None)
+    applied = _entry(s, LedgerStatus.APPLIED, effect=True)
+    return Plan(Effect.APPLY, applied, StepStatus.APPLIED)
+
+
+def _on_predecessor(entry: LedgerEntry | None, s: PredecessorApplied) -> Plan:
+    # Without an entry the request has not come yet: the runtime remembers the
+    # predecessor and passes ``predecessor_applied`` with the request.
+    if entry is None or entry.status is not LedgerStatus.WAITING:
+        return _nothing()
+    if s.now_ms > entry.deadline_ms:
+        failed = replace(
+            entry,
+            status=LedgerStatus.FAILED,
+            reason="deadline passed before the step was applied",
+            updated_ms=s.now_ms,
+        )
+        return Plan(Effect.NONE, failed, StepStatus.FAILED)
+    applied = replace(entry, status=LedgerStatus.APPLIED, effect=True, updated_ms=s.now_ms)
+    return Plan(Effect.APPLY, applied, StepStatus.APPLIED)
+
+
+def _on_decision(entry: LedgerEntry | None, s: Decided) -> Plan:
+    if s.outcome is Outcome.COMMIT:
+        if entry is None or entry.status is LedgerStatus.WAITING:
+            return _nothing(f"commit of {s.tx_id} step {s.step}, which was never applied here")
+        if entry.status is LedgerStatus.APPLIED:
+            committed = replace(entry, status=LedgerStatus.COMMITTED, updated_ms=s.now_ms)
+            return Plan(Effect.CONFIRM, committed, StepStatus.COMMITTED)
+        return _reemit(entry)
+    # rollback
+    if entry is None or entry.status is LedgerStatus.WAITING:
+        # Null compensation: nothing was applied; close the step so a late request is refused.
+        base = entry or LedgerEntry(s.tx_id, s.step, LedgerStatus.COMPENSATED)
+        closed = replace(
+            base,
+            status=LedgerStatus.COMPENSATED,
+            reason="rolled back before the step was applied",
+            updated_ms=s.now_ms,
+        )
+        return Plan(Effect.NONE, closed, StepStatus.COMPENSATED)
+    if entry.status is LedgerStatus.FAILED:
+        closed = replace(entry, status=LedgerStatus.COMPENSATED, updated_ms=s.now_ms)
+        return Plan(Effect.NONE, closed, StepStatus.COMPENSATED)
+    if entry.status is LedgerStatus.APPLIED:
+        last = entry.step >= entry.n_steps - 1
+        if entry.mode is Mode.SEQUENTIAL and not last and not entry.successor_compensated:
+            if entry.rollback_pending:
+                return _nothing()
+            waiting = replace(entry, rollback_pending=True, updated_ms=s.now_ms)
+            return Plan(Effect.NONE, waiting, None)
+        return _compensate(entry, s.now_ms)
+    if entry.status is LedgerStatus.COMPENSATION_FAILED:
+        return _compensate(entry, s.now_ms)  # a replayed rollback retries the compensation
+    if entry.status is LedgerStatus.COMMITTED:
+        return _nothing(f"rollback of {s.tx_id} step {s.step}, which is already committed")
+    return _reemit(entry)
+
+
+def _compensate(entry: LedgerEntry, now_ms: int) -> Plan:
+    done = replace(
+        entry, status=LedgerStatus.COMPENSATED, rollback_pending=False, updated_ms=now_ms
+    )
+    return Plan(Effect.COMPENSATE, done, StepStatus.COMPENSATED)
+
+
+def _on_successor(entry: LedgerEntry | None, s: SuccessorCompensated) -> Plan:
+    if entry is None or entry.status is not LedgerStatus.APPLIED:
+        return _nothing()
+    if entry.rollback_pending:
+        return _compensate(entry, s.now_ms)
+    if entry.successor_compensated:
+        return _nothing()
+    # The successor's compensation overtook our rollback decision: remember it.
+    marked = replace(entry, successor_compensated=True, updated_ms=s.now_ms)
+    return Plan(Effect.NONE, marked, None)

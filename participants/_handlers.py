@@ -1,0 +1,101 @@
+"""Custom actions: user handlers with ``try``, optional ``confirm``, and ``cancel``.
+
+A handler module is named by a dotted path (``--handlers mycompany.saga_handlers``)
+and exposes a mapping ``HANDLERS`` from action name to :class:`Handler`::
+
+    from participants import Handler, Reject
+
+    def reserve(session, args):
+        row = session.execute(...)            # the storage's native session/connection
+        if row is None:
+            raise Reject(f"seat {args['seat']} is taken")
+        return {"seat": args["seat"]}          # kept in the ledger, handed to cancel
+
+    def release(session, args, before):
+        session.execute(...)
+
+    HANDLERS = {"reserve_seat": Handler(try_=reserve, cancel=release)}
+
+Every function runs inside the same local transaction as the step's ledger
+record, with the storage's native session (an SQLAlchemy ``Connection``, a
+pymongo ``ClientSession``-bound database, a Redis pipeline). ``try_`` returns
+what ``cancel`` needs (JSON-serialisable) and raises :class:`Reject` for a
+business rejection; any other exception is a bug in the handler and stops the
+participant rather than guess.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from participants._storage import Actions
+from streams import BusinessRejection, ConfigurationError
+
+Reject = BusinessRejection
+"""Raise ``Reject("why")`` in a handler's ``try_`` to fail the step (the saga rolls back)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Handler:
+    """One custom action: ``try_(native, args) -> before``, ``cancel(native, args, before)``,
+    and optionally ``confirm(native, args)`` on commit."""
+
+    try_: Callable[[Any, Mapping[str, Any]], Any]
+    cancel: Callable[[Any, Mapping[str, Any], Any], None]
+    confirm: Callable[[Any, Mapping[str, Any]], None] | None = None
+
+
+def load_handlers(dotted: str) -> dict[str, Handler]:
+    """Import ``dotted`` and return its ``HANDLERS`` mapping, checked."""
+    try:
+        module = importlib.import_module(dotted)
+    except ImportError as exc:
+        raise ConfigurationError(
+            f"cannot import handler module {dotted!r} ({exc}); "
+            "check the dotted path and that the module is on PYTHONPATH"
+        ) from exc
+    handlers = getattr(module, "HANDLERS", None)
+    if not isinstance(handlers, Mapping):
+        raise ConfigurationError(
+            f"handler module {dotted!r} has no HANDLERS mapping of action name to Handler"
+        )
+    checked: dict[str, Handler] = {}
+    for name, handler in handlers.items():
+        if not isinstance(name, str) or not isinstance(handler, Handler):
+            raise ConfigurationError(
+                f"HANDLERS in {dotted!r} must map action names to Handler objects; "
+                f"{name!r} maps to {type(handler).__name__}"
+            )
+        checked[name] = handler
+    return checked
+
+
+class WithHandlers(Actions):
+    """Custom handlers first, then the storage's built-in actions."""
+
+    def __init__(self, handlers: Mapping[str, Handler], builtin: Actions) -> None:
+        self.handlers = dict(handlers)
+        self.builtin = builtin
+
+    def apply(self, native: Any, action: str, args: Mapping[str, Any]) -> Any:
+        handler = self.handlers.get(action)
+        if handler is None:
+            return self.builtin.apply(native, action, args)
+        return handler.try_(native, args)
+
+    def compensate(self, native: Any, action: str, args: Mapping[str, Any], before: Any) -> None:
+        handler = self.handlers.get(action)
+        if handler is None:
+            self.builtin.compensate(native, action, args, before)
+        else:
+            handler.cancel(native, args, before)
+
+    def confirm(self, native: Any, action: str, args: Mapping[str, Any]) -> None:
+        handler = self.handlers.get(action)
+        if handler is None:
+            self.builtin.confirm(native, action, args)
+        elif handler.confirm is not None:
+            handler.confirm(native, args)

@@ -1,0 +1,287 @@
+"""The participant runtime: consume -> barrier -> apply -> emit -> commit offsets.
+
+One runtime serves one participant name and one storage. It consumes the
+``requests``, ``decisions`` and ``events`` topics in one consumer group
+(``<prefix>.participant.<name>``), turns records into work items for its own
+steps, runs each batch in one local atomic unit of its storage, emits the step
+events, waits until Kafka acknowledged them, and only then commits the
+consumed offsets. A crash anywhere in that sequence re-delivers the batch, and
+the ledger makes the repeat take effect at most once (DESIGN §4).
+
+Errors split three ways:
+
+* business rejection: the storage writes ``failed`` and the saga rolls back;
+* transient (storage or broker unavailable): the batch is retried with
+  exponential backoff while the partitions are paused; nothing is lost;
+* poison (undecodable or invalid record): skipped here; the coordinator, the
+  one transactional DLQ writer, moves it to the DLQ exactly once.
+
+Sequential sagas: the participant of step ``i`` acts when it sees step
+``i - 1`` applied on the events topic. That event may be read before the
+request, so recent ``applied`` events are remembered for ``event_window_ms``,
+and the events topic's committed offset trails by the same window: after a
+restart the window is read again and nothing between the two topics is lost.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from tenacity import (
+    RetryCallState,
+    Retrying,
+    retry_if_exception_type,
+    stop_never,
+    wait_exponential,
+)
+
+from participants._barrier import PredecessorApplied, Requested, SuccessorCompensated
+from participants._storage import DecisionArrived, Report, Storage, WorkItem, unique
+from streams import (
+    Decision,
+    InvalidRecord,
+    Mode,
+    SagaAbort,
+    SagaRequest,
+    StepEvent,
+    StepStatus,
+    TransientError,
+    decode_as,
+    encode,
+)
+from streams._kafka import Consumer, KafkaSettings, Message, Producer
+
+log = logging.getLogger("saga.participant")
+
+Clock = Callable[[], int]
+
+
+def wall_clock_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+@dataclass(slots=True)
+class ParticipantStats:
+    batches: int = 0
+    records: int = 0
+    items: int = 0
+    events: int = 0
+    skipped_invalid: int = 0
+    retries: int = 0
+
+
+class ParticipantRuntime:
+    """Runs one participant until :meth:`stop` (or SIGTERM/SIGINT)."""
+
+    def __init__(
+        self,
+        name: str,
+        storage: Storage,
+        settings: KafkaSettings,
+        *,
+        batch_size: int = 1000,
+        poll_timeout_s: float = 0.05,
+        event_window_ms: int = 60_000,
+        max_backoff_s: float = 5.0,
+        clock: Clock = wall_clock_ms,
+    ) -> None:
+        self.name = name
+        self.storage = storage
+        self.settings = settings
+        self.topics = settings.topics
+        self.batch_size = batch_size
+        self.poll_timeout_s = poll_timeout_s
+        self.event_window_ms = event_window_ms
+        self.max_backoff_s = max_backoff_s
+        self.clock = clock
+        self.stats = ParticipantStats()
+        self._stop = threading.Event()
+        # (tx_id, step) of recently seen `applied` events -> when seen
+        self._applied_seen: OrderedDict[tuple[str, int], int] = OrderedDict()
+        # sequential transactions with a step here -> when last touched; only
+        # their neighbours' events need a look at the ledger
+        self._sequential: OrderedDict[str, int] = OrderedDict()
+        self._carry: list[Message] = []
+        # per events partition: (offset, seen_ms) not yet committed
+        self._event_offsets: dict[int, deque[tuple[int, int]]] = {}
+        self._consumer = Consumer(
+            settings,
+            group_id=f"{self.topics.prefix}.participant.{name}",
+            client_id=f"{self.topics.prefix}.participant.{name}",
+            on_revoke=self._on_revoke,
+            on_lost=self._on_revoke,
+        )
+        self._producer = Producer(settings, client_id=f"{self.topics.prefix}.participant.{name}")
+
+    # ------------------------------------------------------------ lifecycle
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def install_signal_handlers(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: self.stop())
+
+    def run(self) -> None:
+        self.storage.setup()
+        now = self.clock()
+        self._sequential = OrderedDict((tx, now) for tx in self.storage.in_flight_sequential())
+        self._consumer.subscribe([self.topics.requests, self.topics.decisions, self.topics.events])
+        log.info("participant %s running on %s", self.name, self.settings.bootstrap)
+        try:
+            while not self._stop.is_set():
+                messages, self._carry = self._carry, []
+                messages += self._consumer.poll_batch(self.batch_size, self.poll_timeout_s)
+                if messages:
+                    self._handle(messages)
+                else:
+                    self._commit({})  # let the events window move on while idle
+        finally:
+            self._producer.flush(10)
+            self._consumer.close()
+            self.storage.close()
+
+    def _on_revoke(self, partitions: list[tuple[str, int]]) -> None:
+        for t, p in partitions:
+            if t == self.topics.events:
+                self._event_offsets.pop(p, None)
+
+    # ------------------------------------------------------------ batches
+
+    def _handle(self, messages: list[Message]) -> None:
+        now = self.clock()
+        items = unique(self._work_items(messages, now))
+        reports = self._execute(items) if items else []
+        for r in reports:
+            event = StepEvent(
+                tx_id=r.tx_id,
+                step=r.step,
+                participant=self.name,
+                status=r.status,
+                at_ms=now,
+                reason=r.reason,
+            )
+            self._producer.produce(self.topics.events, r.tx_id, encode(event))
+        # The events must be in the log before the offsets say the inputs are done.
+        self._producer.flush(30)
+        offsets: dict[tuple[str, int], int] = {}
+        for m in messages:
+            if m.topic == self.topics.events:
+                self._event_offsets.setdefault(m.partition, deque()).append((m.offset, now))
+            else:
+                offsets[(m.topic, m.partition)] = m.offset + 1
+        self._commit(offsets)
+        self.stats.batches += 1
+        self.stats.records += len(messages)
+        self.stats.items += len(items)
+        self.stats.events += len(reports)
+
+    def _execute(self, items: list[WorkItem]) -> list[Report]:
+        def before_sleep(state: RetryCallState) -> None:
+            self.stats.retries += 1
+            exc = state.outcome.exception() if state.outcome else None
+            log.warning("storage unavailable, retrying the batch: %s", exc)
+            self._consumer.pause_all()
+            # Keep the group membership alive; a newly assigned partition may
+            # still deliver: keep those records for the next batch.
+            self._carry.extend(self._consumer.poll_batch(self.batch_size, 0))
+
+        retrying = Retrying(
+            retry=retry_if_exception_type(TransientError),
+            wait=wait_exponential(multiplier=0.1, max=self.max_backoff_s),
+            stop=stop_never,
+            before_sleep=before_sleep,
+            reraise=True,
+        )
+        try:
+            reports: list[Report] = retrying(self.storage.execute, items)
+        finally:
+            self._consumer.resume_all()
+        return reports
+
+    def _commit(self, offsets: dict[tuple[str, int], int]) -> None:
+        horizon = self.clock() - self.event_window_ms
+        for p, pending in self._event_offsets.items():
+            last = None
+            while pending and pending[0][1] <= horizon:
+                last = pending.popleft()[0]
+            if last is not None:
+                offsets[(self.topics.events, p)] = last + 1
+        if offsets:
+            self._consumer.commit(offsets)
+
+    # ------------------------------------------------------------ records -> work
+
+    def _work_items(self, messages: list[Message], now: int) -> list[WorkItem]:
+        items: list[WorkItem] = []
+        for m in messages:
+            try:
+                if m.topic == self.topics.requests:
+                    record = decode_as(m.value, SagaRequest, SagaAbort)
+                elif m.topic == self.topics.decisions:
+                    record = decode_as(m.value, Decision)
+                else:
+                    record = decode_as(m.value, StepEvent)
+            except InvalidRecord as exc:
+                # The coordinator moves it to the DLQ; here it only must not block.
+                self.stats.skipped_invalid += 1
+                log.debug("skipping invalid record at %s/%d@%d: %s", m.topic, m.partition, m.offset, exc)
+                continue
+            if isinstance(record, SagaRequest):
+                items.extend(self._requested(record, now))
+            elif isinstance(record, Decision):
+                items.append(DecisionArrived(record.tx_id, record.outcome, now))
+            elif isinstance(record, StepEvent):
+                items.extend(self._neighbour(record, now))
+        self._forget_old(now)
+        return items
+
+    def _requested(self, request: SagaRequest, now: int) -> list[WorkItem]:
+        out: list[WorkItem] = []
+        n = len(request.steps)
+        for index, step in enumerate(request.steps):
+            if step.participant != self.name:
+                continue
+            sequential = request.mode is Mode.SEQUENTIAL
+            out.append(
+                Requested(
+                    tx_id=request.tx_id,
+                    step=index,
+                    action=step.action,
+                    args=step.args,
+                    mode=request.mode,
+                    n_steps=n,
+                    deadline_ms=request.deadline_ms,
+                    now_ms=now,
+                    predecessor_applied=(request.tx_id, index - 1) in self._applied_seen,
+                )
+            )
+            if sequential:
+                self._sequential[request.tx_id] = now
+                self._sequential.move_to_end(request.tx_id)
+        return out
+
+    def _neighbour(self, event: StepEvent, now: int) -> list[WorkItem]:
+        if event.status is StepStatus.APPLIED:
+            self._applied_seen[(event.tx_id, event.step)] = now
+            if event.tx_id in self._sequential:
+                return [PredecessorApplied(event.tx_id, event.step + 1, now)]
+        elif event.status is StepStatus.COMPENSATED and event.step > 0:
+            if event.tx_id in self._sequential:
+                return [SuccessorCompensated(event.tx_id, event.step - 1, now)]
+        return []
+
+    def _forget_old(self, now: int) -> None:
+        horizon = now - self.event_window_ms
+        while self._applied_seen and next(iter(self._applied_seen.values())) <= horizon:
+            self._applied_seen.popitem(last=False)
+        # A sequential saga outlives its deadline by far less than an hour.
+        horizon = now - max(self.event_window_ms, 3_600_000)
+        while self._sequential and next(iter(self._sequential.values())) <= horizon:
+            self._sequential.popitem(last=False)

@@ -1,0 +1,69 @@
+"""The log: wire records, their encoding and schemas, and the topic layout.
+
+Everything public is re-exported here; the ``_``-prefixed modules are private.
+"""
+
+from ._codec import SCHEMA_NAMES, decode, decode_as, encode, schema, to_dict
+from ._errors import (
+    BusinessRejection,
+    ConfigurationError,
+    ConflictingRequest,
+    FatalKafkaError,
+    InvalidRecord,
+    SagaError,
+    SagaTimeout,
+    TransientError,
+)
+from ._records import (
+    MAX_STEPS,
+    RECORD_TYPES,
+    TX_ID_PATTERN,
+    WIRE_VERSION,
+    Decision,
+    Mode,
+    Outcome,
+    Record,
+    SagaAbort,
+    SagaRequest,
+    SagaState,
+    SagaStatus,
+    Step,
+    StepEvent,
+    StepProgress,
+    StepStatus,
+)
+from ._topics import Topics
+
+__all__ = [
+    "MAX_STEPS",
+    "RECORD_TYPES",
+    "SCHEMA_NAMES",
+    "TX_ID_PATTERN",
+    "WIRE_VERSION",
+    "BusinessRejection",
+    "ConfigurationError",
+    "ConflictingRequest",
+    "Decision",
+    "FatalKafkaError",
+    "InvalidRecord",
+    "Mode",
+    "Outcome",
+    "Record",
+    "SagaAbort",
+    "SagaError",
+    "SagaRequest",
+    "SagaState",
+    "SagaStatus",
+    "SagaTimeout",
+    "Step",
+    "StepEvent",
+    "StepProgress",
+    "StepStatus",
+    "Topics",
+    "TransientError",
+    "decode",
+    "decode_as",
+    "encode",
+    "schema",
+    "to_dict",
+]

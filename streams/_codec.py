@@ -1,0 +1,437 @@
+"""The one place that turns wire records into bytes and bytes into wire records.
+
+Wire format (DESIGN §3): one UTF-8 JSON object per record, carrying ``"v": 1``
+and a ``"type"``, checked against the JSON Schema shipped in
+``streams/schemas/<type>.schema.json``.
+
+Contracts:
+
+* :func:`decode` either returns a frozen record or raises
+  :class:`~streams._errors.InvalidRecord` whose ``reason`` is one line a person
+  can read. It raises nothing else, whatever the bytes are, so a consumer can
+  send the record to the dead-letter topic and go on.
+* :func:`encode` checks the record against the same schema before writing it,
+  so a record this process produces is one every consumer accepts; a record
+  that breaks the contract raises :class:`~streams._errors.InvalidRecord`.
+* ``decode(encode(r)) == r`` for every valid record ``r`` whose ``args`` and
+  ``meta`` hold plain JSON values, and equal records encode to equal bytes
+  (keys are written sorted).
+
+Schemas are compiled once, at import; decoding a record costs one JSON parse,
+one run of the compiled validator and the construction of the frozen objects.
+Nested ``args`` and ``meta`` objects are handed to the record as parsed, not
+copied.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from importlib import resources
+from typing import Any, Final
+
+import fastjsonschema
+import orjson
+
+from ._errors import ConfigurationError, InvalidRecord
+from ._records import (
+    RECORD_TYPES,
+    WIRE_VERSION,
+    Decision,
+    Mode,
+    Outcome,
+    Record,
+    SagaAbort,
+    SagaRequest,
+    SagaState,
+    SagaStatus,
+    Step,
+    StepEvent,
+    StepProgress,
+    StepStatus,
+)
+
+__all__ = ["SCHEMA_NAMES", "decode", "decode_as", "encode", "schema", "to_dict"]
+
+SCHEMA_NAMES: Final[tuple[str, ...]] = tuple(RECORD_TYPES)
+"""The record types that have a schema, in wire-contract order."""
+
+# Reasons end up in DLQ headers and log lines: keep them to one bounded line.
+_MAX_REASON_CHARS: Final = 500
+_MAX_VALUE_REPR_CHARS: Final = 60
+
+_Validator = Callable[[Any], Any]
+_Builder = Callable[[dict[str, Any]], Record]
+
+
+# --------------------------------------------------------------------- schemas
+
+
+def _load_schemas() -> tuple[dict[str, bytes], dict[str, _Validator]]:
+    """Read and compile every shipped schema; a broken package fails at import."""
+    directory = resources.files(__name__.rpartition(".")[0]) / "schemas"
+    raw: dict[str, bytes] = {}
+    validators: dict[str, _Validator] = {}
+    for name in SCHEMA_NAMES:
+        text = (directory / f"{name}.schema.json").read_bytes()
+        raw[name] = text
+        # use_default=False: the validator must not add fields to the dicts it
+        # checks (on encode they share nested objects with the caller's record);
+        # defaults are filled by the builders below instead.
+        validators[name] = fastjsonschema.compile(orjson.loads(text), use_default=False)
+    return raw, validators
+
+
+_SCHEMA_TEXT, _VALIDATORS = _load_schemas()
+
+
+def schema(type_name: str) -> dict[str, Any]:
+    """Return the JSON Schema of one record type, e.g. ``schema("saga.request")``.
+
+    Each call returns a fresh dict, so callers may change it freely.
+
+    Raises:
+        ConfigurationError: ``type_name`` is not one of :data:`SCHEMA_NAMES`.
+    """
+    try:
+        text = _SCHEMA_TEXT[type_name]
+    except (KeyError, TypeError):
+        known = ", ".join(SCHEMA_NAMES)
+        raise ConfigurationError(
+            f"there is no schema named {type_name!r}; the known ones are {known}"
+        ) from None
+    parsed: dict[str, Any] = orjson.loads(text)
+    return parsed
+
+
+# ----------------------------------------------------------------- reasons
+
+
+def _one_line(text: str) -> str:
+    """Collapse whitespace (newlines included) and bound the length of a reason."""
+    line = " ".join(text.split())
+    if len(line) > _MAX_REASON_CHARS:
+        line = line[: _MAX_REASON_CHARS - 3] + "..."
+    return line
+
+
+def _short(value: object) -> str:
+    """``repr`` of an untrusted value, cut so a huge value cannot flood a reason."""
+    text = repr(value)
+    if len(text) > _MAX_VALUE_REPR_CHARS:
+        text = text[: _MAX_VALUE_REPR_CHARS - 3] + "..."
+    return text
+
+
+def _invalid(reason: str) -> InvalidRecord:
+    return InvalidRecord(_one_line(reason))
+
+
+_JSON_KIND: Final[dict[type, str]] = {
+    list: "an array",
+    str: "a string",
+    int: "a number",
+    float: "a number",
+    bool: "a boolean",
+    type(None): "null",
+}
+
+
+def _expected(types: tuple[str, ...]) -> str:
+    if len(types) == 1:
+        return types[0]
+    return ", ".join(types[:-1]) + " or " + types[-1]
+
+
+# ----------------------------------------------------------------- decoding
+
+
+def _check_request(data: dict[str, Any]) -> None:
+    """Rules of a request that a JSON Schema cannot express."""
+    if data["deadline_ms"] < data["created_ms"]:
+        raise _invalid(
+            f"saga.request: deadline_ms ({data['deadline_ms']}) is before "
+            f"created_ms ({data['created_ms']})"
+        )
+
+
+# The builders run only on validated dicts, so every field is present and has
+# the right JSON type. int() turns 5.0, which JSON Schema counts as an integer,
+# into 5.
+
+
+def _build_request(data: dict[str, Any]) -> SagaRequest:
+    _check_request(data)
+    return SagaRequest(
+        tx_id=data["tx_id"],
+        saga=data["saga"],
+        mode=Mode(data.get("mode", "parallel")),
+        steps=tuple(Step(s["participant"], s["action"], s.get("args", {})) for s in data["steps"]),
+        deadline_ms=int(data["deadline_ms"]),
+        created_ms=int(data["created_ms"]),
+        meta=data.get("meta"),
+    )
+
+
+def _build_abort(data: dict[str, Any]) -> SagaAbort:
+    return SagaAbort(tx_id=data["tx_id"], reason=data["reason"], at_ms=int(data["at_ms"]))
+
+
+def _build_step(data: dict[str, Any]) -> StepEvent:
+    return StepEvent(
+        tx_id=data["tx_id"],
+        step=int(data["step"]),
+        participant=data["participant"],
+        status=StepStatus(data["status"]),
+        at_ms=int(data["at_ms"]),
+        reason=data.get("reason"),
+    )
+
+
+def _build_decision(data: dict[str, Any]) -> Decision:
+    return Decision(
+        tx_id=data["tx_id"],
+        outcome=Outcome(data["outcome"]),
+        reason=data["reason"],
+        at_ms=int(data["at_ms"]),
+    )
+
+
+def _build_status(data: dict[str, Any]) -> SagaStatus:
+    return SagaStatus(
+        tx_id=data["tx_id"],
+        saga=data["saga"],
+        state=SagaState(data["state"]),
+        steps=tuple(StepProgress(s["participant"], StepStatus(s["status"])) for s in data["steps"]),
+        reason=data["reason"],
+        created_ms=int(data["created_ms"]),
+        updated_ms=int(data["updated_ms"]),
+        deadline_ms=int(data["deadline_ms"]),
+        fingerprint=data.get("fingerprint"),
+    )
+
+
+_BUILDERS: Final[dict[str, _Builder]] = {
+    SagaRequest.TYPE: _build_request,
+    SagaAbort.TYPE: _build_abort,
+    StepEvent.TYPE: _build_step,
+    Decision.TYPE: _build_decision,
+    SagaStatus.TYPE: _build_status,
+}
+
+
+def _decode(value: bytes | None, allowed: tuple[str, ...] | None) -> Record:
+    # `not value` rather than len(): it also holds for a value of a wrong type.
+    if not value:
+        raise _invalid("value is empty (a tombstone)")
+    try:
+        data = orjson.loads(value)
+    except (orjson.JSONDecodeError, TypeError, ValueError) as exc:
+        # orjson reports invalid UTF-8 as a JSONDecodeError; TypeError covers a
+        # value that is not bytes at all.
+        raise _invalid(f"record is not valid JSON: {exc}") from None
+    if type(data) is not dict:
+        kind = _JSON_KIND.get(type(data), type(data).__name__)
+        raise _invalid(f"record must be a JSON object, got {kind}")
+
+    if "v" not in data:
+        raise _invalid("record has no 'v' field (the wire version)")
+    version = data["v"]
+    # bool is an int in Python, but `true` is not the version number 1.
+    if version != WIRE_VERSION or isinstance(version, bool):
+        raise _invalid(f"wire version {_short(version)} is not supported (expected {WIRE_VERSION})")
+
+    if "type" not in data:
+        raise _invalid("record has no 'type' field")
+    type_name = data["type"]
+    # The isinstance check comes first: an unhashable "type" (a list) would make
+    # the dict lookup raise TypeError.
+    if not isinstance(type_name, str) or type_name not in _BUILDERS:
+        raise _invalid(f"unknown record type {_short(type_name)}")
+    if allowed is not None and type_name not in allowed:
+        raise _invalid(f"expected {_expected(allowed)} on this topic, got {type_name}")
+
+    try:
+        _VALIDATORS[type_name](data)
+    except fastjsonschema.JsonSchemaException as exc:
+        message = getattr(exc, "message", None) or str(exc)
+        raise _invalid(f"{type_name}: {message}") from None
+    return _BUILDERS[type_name](data)
+
+
+def decode(value: bytes | None) -> Record:
+    """Decode one record value (as read from Kafka) into a frozen record.
+
+    ``None`` and ``b""`` (tombstones) are rejected. A request without ``mode``
+    gets ``Mode.PARALLEL``, a step without ``args`` gets ``{}``.
+
+    Raises:
+        InvalidRecord: the value breaks the wire contract; ``reason`` says how in
+            one line, e.g. ``"saga.request: data.steps must contain at least 1
+            items"``. Nothing else is raised, whatever ``value`` holds.
+    """
+    return _decode(value, None)
+
+
+def decode_as(value: bytes | None, /, *kinds: type[Record]) -> Record:
+    """Decode a record that must be one of ``kinds``, e.g. a topic's record types.
+
+    ``decode_as(value, SagaRequest, SagaAbort)`` is how the requests topic is read.
+    The type is checked before the schema, so a record of the wrong type is
+    reported as such even when it is also malformed.
+
+    Raises:
+        InvalidRecord: as :func:`decode`, and with ``"expected saga.request or
+            saga.abort on this topic, got saga.step"`` for a record of another type.
+        ConfigurationError: no ``kinds`` were given.
+    """
+    if not kinds:
+        raise ConfigurationError("decode_as needs at least one record type to accept")
+    return _decode(value, tuple(kind.TYPE for kind in kinds))
+
+
+# ----------------------------------------------------------------- encoding
+
+
+def _request_dict(r: SagaRequest) -> dict[str, Any]:
+    data: dict[str, Any] = {
+        "v": WIRE_VERSION,
+        "type": r.TYPE,
+        "tx_id": r.tx_id,
+        "saga": r.saga,
+        "mode": str(r.mode),
+        "steps": [
+            {
+                "participant": s.participant,
+                "action": s.action,
+                # The schema wants a JSON object; any other Mapping becomes one.
+                "args": s.args if isinstance(s.args, dict) else dict(s.args),
+            }
+            for s in r.steps
+        ],
+        "deadline_ms": r.deadline_ms,
+        "created_ms": r.created_ms,
+    }
+    if r.meta is not None:
+        data["meta"] = r.meta if isinstance(r.meta, dict) else dict(r.meta)
+    return data
+
+
+def _abort_dict(r: SagaAbort) -> dict[str, Any]:
+    return {
+        "v": WIRE_VERSION,
+        "type": r.TYPE,
+        "tx_id": r.tx_id,
+        "reason": r.reason,
+        "at_ms": r.at_ms,
+    }
+
+
+def _step_dict(r: StepEvent) -> dict[str, Any]:
+    data: dict[str, Any] = {
+        "v": WIRE_VERSION,
+        "type": r.TYPE,
+        "tx_id": r.tx_id,
+        "step": r.step,
+        "participant": r.participant,
+        "status": str(r.status),
+        "at_ms": r.at_ms,
+    }
+    if r.reason is not None:
+        data["reason"] = r.reason
+    return data
+
+
+def _decision_dict(r: Decision) -> dict[str, Any]:
+    return {
+        "v": WIRE_VERSION,
+        "type": r.TYPE,
+        "tx_id": r.tx_id,
+        "outcome": str(r.outcome),
+        "reason": r.reason,
+        "at_ms": r.at_ms,
+    }
+
+
+def _status_dict(r: SagaStatus) -> dict[str, Any]:
+    data: dict[str, Any] = {
+        "v": WIRE_VERSION,
+        "type": r.TYPE,
+        "tx_id": r.tx_id,
+        "saga": r.saga,
+        "state": str(r.state),
+        "steps": [{"participant": s.participant, "status": str(s.status)} for s in r.steps],
+        "reason": r.reason,
+        "created_ms": r.created_ms,
+        "updated_ms": r.updated_ms,
+        "deadline_ms": r.deadline_ms,
+    }
+    if r.fingerprint is not None:
+        data["fingerprint"] = r.fingerprint
+    return data
+
+
+# Keyed by the exact class: records are final, and an exact lookup is faster
+# than a chain of isinstance checks.
+_TO_DICT: Final[dict[type, Callable[[Any], dict[str, Any]]]] = {
+    SagaRequest: _request_dict,
+    SagaAbort: _abort_dict,
+    StepEvent: _step_dict,
+    Decision: _decision_dict,
+    SagaStatus: _status_dict,
+}
+
+
+def to_dict(record: Record) -> dict[str, Any]:
+    """Return the JSON object form of ``record``, as :func:`encode` writes it.
+
+    Enums become their string values; ``meta``, a step event's ``reason`` and
+    ``fingerprint`` are left out when ``None``. Nested ``args`` and ``meta``
+    dicts are the record's own objects, not copies: do not change them.
+    The result is not validated (see :func:`encode`).
+
+    Raises:
+        TypeError: ``record`` is not one of the wire record classes.
+    """
+    try:
+        convert = _TO_DICT[type(record)]
+    except KeyError:
+        raise TypeError(f"{type(record).__name__} is not a saga wire record") from None
+    return convert(record)
+
+
+def _json_default(value: object) -> object:
+    # orjson writes dicts natively; other mappings nested in args or meta
+    # (MappingProxyType, ...) are written as objects too.
+    if isinstance(value, Mapping):
+        return dict(value)
+    raise TypeError(f"{type(value).__name__} is not a JSON value")
+
+
+def encode(record: Record) -> bytes:
+    """Encode ``record`` as the UTF-8 JSON bytes of its wire form.
+
+    The record is checked against its schema first, so what this returns is
+    accepted by :func:`decode`. Keys are sorted, so equal records give equal
+    bytes. ``args`` and ``meta`` should hold JSON values (dict, list, str, int,
+    float, bool, None); other types orjson knows (datetime, UUID, ...) are
+    written in their JSON form and come back as such.
+
+    Raises:
+        InvalidRecord: the record breaks the wire contract (e.g. 65 steps, a
+            tx_id with a space, a deadline before creation) or holds a value
+            that cannot be written as JSON.
+        TypeError: ``record`` is not one of the wire record classes.
+    """
+    data = to_dict(record)
+    type_name: str = data["type"]
+    try:
+        _VALIDATORS[type_name](data)
+    except fastjsonschema.JsonSchemaException as exc:
+        message = getattr(exc, "message", None) or str(exc)
+        raise _invalid(f"{type_name}: {message}") from None
+    if type_name == SagaRequest.TYPE:
+        _check_request(data)
+    try:
+        return orjson.dumps(data, default=_json_default, option=orjson.OPT_SORT_KEYS)
+    except orjson.JSONEncodeError as exc:
+        raise _invalid(f"{type_name}: cannot be written as JSON: {exc}") from None

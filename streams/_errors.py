@@ -1,0 +1,67 @@
+"""The one error tree of saga.
+
+Every error says whether retrying the same operation can help::
+
+    SagaError                      retryable
+    ├── ConfigurationError         no   bad settings, arguments or environment
+    ├── InvalidRecord              no   a record breaks the wire contract (goes to the DLQ)
+    ├── BusinessRejection          no   a step cannot be applied (key exists, below min, ...)
+    ├── ConflictingRequest         no   a tx_id reused with a different payload
+    ├── SagaTimeout                yes  no final state yet; the saga is still running
+    ├── TransientError             yes  broker or storage unavailable for now
+    └── FatalKafkaError            no   the Kafka client cannot go on (fenced producer, ...)
+
+Third-party errors are translated at the boundary with ``raise ... from exc``.
+"""
+
+from __future__ import annotations
+
+
+class SagaError(Exception):
+    """Base of every error saga raises on purpose."""
+
+    retryable: bool = False
+
+
+class ConfigurationError(SagaError):
+    """Settings, arguments or the environment are wrong; fix them and start again."""
+
+
+class InvalidRecord(SagaError):
+    """A record breaks the wire contract.
+
+    ``reason`` is one sentence a person can act on; consumers send the record to
+    the dead-letter topic with this reason and go on with the next one.
+    """
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class BusinessRejection(SagaError):
+    """A step cannot be applied to its storage; the saga must roll back."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class ConflictingRequest(SagaError):
+    """A transaction id was submitted again with a different payload."""
+
+
+class SagaTimeout(SagaError):
+    """The saga has no final state yet; it is still running and may finish later."""
+
+    retryable = True
+
+
+class TransientError(SagaError):
+    """A broker or storage is unavailable for now; retrying later can help."""
+
+    retryable = True
+
+
+class FatalKafkaError(SagaError):
+    """The Kafka client cannot continue (for example a fenced transactional producer)."""

@@ -1,0 +1,172 @@
+"""Wire records, version 1 (DESIGN §3): frozen, typed, one class per record type.
+
+Every record is keyed by its ``tx_id`` and carries ``"v": 1`` and a ``"type"``.
+Encoding and decoding live in one place, :mod:`streams._codec`; these classes
+only hold values.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any, ClassVar
+
+import orjson
+
+WIRE_VERSION = 1
+MAX_STEPS = 64
+TX_ID_PATTERN = r"^[A-Za-z0-9._:-]{1,128}$"
+
+
+class Mode(StrEnum):
+    """How the participants act on a request."""
+
+    PARALLEL = "parallel"
+    SEQUENTIAL = "sequential"
+
+
+class StepStatus(StrEnum):
+    """A step's progress. ``pending`` appears only in status records."""
+
+    PENDING = "pending"
+    APPLIED = "applied"
+    FAILED = "failed"
+    COMMITTED = "committed"
+    COMPENSATED = "compensated"
+    COMPENSATION_FAILED = "compensation_failed"
+
+
+class Outcome(StrEnum):
+    """The coordinator's decision for a transaction."""
+
+    COMMIT = "commit"
+    ROLLBACK = "rollback"
+
+
+class SagaState(StrEnum):
+    """A transaction's state as published on the status topic."""
+
+    PENDING = "pending"
+    COMMITTING = "committing"
+    COMMITTED = "committed"
+    ROLLING_BACK = "rolling_back"
+    ROLLED_BACK = "rolled_back"
+    FAILED = "failed"
+
+    @property
+    def final(self) -> bool:
+        return self in (SagaState.COMMITTED, SagaState.ROLLED_BACK, SagaState.FAILED)
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """One step of a saga: which participant does which action with which arguments."""
+
+    participant: str
+    action: str
+    args: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class SagaRequest:
+    """``saga.request`` on the requests topic: the transaction a client asks for."""
+
+    TYPE: ClassVar[str] = "saga.request"
+
+    tx_id: str
+    saga: str
+    mode: Mode
+    steps: tuple[Step, ...]
+    deadline_ms: int
+    created_ms: int
+    meta: Mapping[str, Any] | None = None
+
+    def fingerprint(self) -> str:
+        """A digest of what the transaction does (not when it was sent, nor its ``meta``).
+
+        Two submissions of one ``tx_id`` are the same request exactly when their
+        fingerprints match. ``meta`` is left out: it carries per-send data such
+        as trace ids, which must not make an honest resubmission a conflict.
+        """
+        payload = {
+            "saga": self.saga,
+            "mode": str(self.mode),
+            "steps": [
+                {"participant": s.participant, "action": s.action, "args": dict(s.args)}
+                for s in self.steps
+            ],
+        }
+        return hashlib.sha256(orjson.dumps(payload, option=orjson.OPT_SORT_KEYS)).hexdigest()[:32]
+
+
+@dataclass(frozen=True, slots=True)
+class SagaAbort:
+    """``saga.abort`` on the requests topic: an operator asks for a rollback.
+
+    Honoured only while the transaction has no decision yet.
+    """
+
+    TYPE: ClassVar[str] = "saga.abort"
+
+    tx_id: str
+    reason: str
+    at_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class StepEvent:
+    """``saga.step`` on the events topic: what a participant did with one step."""
+
+    TYPE: ClassVar[str] = "saga.step"
+
+    tx_id: str
+    step: int
+    participant: str
+    status: StepStatus
+    at_ms: int
+    reason: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """``saga.decision`` on the decisions topic: commit or roll back, once per transaction."""
+
+    TYPE: ClassVar[str] = "saga.decision"
+
+    tx_id: str
+    outcome: Outcome
+    reason: str
+    at_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class StepProgress:
+    """One entry of a status record's ``steps`` list."""
+
+    participant: str
+    status: StepStatus
+
+
+@dataclass(frozen=True, slots=True)
+class SagaStatus:
+    """``saga.status`` on the compacted status topic: the latest state of a transaction."""
+
+    TYPE: ClassVar[str] = "saga.status"
+
+    tx_id: str
+    saga: str
+    state: SagaState
+    steps: tuple[StepProgress, ...]
+    reason: str | None
+    created_ms: int
+    updated_ms: int
+    deadline_ms: int
+    fingerprint: str | None = None
+
+
+Record = SagaRequest | SagaAbort | StepEvent | Decision | SagaStatus
+RECORD_TYPES: dict[str, type[Record]] = {
+    cls.TYPE: cls for cls in (SagaRequest, SagaAbort, StepEvent, Decision, SagaStatus)
+}
