@@ -130,7 +130,7 @@ class StatusView:
 
     def _check_caught_up(self) -> None:
         positions = self._consumer.position([(self._topic, p) for p in self._ends])
-        if all(pos >= self._ends[p] for (_, p), pos in positions.items()):
+        if all(pos is not None and pos >= self._ends[p] for (_, p), pos in positions.items()):
             self._caught_up.set()
 
     def wait_caught_up(self, timeout: float) -> bool:

@@ -42,6 +42,8 @@ from streams import (
 UNKNOWN_PARTICIPANT = "?"
 """Participant name of a step known only from an early event's index."""
 
+_OPERATOR_MUST_ACT = "; compensation of step(s) {} failed: an operator must act"
+
 # How far a step has come; a report never moves a step backwards.
 _RANK = {
     StepStatus.PENDING: 0,
@@ -251,10 +253,11 @@ def _on_request(saga: Saga | None, inp: RequestReceived) -> Saga:
     fresh = _new_from_request(request, inp.at_ms)
     if saga is None:
         return fresh
-    # Complete a placeholder: keep what early events and an early decision said.
+    # Complete a placeholder: keep what early events and an early decision said,
+    # but only events from the participant the request names for that step.
     steps = list(fresh.steps)
-    for index, status in enumerate(saga.steps):
-        if index < len(steps):
+    for index, (status, who) in enumerate(zip(saga.steps, saga.participants, strict=True)):
+        if index < len(steps) and who == fresh.participants[index]:
             steps[index] = status
     return replace(
         fresh,
@@ -346,7 +349,11 @@ def _settle(saga: Saga, at_ms: int) -> Saga:
         state = SagaState.ROLLING_BACK
     if state is SagaState.FAILED and saga.state is not SagaState.FAILED:
         failed = [i for i, s in enumerate(saga.steps) if s is StepStatus.COMPENSATION_FAILED]
-        reason = f"{saga.reason}; compensation of step(s) {failed} failed: an operator must act"
+        reason = f"{saga.reason}{_OPERATOR_MUST_ACT.format(failed)}"
+        return replace(saga, state=state, reason=reason, updated_ms=at_ms)
+    if state is SagaState.ROLLED_BACK and saga.state is SagaState.FAILED and saga.reason:
+        # A retried compensation succeeded: the operator note no longer holds.
+        reason = saga.reason.split(_OPERATOR_MUST_ACT.split("{")[0])[0]
         return replace(saga, state=state, reason=reason, updated_ms=at_ms)
     if state is not saga.state:
         return replace(saga, state=state, updated_ms=at_ms)

@@ -44,6 +44,7 @@ from streams import (
     decode_as,
     encode,
 )
+from streams import _faults as faults
 from streams._kafka import (
     Consumer,
     KafkaSettings,
@@ -144,6 +145,8 @@ class CoordinatorService:
                 messages = self._consumer.poll_batch(self.batch_size, self.poll_timeout_s)
                 now = self.clock()
                 if messages or self._deadline_due(now):
+                    if messages:
+                        faults.hit("coordinator.after_read")
                     self._process(messages, now)
         finally:
             self._consumer.close()
@@ -197,7 +200,7 @@ class CoordinatorService:
                         todo.discard(m.partition)
                 # Transaction markers occupy offsets too: the position tells when we are done.
                 for (_, p), pos in reader.position([(self.topics.status, p) for p in todo]).items():
-                    if pos >= ends[p]:
+                    if pos is not None and pos >= ends[p]:
                         todo.discard(p)
         finally:
             reader.close()
@@ -206,7 +209,9 @@ class CoordinatorService:
     # ------------------------------------------------------------ processing
 
     def _deadline_due(self, now: int) -> bool:
-        return any(part.deadlines and part.deadlines[0][0] <= now for part in self._partitions.values())
+        return any(
+            part.deadlines and part.deadlines[0][0] <= now for part in self._partitions.values()
+        )
 
     def _process(self, messages: list[Message], now: int) -> None:
         changed: dict[str, tuple[int, Saga]] = {}
@@ -226,8 +231,10 @@ class CoordinatorService:
             if after is None:
                 return
             changed[tx_id] = (partition, after)
-            if not after.decided and after.request_seen and (
-                before is None or not before.request_seen
+            if (
+                not after.decided
+                and after.request_seen
+                and (before is None or not before.request_seen)
             ):
                 new_deadlines.append((partition, after.deadline_ms, tx_id))
             for out in outs:
@@ -256,13 +263,11 @@ class CoordinatorService:
 
         self._commit_batch(messages, changed, outputs, rejected)
         for p, deadline, tx_id in new_deadlines:
-            part = self._partitions.get(p)
-            if part is not None:
-                heapq.heappush(part.deadlines, (deadline, tx_id))
+            if (owner := self._partitions.get(p)) is not None:
+                heapq.heappush(owner.deadlines, (deadline, tx_id))
         for tx_id, (p, saga) in changed.items():
-            part = self._partitions.get(p)
-            if part is not None:
-                part.sagas[tx_id] = saga
+            if (owner := self._partitions.get(p)) is not None:
+                owner.sagas[tx_id] = saga
 
     def _to_input(self, m: Message, now: int, rejected: list[tuple[Message, str]]) -> Input | None:
         try:
@@ -315,6 +320,8 @@ class CoordinatorService:
                 send_to_dlq(self._producer, self.topics, m, reason, component="coordinator")
             if offsets:
                 self._producer.send_offsets(self._consumer, offsets)
+            if decisions:
+                faults.hit("coordinator.before_commit")
             self._producer.commit()
         except TransactionAborted as exc:
             log.warning("transaction aborted, re-processing the batch: %s", exc)

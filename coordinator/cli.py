@@ -63,6 +63,9 @@ def main(verbose: int) -> None:
     `saga participant run` per storage, and submit sagas with `saga submit` or
     the client library.
     """
+    from streams import _faults
+
+    _faults.configure(os.environ.get("SAGA_FAULTS"))
     level = logging.WARNING - 10 * min(verbose, 2)
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
@@ -77,18 +80,28 @@ def topics() -> None:
 
 @topics.command("create")
 @kafka_options
-@click.option("--partitions", type=click.IntRange(1, 1024), default=8, show_default=True,
-              help="Partitions per topic: the unit of parallelism.")
+@click.option(
+    "--partitions",
+    type=click.IntRange(1, 1024),
+    default=8,
+    show_default=True,
+    help="Partitions per topic: the unit of parallelism.",
+)
 @click.option("--replication-factor", type=click.IntRange(1, 16), default=1, show_default=True)
 def topics_create(
-    bootstrap: str | None, prefix: str | None, kafka_config: str | None,
-    partitions: int, replication_factor: int,
+    bootstrap: str | None,
+    prefix: str | None,
+    kafka_config: str | None,
+    partitions: int,
+    replication_factor: int,
 ) -> None:
     """Create requests, events, decisions, status (compacted) and dlq with one partition count."""
     settings = settings_from(bootstrap, prefix, kafka_config)
     created = create_topics(settings, partitions, replication_factor)
     for name in settings.topics.all:
-        click.echo(f"{name}: {'created' if name in created else 'exists'} ({partitions} partitions)")
+        click.echo(
+            f"{name}: {'created' if name in created else 'exists'} ({partitions} partitions)"
+        )
 
 
 # ---------------------------------------------------------------- coordinator
@@ -101,16 +114,21 @@ def coordinator() -> None:
 
 @coordinator.command("run")
 @kafka_options
-@click.option("--instance-id", default="0", show_default=True,
-              help="Stable and unique per coordinator process; names its transactional producer.")
+@click.option(
+    "--instance-id",
+    default="0",
+    show_default=True,
+    help="Stable and unique per coordinator process; names its transactional producer.",
+)
 def coordinator_run(
     bootstrap: str | None, prefix: str | None, kafka_config: str | None, instance_id: str
 ) -> None:
     """Consume requests and step events, decide commit or rollback, publish status."""
     from coordinator._service import CoordinatorService
 
-    service = CoordinatorService(settings_from(bootstrap, prefix, kafka_config),
-                                 instance_id=instance_id)
+    service = CoordinatorService(
+        settings_from(bootstrap, prefix, kafka_config), instance_id=instance_id
+    )
     service.install_signal_handlers()
     service.run()
 
@@ -128,20 +146,31 @@ def participant() -> None:
 @click.option("--name", required=True, help="Participant name, as steps name it.")
 @click.option("--storage", type=click.Choice(["sql", "mongo", "redis"]), required=True)
 @click.option("--url", required=True, help="Storage URL (postgresql://..., sqlite:///..., ...).")
-@click.option("--targets", required=True,
-              help="Comma-separated allow-list of tables / collections / key prefixes.")
+@click.option(
+    "--targets",
+    required=True,
+    help="Comma-separated allow-list of tables / collections / key prefixes.",
+)
 @click.option("--handlers", default=None, help="Dotted path of a module with custom HANDLERS.")
 @click.option("--schema", "db_schema", default=None, help="SQL schema of the tables and ledger.")
 def participant_run(
-    bootstrap: str | None, prefix: str | None, kafka_config: str | None,
-    name: str, storage: str, url: str, targets: str, handlers: str | None, db_schema: str | None,
+    bootstrap: str | None,
+    prefix: str | None,
+    kafka_config: str | None,
+    name: str,
+    storage: str,
+    url: str,
+    targets: str,
+    handlers: str | None,
+    db_schema: str | None,
 ) -> None:
     """Apply this participant's steps, confirm on commit, compensate on rollback."""
     from participants import ParticipantRuntime, open_storage
 
     target_list = [t.strip() for t in targets.split(",") if t.strip()]
-    store = open_storage(storage, name=name, url=url, targets=target_list,
-                         handlers=handlers, schema=db_schema)
+    store = open_storage(
+        storage, name=name, url=url, targets=target_list, handlers=handlers, schema=db_schema
+    )
     runtime = ParticipantRuntime(name, store, settings_from(bootstrap, prefix, kafka_config))
     runtime.install_signal_handlers()
     runtime.run()
@@ -161,8 +190,8 @@ def _read_submission(source: str) -> dict[str, Any]:
         raise InvalidRecord(f"{source} is not valid JSON: {exc.msg} at line {exc.lineno}") from exc
     if not isinstance(data, dict) or not isinstance(data.get("steps"), list):
         raise InvalidRecord(
-            f"{source} must hold an object with a 'steps' list "
-            '(e.g. {"saga": "transfer", "steps": [{"participant": ..., "action": ..., "args": {...}}]})'
+            f"{source} must hold an object with a 'steps' list of "
+            '{"participant": ..., "action": ..., "args": {...}} objects'
         )
     return data
 
@@ -171,11 +200,19 @@ def _read_submission(source: str) -> dict[str, Any]:
 @kafka_options
 @click.argument("source", default="-")
 @click.option("--wait/--no-wait", default=False, help="Wait for the final status and print it.")
-@click.option("--timeout", type=float, default=None,
-              help="Seconds until the saga's deadline (overrides the file's timeout_s; default 30).")
+@click.option(
+    "--timeout",
+    type=float,
+    default=None,
+    help="Seconds until the saga's deadline (overrides the file's timeout_s; default 30).",
+)
 def submit(
-    bootstrap: str | None, prefix: str | None, kafka_config: str | None,
-    source: str, wait: bool, timeout: float | None,
+    bootstrap: str | None,
+    prefix: str | None,
+    kafka_config: str | None,
+    source: str,
+    wait: bool,
+    timeout: float | None,
 ) -> None:
     """Submit a saga from a JSON file (or - for stdin); prints its tx_id.
 
@@ -186,11 +223,16 @@ def submit(
 
     data = _read_submission(source)
     deadline_s = timeout if timeout is not None else float(data.get("timeout_s", 30))
-    with SagaClient(settings_from(bootstrap, prefix, kafka_config),
-                    status_from_beginning=False) as client:
+    with SagaClient(
+        settings_from(bootstrap, prefix, kafka_config), status_from_beginning=False
+    ) as client:
         tx_id = client.submit(
-            data["steps"], saga=str(data.get("saga", "saga")), mode=data.get("mode", "parallel"),
-            timeout=deadline_s, tx_id=data.get("tx_id"), meta=data.get("meta"),
+            data["steps"],
+            saga=str(data.get("saga", "saga")),
+            mode=data.get("mode", "parallel"),
+            timeout=deadline_s,
+            tx_id=data.get("tx_id"),
+            meta=data.get("meta"),
         )
         click.echo(tx_id)
         if wait:
@@ -223,8 +265,11 @@ def status(bootstrap: str | None, prefix: str | None, kafka_config: str | None, 
 @click.option("--interval", type=float, default=1.0, show_default=True, help="Seconds per refresh.")
 @click.option("--once", is_flag=True, help="Print one snapshot and exit (for scripts).")
 def watch(
-    bootstrap: str | None, prefix: str | None, kafka_config: str | None,
-    interval: float, once: bool,
+    bootstrap: str | None,
+    prefix: str | None,
+    kafka_config: str | None,
+    interval: float,
+    once: bool,
 ) -> None:
     """A live view of the status topic: counts per state and the latest transactions."""
     from rich.console import Group
@@ -239,10 +284,28 @@ def watch(
         snap = view.snapshot()
         counts = Counter(s.state.value for s in snap.values())
         summary = Table(title=f"saga status ({len(snap)} transactions)")
-        for state in ("pending", "committing", "committed", "rolling_back", "rolled_back", "failed"):
+        for state in (
+            "pending",
+            "committing",
+            "committed",
+            "rolling_back",
+            "rolled_back",
+            "failed",
+        ):
             summary.add_column(state, justify="right")
-        summary.add_row(*(str(counts.get(s, 0)) for s in (
-            "pending", "committing", "committed", "rolling_back", "rolled_back", "failed")))
+        summary.add_row(
+            *(
+                str(counts.get(s, 0))
+                for s in (
+                    "pending",
+                    "committing",
+                    "committed",
+                    "rolling_back",
+                    "rolled_back",
+                    "failed",
+                )
+            )
+        )
         latest = Table(title="latest")
         for col in ("tx_id", "saga", "state", "steps", "reason"):
             latest.add_column(col)

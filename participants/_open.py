@@ -32,6 +32,4 @@ def open_storage(
         from participants._sql import SqlStorage
 
         return SqlStorage(name, url, targets, schema=schema, handlers=custom)
-    raise ConfigurationError(
-        f"storage kind {kind!r} is not available in this version; use sql"
-    )
+    raise ConfigurationError(f"storage kind {kind!r} is not available in this version; use sql")

@@ -55,6 +55,7 @@ from streams import (
     decode_as,
     encode,
 )
+from streams import _faults as faults
 from streams._kafka import Consumer, KafkaSettings, Message, Producer
 
 log = logging.getLogger("saga.participant")
@@ -158,6 +159,7 @@ class ParticipantRuntime:
         now = self.clock()
         items = unique(self._work_items(messages, now))
         reports = self._execute(items) if items else []
+        faults.hit("participant.after_local_commit")
         for r in reports:
             event = StepEvent(
                 tx_id=r.tx_id,
@@ -176,6 +178,7 @@ class ParticipantRuntime:
                 self._event_offsets.setdefault(m.partition, deque()).append((m.offset, now))
             else:
                 offsets[(m.topic, m.partition)] = m.offset + 1
+        faults.hit("participant.after_events")
         self._commit(offsets)
         self.stats.batches += 1
         self.stats.records += len(messages)
@@ -231,7 +234,9 @@ class ParticipantRuntime:
             except InvalidRecord as exc:
                 # The coordinator moves it to the DLQ; here it only must not block.
                 self.stats.skipped_invalid += 1
-                log.debug("skipping invalid record at %s/%d@%d: %s", m.topic, m.partition, m.offset, exc)
+                log.debug(
+                    "skipping invalid record at %s/%d@%d: %s", m.topic, m.partition, m.offset, exc
+                )
                 continue
             if isinstance(record, SagaRequest):
                 items.extend(self._requested(record, now))
@@ -272,9 +277,12 @@ class ParticipantRuntime:
             self._applied_seen[(event.tx_id, event.step)] = now
             if event.tx_id in self._sequential:
                 return [PredecessorApplied(event.tx_id, event.step + 1, now)]
-        elif event.status is StepStatus.COMPENSATED and event.step > 0:
-            if event.tx_id in self._sequential:
-                return [SuccessorCompensated(event.tx_id, event.step - 1, now)]
+        elif (
+            event.status is StepStatus.COMPENSATED
+            and event.step > 0
+            and event.tx_id in self._sequential
+        ):
+            return [SuccessorCompensated(event.tx_id, event.step - 1, now)]
         return []
 
     def _forget_old(self, now: int) -> None:

@@ -146,12 +146,11 @@ def run_item(unit: Unit, actions: Actions, item: WorkItem) -> list[Report]:
                 unit.mark_tx_rolled_back(item.tx_id, item.now_ms)
             return []
         reports: list[Report] = []
-        for entry in entries:
-            signal = Decided(item.tx_id, entry.step, item.outcome, item.now_ms)
-            reports.extend(_run_signal(unit, actions, entry, signal))
+        for known in entries:
+            signal = Decided(item.tx_id, known.step, item.outcome, item.now_ms)
+            reports.extend(_run_signal(unit, actions, known, signal))
         return reports
-    entry = unit.entry(item.tx_id, item.step)
-    return _run_signal(unit, actions, entry, item)
+    return _run_signal(unit, actions, unit.entry(item.tx_id, item.step), item)
 
 
 def _run_signal(
@@ -163,10 +162,10 @@ def _run_signal(
     p = plan(entry, rolled_back, signal)
     target = p.entry
     if target is not None and target.action is not None:
-        args = target.args or {}
+        action, args = target.action, target.args or {}
         if p.effect is Effect.APPLY:
             try:
-                before = actions.apply(unit.native, target.action, args)
+                before = actions.apply(unit.native, action, args)
             except BusinessRejection as exc:
                 unit.rollback_effect()
                 failed = replace(
@@ -177,7 +176,7 @@ def _run_signal(
             target = replace(target, before=before)
         elif p.effect is Effect.COMPENSATE:
             try:
-                actions.compensate(unit.native, target.action, args, target.before)
+                actions.compensate(unit.native, action, args, target.before)
             except BusinessRejection as exc:
                 unit.rollback_effect()
                 stuck = replace(
@@ -195,7 +194,7 @@ def _run_signal(
                     )
                 ]
         elif p.effect is Effect.CONFIRM:
-            actions.confirm(unit.native, target.action, args)
+            actions.confirm(unit.native, action, args)
     if target is not None:
         unit.write(target)
     if p.emit is None:

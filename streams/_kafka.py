@@ -41,6 +41,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -73,6 +74,7 @@ __all__ = [
     "create_topics",
     "delete_topics",
     "describe_partitions",
+    "partition_for",
     "send_to_dlq",
     "topic_config",
     "wait_for_broker",
@@ -266,7 +268,12 @@ def _read_config_file(path: str) -> dict[str, str]:
 
 def _client_config(settings: KafkaSettings, **fixed: Any) -> dict[str, Any]:
     """The librdkafka configuration: address, the user's extras, then saga's fixed values."""
-    config: dict[str, Any] = {"bootstrap.servers": settings.bootstrap, "logger": _librdkafka_log}
+    config: dict[str, Any] = {
+        "bootstrap.servers": settings.bootstrap,
+        "logger": _librdkafka_log,
+        # Brokers close idle connections routinely; that is not worth a log line.
+        "log.connection.close": False,
+    }
     config.update(settings.extra)
     config.update({key.replace("_", "."): value for key, value in fixed.items()})
     return config
@@ -378,8 +385,8 @@ def _translate(
         return FatalKafkaError(f"{doing} failed with a fatal Kafka error: {err.str()}; exiting")
     if err.txn_requires_abort():
         return TransactionAborted(
-            f"the Kafka transaction failed while {doing}: {err.str()}; "
-            "abort it and re-process from the last committed offsets"
+            f"{doing} failed: {err.str()}; the transaction must be aborted and the "
+            "records re-processed from the last committed offsets"
         )
     if code in _UNKNOWN_TOPIC_CODES and topic is not None:
         return ConfigurationError(
@@ -419,6 +426,8 @@ class _ProducerBase:
         self._transactional_id = transactional_id
         self._collect_failures = collect_failures
         self._failures: list[SagaError] = []
+        # The first delivery failure of the current transaction (transactional only).
+        self._txn_failure: SagaError | None = None
         self._delivered = 0
         self._fatal: ck.KafkaError | None = None
         self._closed = False
@@ -431,11 +440,9 @@ class _ProducerBase:
     def _on_client_error(self, err: ck.KafkaError) -> None:
         if err.fatal():
             self._fatal = err
-            _log.error("Kafka producer: fatal error: %s", err.str())
-        else:
-            _log.warning("Kafka producer: %s", err.str())
+        _log_client_error(err)
 
-    def _raise_translated(self, exc: ck.KafkaException, doing: str, topic: str | None) -> SagaError:
+    def _translated(self, exc: ck.KafkaException, doing: str, topic: str | None) -> SagaError:
         err = _error_of(exc)
         if err is not None and (err.fatal() or err.code() in _FENCED_CODES):
             self._fatal = err
@@ -443,9 +450,13 @@ class _ProducerBase:
             # After a fatal error librdkafka answers every call with a bare _FATAL;
             # the error that caused it is the useful one.
             err = self._fatal
-        return _translate(
+        error = _translate(
             err, doing, text=str(exc), topic=topic, transactional_id=self._transactional_id
         )
+        if isinstance(error, TransactionAborted) and self._txn_failure is not None:
+            # "n message(s) failed delivery" alone does not say why; the record's error does.
+            error = TransactionAborted(f"{error} (first failed record: {self._txn_failure})")
+        return error
 
     def _delivery_handler(
         self, on_delivery: DeliveryCallback | None
@@ -467,6 +478,8 @@ class _ProducerBase:
                 on_delivery(error, message)
             elif error is not None and self._collect_failures:
                 self._failures.append(error)
+            if error is not None and self._txn_failure is None and not self._collect_failures:
+                self._txn_failure = error
 
         return handle
 
@@ -490,11 +503,14 @@ class _ProducerBase:
         raised by the next :meth:`flush` (plain :class:`Producer`) or surface as
         :class:`TransactionAborted` from ``commit`` (transactional producer).
 
+        A record to a topic that does not exist is queued like any other and
+        fails with a time-out after ``message.timeout.ms`` (topic
+        auto-creation is off): create the topics first.
+
         Raises:
             TransientError: the queue stayed full (the broker is not keeping up
                 or is unreachable).
             FatalKafkaError: the producer is fenced or in a fatal state.
-            ConfigurationError: the topic does not exist.
         """
         handler = self._delivery_handler(on_delivery)
         header_list: list[tuple[str, str | bytes | None]] | None = (
@@ -515,7 +531,7 @@ class _ProducerBase:
                     ) from None
                 self._client.poll(0.1)
             except ck.KafkaException as exc:
-                raise self._raise_translated(exc, f"producing to {topic}", topic) from exc
+                raise self._translated(exc, f"producing to {topic}", topic) from exc
         # Serve delivery reports (and logs) of earlier records without blocking.
         self._client.poll(0)
 
@@ -531,13 +547,15 @@ class _ProducerBase:
                 seconds, or some failed to deliver (collected failures, without
                 an ``on_delivery`` callback; the most severe one is raised, with
                 the count).
-            FatalKafkaError: the producer is fenced or in a fatal state.
-            ConfigurationError: a record went to a topic that does not exist.
+            FatalKafkaError: the producer is fenced or in a fatal state (also
+                when a collected delivery failure was fatal).
+            ConfigurationError: a collected delivery failure was refused
+                authorisation.
         """
         try:
             remaining = self._client.flush(timeout)
         except ck.KafkaException as exc:
-            raise self._raise_translated(exc, "flushing the producer", None) from exc
+            raise self._translated(exc, "flushing the producer", None) from exc
         if remaining:
             raise TransientError(
                 f"{remaining} record(s) still undelivered after {timeout:g}s: "
@@ -559,17 +577,24 @@ class _ProducerBase:
         if self._closed:
             return
         self._closed = True
-        try:
-            remaining = self._client.flush(timeout)
-            if remaining:
-                _log.warning("closing the producer drops %d undelivered record(s)", remaining)
-                self._client.purge()
-        except ck.KafkaException as exc:
-            _log.warning("closing the producer: %s", exc)
-        try:
-            self._client.close()
-        except (ck.KafkaException, RuntimeError) as exc:
-            _log.warning("closing the producer: %s", exc)
+        if self._fatal is None:
+            try:
+                remaining = self._client.flush(timeout)
+                if remaining:
+                    _log.warning("closing the producer drops %d undelivered record(s)", remaining)
+                    self._client.purge()
+            except ck.KafkaException as exc:
+                _log.warning("closing the producer: %s", exc)
+        # confluent-kafka reports a failed abort of the open transaction (always
+        # the case for a fenced producer) as a RuntimeWarning; it is expected here.
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                self._client.close()
+            except (ck.KafkaException, RuntimeError) as exc:
+                _log.warning("closing the producer: %s", exc)
+        for warning in caught:
+            _log.info("closing the producer: %s", warning.message)
 
     def __enter__(self) -> Self:
         return self
@@ -662,14 +687,18 @@ class TransactionalProducer(_ProducerBase):
 
     @property
     def transactional_id(self) -> str:
+        """The id that identifies this producer across restarts (and fences older instances)."""
         assert self._transactional_id is not None
         return self._transactional_id
 
-    def _call(self, doing: str, operation: Callable[[], _T]) -> _T:
+    def _call(self, doing: str, operation: Callable[[float], _T], timeout: float) -> _T:
+        """Run ``operation(remaining seconds)``, retrying retriable errors within ``timeout``."""
+        deadline = time.monotonic() + timeout
         attempt = 1
         while True:
+            remaining = max(deadline - time.monotonic(), 0.1)
             try:
-                return operation()
+                return operation(remaining)
             except ck.KafkaException as exc:
                 err = _error_of(exc)
                 retry = (
@@ -680,14 +709,15 @@ class TransactionalProducer(_ProducerBase):
                     and err.code() not in _FENCED_CODES
                 )
                 if not retry:
-                    raise self._raise_translated(exc, doing, None) from exc
-                if attempt >= _TXN_ATTEMPTS:
+                    raise self._translated(exc, doing, None) from exc
+                if attempt >= _TXN_ATTEMPTS or time.monotonic() >= deadline:
                     raise TransientError(
-                        f"{doing} did not succeed after {attempt} attempts: {exc}; "
+                        f"{doing} did not succeed within {timeout:g}s ({attempt} attempts): "
+                        f"{err.str() if err else exc}; "
                         f"is Kafka at {self._settings.bootstrap} reachable?"
                     ) from exc
                 _log.info("%s: %s; retrying (attempt %d)", doing, exc, attempt)
-                time.sleep(min(0.1 * 2 ** (attempt - 1), 1.0))
+                time.sleep(min(0.1 * 2 ** (attempt - 1), 1.0, max(deadline - time.monotonic(), 0)))
                 attempt += 1
 
     def init(self, timeout: float = 30.0) -> None:
@@ -695,13 +725,12 @@ class TransactionalProducer(_ProducerBase):
 
         Call once, before anything else.
         """
-        self._call(
-            "initialising Kafka transactions", lambda: self._client.init_transactions(timeout)
-        )
+        self._call("initialising Kafka transactions", self._client.init_transactions, timeout)
 
     def begin(self) -> None:
         """Start a transaction; every record produced until commit/abort belongs to it."""
-        self._call("beginning a Kafka transaction", self._client.begin_transaction)
+        self._txn_failure = None
+        self._call("beginning a Kafka transaction", lambda _: self._client.begin_transaction(), 5.0)
 
     def send_offsets(
         self,
@@ -714,10 +743,10 @@ class TransactionalProducer(_ProducerBase):
         Each offset is the **next offset to read**: the offset of the last
         record processed on that partition + 1 (:attr:`Message.next_offset`),
         not the offset of the last record. The offsets are committed if and
-        only if the transaction commits. Uses the consumer's current group
-        metadata, so a consumer that lost its partitions in a rebalance cannot
-        commit them (the transaction then fails with :class:`TransactionAborted`).
-        An empty mapping does nothing.
+        only if the transaction commits. The consumer's current group metadata
+        goes with them, so the broker refuses offsets from a consumer that lost
+        those partitions in a rebalance (a zombie); the transaction must then be
+        aborted. An empty mapping does nothing.
 
         Raises:
             ValueError: a negative offset (librdkafka would ignore it silently).
@@ -731,23 +760,25 @@ class TransactionalProducer(_ProducerBase):
         try:
             metadata = consumer._client.consumer_group_metadata()
         except ck.KafkaException as exc:
-            raise self._raise_translated(exc, "reading the consumer group metadata", None) from exc
+            raise self._translated(exc, "reading the consumer group metadata", None) from exc
         self._call(
             "sending offsets to the Kafka transaction",
-            lambda: self._client.send_offsets_to_transaction(positions, metadata, timeout),
+            lambda left: self._client.send_offsets_to_transaction(positions, metadata, left),
+            timeout,
         )
 
     def commit(self, timeout: float = 30.0) -> None:
         """Deliver the transaction's records and commit it (records and offsets at once)."""
-        self._call(
-            "committing the Kafka transaction", lambda: self._client.commit_transaction(timeout)
-        )
+        self._call("committing the Kafka transaction", self._client.commit_transaction, timeout)
 
     def abort(self, timeout: float = 30.0) -> None:
-        """Abort the transaction: its records stay invisible to ``read_committed`` readers."""
-        self._call(
-            "aborting the Kafka transaction", lambda: self._client.abort_transaction(timeout)
-        )
+        """Abort the transaction: its records stay invisible to ``read_committed`` readers.
+
+        Records still queued locally are dropped without being sent; those
+        already on the broker are marked aborted. Offsets sent with
+        :meth:`send_offsets` are not committed. Call :meth:`begin` next.
+        """
+        self._call("aborting the Kafka transaction", self._client.abort_transaction, timeout)
 
 
 # --------------------------------------------------------------------------- consumer
@@ -815,35 +846,41 @@ class Consumer:
             raise ConfigurationError("a consumer without a group_id cannot subscribe: use assign()")
 
         def relay(
-            callback: RebalanceCallback | None,
-        ) -> Callable[[ck.Consumer, list[ck.TopicPartition]], None] | None:
-            if callback is None:
-                return None
-
+            callback: RebalanceCallback,
+        ) -> Callable[[ck.Consumer, list[ck.TopicPartition]], None]:
             def handler(_client: ck.Consumer, partitions: list[ck.TopicPartition]) -> None:
                 callback([(tp.topic, tp.partition) for tp in partitions])
 
             return handler
 
-        self._guard(
-            "subscribing",
-            lambda: self._client.subscribe(
-                list(topics),
-                on_assign=relay(self._on_assign),
-                on_revoke=relay(self._on_revoke),
-                on_lost=relay(self._on_lost),
-            ),
-        )
+        # confluent-kafka rejects None for these; pass only those given. After each
+        # callback returns, the client performs the (incremental) assignment itself.
+        callbacks: dict[str, Callable[[ck.Consumer, list[ck.TopicPartition]], None]] = {
+            name: relay(callback)
+            for name, callback in (
+                ("on_assign", self._on_assign),
+                ("on_revoke", self._on_revoke),
+                ("on_lost", self._on_lost),
+            )
+            if callback is not None
+        }
+        self._guard("subscribing", lambda: self._client.subscribe(list(topics), **callbacks))
 
-    def assign(self, partitions_with_offsets: Mapping[Partition, int]) -> None:
+    def assign(
+        self,
+        partitions_with_offsets: Mapping[Partition, int] | Iterable[tuple[str, int, int]],
+    ) -> None:
         """Read exactly these partitions, without a group, from the given offsets.
 
+        Takes ``{(topic, partition): offset}`` or ``[(topic, partition, offset), ...]``.
         Each offset is the next offset to read, or :data:`OFFSET_BEGINNING` /
         :data:`OFFSET_END`. Replaces any previous assignment.
         """
-        self._guard(
-            "assigning partitions", lambda: self._client.assign(_tps_at(partitions_with_offsets))
-        )
+        if isinstance(partitions_with_offsets, Mapping):
+            starts = _tps_at(partitions_with_offsets)
+        else:
+            starts = [ck.TopicPartition(t, p, o) for t, p, o in partitions_with_offsets]
+        self._guard("assigning partitions", lambda: self._client.assign(starts))
 
     # -- reading
 
@@ -958,6 +995,23 @@ class Consumer:
         """Fetch paused partitions again, from where they stopped."""
         self._guard("resuming partitions", lambda: self._client.resume(_tps(partitions)))
 
+    def pause_all(self) -> list[Partition]:
+        """Pause every partition assigned now; returns them.
+
+        Partitions assigned later (by a rebalance) are not paused: keep
+        polling to stay in the group and hold back what they deliver.
+        """
+        assigned = self.assignment()
+        if assigned:
+            self.pause(assigned)
+        return assigned
+
+    def resume_all(self) -> None:
+        """Resume every partition assigned now (resuming one not paused is harmless)."""
+        assigned = self.assignment()
+        if assigned:
+            self.resume(assigned)
+
     def assignment(self) -> list[Partition]:
         """The partitions currently assigned to this consumer."""
         result = self._guard("reading the assignment", self._client.assignment)
@@ -1019,10 +1073,12 @@ class Consumer:
 
 
 def _log_client_error(err: ck.KafkaError) -> None:
+    # librdkafka logs these errors itself (through saga.kafka.librdkafka) at the
+    # level it finds right; repeating them louder here would double the noise.
     if err.fatal():
         _log.error("Kafka client: fatal error: %s", err.str())
     else:
-        _log.warning("Kafka client: %s", err.str())
+        _log.debug("Kafka client: %s", err.str())
 
 
 def _partition_count(metadata: Any, topic: str) -> int:
@@ -1294,6 +1350,17 @@ def wait_for_broker(settings: KafkaSettings, timeout: float = 30.0) -> None:
                 ) from exc
             last = err.str() if err is not None else str(exc)
             time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+
+
+def partition_for(key: str | bytes, partitions: int) -> int:
+    """The partition a record with ``key`` goes to among ``partitions`` (Java-compatible murmur2).
+
+    The same number for every saga topic (they share the partition count), for
+    the producers of this module and for JVM clients with the default partitioner.
+    """
+    if partitions < 1:
+        raise ValueError(f"a topic has at least one partition, not {partitions}")
+    return ck.murmur2(key.encode() if isinstance(key, str) else key, partitions)
 
 
 # --------------------------------------------------------------------------- dead letters

@@ -102,7 +102,7 @@ def select_mode(environ: Mapping[str, str] = os.environ) -> str:
 def run_services_sh(
     *args: str, env: Mapping[str, str] | None = None, timeout: float = 600
 ) -> subprocess.CompletedProcess[str]:
-    """Run ``infra/services.sh`` with ``args``; output captured as text, never raises on exit code."""
+    """Run ``infra/services.sh`` with ``args``, output captured as text; exit codes never raise."""
     return subprocess.run(
         [str(SERVICES_SH), *args],
         cwd=ROOT,
@@ -117,8 +117,8 @@ def run_services_sh(
 def parse_exports(text: str) -> dict[str, str]:
     """The ``export K=V`` lines of ``text`` as a dict (other lines are ignored)."""
     found: dict[str, str] = {}
-    for line in text.splitlines():
-        line = line.strip()
+    for raw in text.splitlines():
+        line = raw.strip()
         if not line.startswith("export "):
             continue
         key, sep, value = line.removeprefix("export ").partition("=")

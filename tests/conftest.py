@@ -43,22 +43,26 @@ def infra_mode() -> str:
     try:
         return select_mode()
     except pytest.UsageError as exc:
-        pytest.fail(str(exc), pytrace=False)
+        problem = str(exc)
+    pytest.fail(problem, pytrace=False)  # outside `except`: no chained traceback
 
 
 @pytest.fixture(scope="session")
 def services(infra_mode: str) -> Iterator[Services]:
     """The session's service addresses, each checked to answer within a few seconds."""
     with contextlib.ExitStack() as stack:
+        problem = None
         try:
             found = resolve_services(infra_mode, stack)
         except pytest.UsageError as exc:
-            pytest.fail(str(exc), pytrace=False)
-        except Exception as exc:  # e.g. a container that does not start
-            pytest.fail(
-                f"the {infra_mode} services could not be set up: {type(exc).__name__}: {exc}",
-                pytrace=False,
+            problem = str(exc)
+        except Exception as exc:  # e.g. no Docker engine, or a container that does not start
+            problem = (
+                f"SAGA_INFRA={infra_mode}: the services could not be started: "
+                f"{type(exc).__name__}: {exc}"
             )
+        if problem is not None:
+            pytest.fail(problem, pytrace=False)  # outside `except`: no chained traceback
         down = unreachable(found)
         if down:
             pytest.fail(unreachable_message(down, infra_mode), pytrace=False)
@@ -96,7 +100,10 @@ def kafka_topics(services: Services, topic_prefix: str) -> Iterator[KafkaTopicFa
         topics = [f"{topic_prefix}.{name}" for name in names]
         config = {"cleanup.policy": "compact"} if compacted else {}
         futures = admin.create_topics(
-            [NewTopic(t, num_partitions=partitions, replication_factor=1, config=config) for t in topics],
+            [
+                NewTopic(t, num_partitions=partitions, replication_factor=1, config=config)
+                for t in topics
+            ],
             operation_timeout=30,
             request_timeout=30,
         )

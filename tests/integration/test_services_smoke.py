@@ -108,7 +108,9 @@ def test_postgres_commit_is_visible_and_rollback_is_not(pg_schema: tuple[str, st
     engine = sa.create_engine(url)
     try:
         with engine.begin() as conn:
-            conn.execute(sa.text(f"CREATE TABLE {table} (id text PRIMARY KEY, balance int NOT NULL)"))
+            conn.execute(
+                sa.text(f"CREATE TABLE {table} (id text PRIMARY KEY, balance int NOT NULL)")
+            )
             conn.execute(sa.text(f"INSERT INTO {table} VALUES ('acc-1', 100)"))
 
         with engine.connect() as conn:
@@ -230,4 +232,3 @@ def test_spark_reads_a_kafka_topic_as_a_batch(
     row = parsed.agg(F.sum("r.amount").alias("total"), F.countDistinct("r.id").alias("ids")).first()
     assert row is not None
     assert (row["total"], row["ids"]) == (sum(range(1, 51)), 50)
-

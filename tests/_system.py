@@ -1,0 +1,205 @@
+"""A whole saga system for end-to-end tests: real processes on real services.
+
+``SagaSystem`` creates a unique topic prefix and starts ``saga coordinator run``
+and ``saga participant run`` as subprocesses (so kill -9 is a real crash), with
+their logs in the test's tmp folder. Tests talk to it through the real client
+library and read the stores directly.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+
+from coordinator import SagaClient
+from streams import Decision, StepEvent, decode
+from streams._kafka import Consumer, KafkaSettings, Producer, create_topics, delete_topics
+from tests._infra import Services, sqlalchemy_url, unique_name
+
+
+@dataclass
+class Proc:
+    """One saga subprocess and its log file."""
+
+    name: str
+    args: list[str]
+    env: dict[str, str]
+    log_path: Path
+    popen: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> Proc:
+        log = self.log_path.open("ab")
+        self.popen = subprocess.Popen(
+            [sys.executable, "-m", "coordinator", *self.args],
+            env=self.env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        log.close()
+        return self
+
+    @property
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.popen is not None and self.popen.poll() is None:
+            self.popen.send_signal(sig)
+            if sig in (signal.SIGKILL, signal.SIGTERM, signal.SIGINT):
+                self.popen.wait(30)
+
+    def wait_exit(self, timeout: float) -> int:
+        assert self.popen is not None
+        return self.popen.wait(timeout)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+
+@dataclass
+class SagaSystem:
+    services: Services
+    tmp: Path
+    schema: str
+    partitions: int = 4
+    prefix: str = field(default_factory=lambda: unique_name("saga"))
+    procs: list[Proc] = field(default_factory=list)
+
+    @property
+    def settings(self) -> KafkaSettings:
+        return KafkaSettings(bootstrap=self.services.kafka_bootstrap, prefix=self.prefix)
+
+    def env(self, faults: str | None = None) -> dict[str, str]:
+        env = dict(os.environ)
+        env["SAGA_KAFKA_BOOTSTRAP"] = self.services.kafka_bootstrap
+        env["SAGA_TOPIC_PREFIX"] = self.prefix
+        env.pop("SAGA_FAULTS", None)
+        if faults:
+            env["SAGA_FAULTS"] = faults
+        return env
+
+    def create_topics(self) -> None:
+        create_topics(self.settings, self.partitions)
+
+    def delete_topics(self) -> None:
+        delete_topics(self.settings, list(self.settings.topics.all))
+
+    def start(self, name: str, args: Sequence[str], faults: str | None = None) -> Proc:
+        proc = Proc(name, list(args), self.env(faults), self.tmp / f"{name}.log").start()
+        self.procs.append(proc)
+        return proc
+
+    def coordinator(self, instance_id: str = "0", faults: str | None = None) -> Proc:
+        return self.start(
+            f"coordinator-{instance_id}",
+            ["coordinator", "run", "--instance-id", instance_id],
+            faults,
+        )
+
+    def participant(
+        self, name: str, targets: Sequence[str], faults: str | None = None, tag: str = ""
+    ) -> Proc:
+        return self.start(
+            f"participant-{name}{tag}",
+            [
+                "participant",
+                "run",
+                "--name",
+                name,
+                "--storage",
+                "sql",
+                "--url",
+                self.services.postgres_url,
+                "--schema",
+                self.schema,
+                "--targets",
+                ",".join(targets),
+            ],
+            faults,
+        )
+
+    def stop_all(self) -> None:
+        for p in self.procs:
+            p.kill(signal.SIGTERM) if p.alive else None
+        for p in self.procs:
+            if p.alive:
+                p.kill(signal.SIGKILL)
+
+    @contextmanager
+    def client(self) -> Iterator[SagaClient]:
+        with SagaClient(self.settings) as c:
+            yield c
+
+    def producer(self) -> Producer:
+        return Producer(self.settings, client_id="test")
+
+    def read_topic(self, topic: str) -> list[Any]:
+        """Every decodable record of a topic, in partition then offset order."""
+        consumer = Consumer(self.settings, group_id=None, client_id="test-reader")
+        try:
+            records = []
+            n = consumer.list_partitions(topic)
+            for p in range(n):
+                low, high = consumer.watermarks(topic, p)
+                if high <= low:
+                    continue
+                consumer.assign([(topic, p, low)])
+                deadline = time.monotonic() + 30
+                done = False
+                while not done and time.monotonic() < deadline:
+                    for m in consumer.poll_batch(1000, 0.2):
+                        if m.value is not None:
+                            try:
+                                records.append(decode(m.value))
+                            except Exception:  # poison: not ours to judge here
+                                records.append(("raw", m.value))
+                        if m.offset + 1 >= high:
+                            done = True
+                    pos = consumer.position([(topic, p)])
+                    if pos and all(v >= high for v in pos.values()):
+                        done = True
+            return records
+        finally:
+            consumer.close()
+
+    def decisions(self, tx_id: str) -> list[Decision]:
+        return [
+            r
+            for r in self.read_topic(self.settings.topics.decisions)
+            if isinstance(r, Decision) and r.tx_id == tx_id
+        ]
+
+    def events(self, tx_id: str) -> list[StepEvent]:
+        return [
+            r
+            for r in self.read_topic(self.settings.topics.events)
+            if isinstance(r, StepEvent) and r.tx_id == tx_id
+        ]
+
+
+def bank_schema(engine: sa.Engine, schema: str) -> None:
+    """The tables of the transfer workload: accounts and orders."""
+    with engine.begin() as conn:
+        conn.execute(
+            sa.text(
+                f'CREATE TABLE "{schema}".accounts (id text PRIMARY KEY, balance bigint NOT NULL)'
+            )
+        )
+        conn.execute(
+            sa.text(f'CREATE TABLE "{schema}".orders (id text PRIMARY KEY, item text, qty integer)')
+        )
+
+
+def engine_for(services: Services) -> sa.Engine:
+    return sa.create_engine(sqlalchemy_url(services.postgres_url), pool_pre_ping=True)

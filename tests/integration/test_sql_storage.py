@@ -1,0 +1,1003 @@
+"""The storage contract (DESIGN §3 built-in actions, §4 barrier) against real databases.
+
+``TestStorageContract`` talks to a storage only through :class:`participants.Storage`
+and a small backend-neutral harness (seed, snapshot, record, remove), so the
+MongoDB and Redis adapters join by adding a ``storage`` fixture parameter.
+Every PostgreSQL test runs in a schema of its own, dropped afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.schema import CreateSchema, DropSchema
+
+from participants._barrier import LedgerStatus, PredecessorApplied, Requested, SuccessorCompensated
+from participants._handlers import Handler, Reject
+from participants._sql import SqlSession, SqlStorage
+from participants._storage import DecisionArrived, Report, Storage
+from streams import (
+    BusinessRejection,
+    ConfigurationError,
+    Mode,
+    Outcome,
+    StepStatus,
+    TransientError,
+)
+
+pytestmark = pytest.mark.integration
+
+POSTGRES_URL = os.environ.get(
+    "SAGA_POSTGRES_URL", "postgresql://saga:saga@127.0.0.1:15432/saga"
+).replace("postgresql://", "postgresql+psycopg://", 1)
+TARGETS = ("accounts", "orders")
+NOW = 1_700_000_000_000
+DEADLINE = NOW + 60_000
+
+Fields = dict[str, Any]
+
+
+# ---------------------------------------------------------------- databases
+
+
+def business_tables(metadata: sa.MetaData) -> dict[str, sa.Table]:
+    """The demo's shapes: integer, numeric and text columns; ``secrets`` is not a target."""
+    accounts = sa.Table(
+        "accounts",
+        metadata,
+        sa.Column("id", sa.Integer, primary_key=True, autoincrement=False),
+        sa.Column("owner", sa.String(64), nullable=False),
+        sa.Column("balance", sa.Integer, nullable=False, server_default="0"),
+        sa.Column("credit", sa.Numeric(12, 2)),
+    )
+    orders = sa.Table(
+        "orders",
+        metadata,
+        sa.Column("id", sa.String(64), primary_key=True),
+        sa.Column("item", sa.Text),
+        sa.Column("qty", sa.Integer),
+        sa.Column("price", sa.Numeric(12, 2)),
+    )
+    secrets = sa.Table(
+        "secrets",
+        metadata,
+        sa.Column("id", sa.Integer, primary_key=True, autoincrement=False),
+        sa.Column("value", sa.Text),
+    )
+    return {"accounts": accounts, "orders": orders, "secrets": secrets}
+
+
+@dataclass
+class Database:
+    """A fresh database (a PostgreSQL schema or an SQLite file) with the business tables."""
+
+    url: str
+    schema: str | None
+    engine: sa.Engine
+    tables: dict[str, sa.Table]
+
+
+@pytest.fixture
+def postgres_db() -> Iterator[Database]:
+    schema = f"t_{uuid.uuid4().hex[:12]}"
+    engine = sa.create_engine(POSTGRES_URL)
+    with engine.begin() as connection:
+        connection.execute(CreateSchema(schema))
+    metadata = sa.MetaData(schema=schema)
+    tables = business_tables(metadata)
+    metadata.create_all(engine)
+    try:
+        yield Database(POSTGRES_URL, schema, engine, tables)
+    finally:
+        with engine.begin() as connection:
+            connection.execute(DropSchema(schema, cascade=True))
+        engine.dispose()
+
+
+@pytest.fixture
+def sqlite_db(tmp_path: Path) -> Iterator[Database]:
+    url = f"sqlite:///{tmp_path / 'saga.db'}"
+    engine = sa.create_engine(url)
+    metadata = sa.MetaData()
+    tables = business_tables(metadata)
+    metadata.create_all(engine)
+    try:
+        yield Database(url, None, engine, tables)
+    finally:
+        engine.dispose()
+
+
+DATABASE_FIXTURES = {"postgresql": "postgres_db", "sqlite": "sqlite_db"}
+
+
+@pytest.fixture(params=sorted(DATABASE_FIXTURES))
+def database(request: pytest.FixtureRequest) -> Database:
+    db: Database = request.getfixturevalue(DATABASE_FIXTURES[request.param])
+    return db
+
+
+# ---------------------------------------------------------------- the harness
+
+
+@dataclass
+class SqlHarness:
+    """A storage under test plus direct access to its business data."""
+
+    storage: Storage
+    db: Database
+    make: Callable[..., Storage] = field(repr=False)
+
+    def seed(self, target: str, key: Any, fields: Fields) -> None:
+        table = self.db.tables[target]
+        pk = next(iter(table.primary_key.columns)).name
+        with self.db.engine.begin() as connection:
+            connection.execute(sa.insert(table).values({pk: key, **fields}))
+
+    def record(self, target: str, key: Any) -> Fields | None:
+        table = self.db.tables[target]
+        pk = next(iter(table.primary_key.columns))
+        with self.db.engine.connect() as connection:
+            row = connection.execute(sa.select(table).where(pk == key)).mappings().first()
+        if row is None:
+            return None
+        return {name: value for name, value in row.items() if name != pk.name}
+
+    def remove(self, target: str, key: Any) -> None:
+        """Delete a record behind the participant's back."""
+        table = self.db.tables[target]
+        pk = next(iter(table.primary_key.columns))
+        with self.db.engine.begin() as connection:
+            connection.execute(sa.delete(table).where(pk == key))
+
+    def snapshot(self) -> dict[str, list[tuple[Any, ...]]]:
+        out: dict[str, list[tuple[Any, ...]]] = {}
+        with self.db.engine.connect() as connection:
+            for name, table in self.db.tables.items():
+                rows = connection.execute(sa.select(table)).all()
+                out[name] = sorted((tuple(row) for row in rows), key=repr)
+        return out
+
+
+@contextmanager
+def sql_harness(db: Database) -> Iterator[SqlHarness]:
+    made: list[Storage] = []
+
+    def make(**overrides: Any) -> Storage:
+        options: dict[str, Any] = {"name": "bank", "targets": TARGETS, "schema": db.schema}
+        options.update(overrides)
+        name = options.pop("name")
+        targets = options.pop("targets")
+        storage = SqlStorage(name, options.pop("url", db.url), targets, **options)
+        made.append(storage)
+        return storage
+
+    storage = make()
+    storage.setup()
+    harness = SqlHarness(storage, db, make)
+    harness.seed("accounts", 1, {"owner": "alice", "balance": 100, "credit": Decimal("10.50")})
+    harness.seed("accounts", 2, {"owner": "bob", "balance": 50, "credit": None})
+    harness.seed("orders", "o-1", {"item": "book", "qty": 1, "price": Decimal("9.99")})
+    harness.seed("secrets", 1, {"value": "do not touch"})
+    try:
+        yield harness
+    finally:
+        for each in made:
+            each.close()
+
+
+@pytest.fixture
+def storage(request: pytest.FixtureRequest) -> Iterator[SqlHarness]:
+    """The storage under test (indirect parameter: ``postgresql`` or ``sqlite``)."""
+    db: Database = request.getfixturevalue(DATABASE_FIXTURES[request.param])
+    with sql_harness(db) as harness:
+        yield harness
+
+
+# ---------------------------------------------------------------- work items
+
+
+def requested(
+    tx_id: str,
+    action: str,
+    args: Mapping[str, Any],
+    *,
+    step: int = 0,
+    mode: Mode = Mode.PARALLEL,
+    n_steps: int = 1,
+    deadline_ms: int = DEADLINE,
+    now_ms: int = NOW,
+    predecessor_applied: bool = False,
+) -> Requested:
+    return Requested(
+        tx_id=tx_id,
+        step=step,
+        action=action,
+        args=args,
+        mode=mode,
+        n_steps=n_steps,
+        deadline_ms=deadline_ms,
+        now_ms=now_ms,
+        predecessor_applied=predecessor_applied,
+    )
+
+
+def rollback(tx_id: str, now_ms: int = NOW + 1_000) -> DecisionArrived:
+    return DecisionArrived(tx_id, Outcome.ROLLBACK, now_ms)
+
+
+def commit(tx_id: str, now_ms: int = NOW + 1_000) -> DecisionArrived:
+    return DecisionArrived(tx_id, Outcome.COMMIT, now_ms)
+
+
+def report(tx_id: str, status: StepStatus, step: int = 0, reason: str | None = None) -> Report:
+    return Report(tx_id, step, status, reason)
+
+
+def only_status(reports: list[Report]) -> list[tuple[str, int, StepStatus]]:
+    return [(r.tx_id, r.step, r.status) for r in reports]
+
+
+# ---------------------------------------------------------------- the contract
+
+ACTION_CASES = [
+    pytest.param(
+        "insert",
+        {"target": "accounts", "key": 3, "value": {"owner": "carol", "balance": 5}},
+        ("accounts", 3, {"owner": "carol", "balance": 5, "credit": None}),
+        id="insert",
+    ),
+    pytest.param(
+        "insert",
+        {"target": "orders", "key": "o-2", "value": {"id": "o-2", "item": "pen", "price": 1.5}},
+        ("orders", "o-2", {"item": "pen", "qty": None, "price": Decimal("1.50")}),
+        id="insert-text-key-repeating-the-key",
+    ),
+    pytest.param(
+        "put",
+        {"target": "accounts", "key": 1, "value": {"balance": 7, "credit": "1.25"}},
+        ("accounts", 1, {"owner": "alice", "balance": 7, "credit": Decimal("1.25")}),
+        id="put-existing",
+    ),
+    pytest.param(
+        "put",
+        {"target": "accounts", "key": "9", "value": {"owner": "dan"}},
+        ("accounts", 9, {"owner": "dan", "balance": 0, "credit": None}),
+        id="put-new",
+    ),
+    pytest.param(
+        "update",
+        {"target": "accounts", "key": 1, "set": {"owner": "alice b", "credit": None}},
+        ("accounts", 1, {"owner": "alice b", "balance": 100, "credit": None}),
+        id="update",
+    ),
+    pytest.param(
+        "delete",
+        {"target": "accounts", "key": 1},
+        ("accounts", 1, None),
+        id="delete",
+    ),
+    pytest.param(
+        "delete",
+        {"target": "orders", "key": "o-1"},
+        ("orders", "o-1", None),
+        id="delete-numeric-row",
+    ),
+    pytest.param(
+        "increment",
+        {"target": "accounts", "key": 1, "field": "balance", "by": -30, "min": 0},
+        ("accounts", 1, {"owner": "alice", "balance": 70, "credit": Decimal("10.50")}),
+        id="increment",
+    ),
+    pytest.param(
+        "increment",
+        {"target": "accounts", "key": 1, "field": "credit", "by": 0.1, "max": 100},
+        ("accounts", 1, {"owner": "alice", "balance": 100, "credit": Decimal("10.60")}),
+        id="increment-numeric",
+    ),
+]
+
+
+@pytest.mark.parametrize("storage", ["postgresql", "sqlite"], indirect=True)
+class TestStorageContract:
+    @pytest.mark.parametrize(("action", "args", "expected"), ACTION_CASES)
+    def test_action_applies_and_rollback_restores_exactly(
+        self,
+        storage: SqlHarness,
+        action: str,
+        args: dict[str, Any],
+        expected: tuple[str, Any, Fields | None],
+    ) -> None:
+        before = storage.snapshot()
+        reports = storage.storage.execute([requested("tx-1", action, args)])
+        assert reports == [report("tx-1", StepStatus.APPLIED)]
+        target, key, record = expected
+        assert storage.record(target, key) == record
+        [entry] = storage.storage.ledger("tx-1")
+        assert (entry.status, entry.effect, entry.action) == (LedgerStatus.APPLIED, True, action)
+
+        assert storage.storage.execute([rollback("tx-1")]) == [
+            report("tx-1", StepStatus.COMPENSATED)
+        ]
+        assert storage.snapshot() == before
+        [entry] = storage.storage.ledger("tx-1")
+        assert (entry.status, entry.effect) == (LedgerStatus.COMPENSATED, True)
+
+    @pytest.mark.parametrize(("action", "args", "expected"), ACTION_CASES)
+    def test_commit_confirms_and_keeps_the_change(
+        self,
+        storage: SqlHarness,
+        action: str,
+        args: dict[str, Any],
+        expected: tuple[str, Any, Fields | None],
+    ) -> None:
+        storage.storage.execute([requested("tx-1", action, args)])
+        assert storage.storage.execute([commit("tx-1")]) == [report("tx-1", StepStatus.COMMITTED)]
+        target, key, record = expected
+        assert storage.record(target, key) == record
+        [entry] = storage.storage.ledger("tx-1")
+        assert entry.status is LedgerStatus.COMMITTED
+        # A repeated commit re-reports; a rollback after the commit changes nothing.
+        assert storage.storage.execute([commit("tx-1")]) == [report("tx-1", StepStatus.COMMITTED)]
+        assert storage.storage.execute([rollback("tx-1")]) == []
+        assert storage.record(target, key) == record
+
+    def test_before_image_is_json_and_names_the_old_row(self, storage: SqlHarness) -> None:
+        storage.storage.execute(
+            [requested("tx-1", "put", {"target": "accounts", "key": 1, "value": {"balance": 1}})]
+        )
+        [entry] = storage.storage.ledger("tx-1")
+        assert entry.before == {"id": 1, "owner": "alice", "balance": 100, "credit": "10.50"}
+
+    @pytest.mark.parametrize(
+        ("action", "args", "reason"),
+        [
+            (
+                "increment",
+                {"target": "accounts", "key": 2, "field": "balance", "by": -51, "min": 0},
+                "accounts/2 balance would be -1, below the minimum 0",
+            ),
+            (
+                "increment",
+                {"target": "accounts", "key": 2, "field": "balance", "by": 51, "max": 100},
+                "accounts/2 balance would be 101, above the maximum 100",
+            ),
+            (
+                "increment",
+                {"target": "accounts", "key": 7, "field": "balance", "by": 1},
+                "accounts/7 does not exist",
+            ),
+            (
+                "increment",
+                {"target": "accounts", "key": 1, "field": "balance", "by": 0.5},
+                "the increment of accounts/1 is 0.5, which does not fit column "
+                "accounts.balance (INTEGER)",
+            ),
+            (
+                "increment",
+                {"target": "accounts", "key": 1, "field": "owner", "by": 1},
+                "accounts.owner is not a numeric column",
+            ),
+            (
+                "insert",
+                {"target": "accounts", "key": 1, "value": {"owner": "x"}},
+                "accounts/1 already exists",
+            ),
+            ("update", {"target": "accounts", "key": 7, "set": {"balance": 1}}, None),
+            ("delete", {"target": "orders", "key": "nope"}, "orders/nope does not exist"),
+            (
+                "update",
+                {"target": "accounts", "key": 1, "set": {"colour": "red"}},
+                "accounts has no column 'colour'",
+            ),
+            (
+                "update",
+                {"target": "accounts", "key": 1, "set": {"id": 5}},
+                "update of accounts/1 may not change the key column 'id'",
+            ),
+            ("insert", {"target": "accounts", "key": 5, "value": {"balance": 1}}, None),
+            ("update", {"target": "accounts", "key": "abc", "set": {"balance": 1}}, None),
+            ("reserve_seat", {"seat": "12A"}, None),
+        ],
+    )
+    def test_rejected_steps_fail_and_change_nothing(
+        self, storage: SqlHarness, action: str, args: dict[str, Any], reason: str | None
+    ) -> None:
+        before = storage.snapshot()
+        [got] = storage.storage.execute([requested("tx-1", action, args)])
+        assert (got.status, got.step) == (StepStatus.FAILED, 0)
+        assert got.reason
+        if reason is not None:
+            assert got.reason == reason
+        assert storage.snapshot() == before
+        [entry] = storage.storage.ledger("tx-1")
+        assert (entry.status, entry.effect, entry.reason) == (
+            LedgerStatus.FAILED,
+            False,
+            got.reason,
+        )
+        # The rollback that follows closes the step without touching anything.
+        assert storage.storage.execute([rollback("tx-1")]) == [
+            report("tx-1", StepStatus.COMPENSATED)
+        ]
+        assert storage.snapshot() == before
+
+    def test_one_rejected_step_does_not_fail_its_neighbours(self, storage: SqlHarness) -> None:
+        reports = storage.storage.execute(
+            [
+                requested(
+                    "tx-a", "insert", {"target": "accounts", "key": 3, "value": {"owner": "c"}}
+                ),
+                requested(
+                    "tx-b",
+                    "increment",
+                    {"target": "accounts", "key": 2, "field": "balance", "by": -1000, "min": 0},
+                ),
+                requested(
+                    "tx-c", "update", {"target": "accounts", "key": 2, "set": {"owner": "b"}}
+                ),
+            ]
+        )
+        assert only_status(reports) == [
+            ("tx-a", 0, StepStatus.APPLIED),
+            ("tx-b", 0, StepStatus.FAILED),
+            ("tx-c", 0, StepStatus.APPLIED),
+        ]
+        assert storage.record("accounts", 3) == {"owner": "c", "balance": 0, "credit": None}
+        assert storage.record("accounts", 2) == {"owner": "b", "balance": 50, "credit": None}
+        statuses = {e.tx_id: e.status for e in storage.storage.ledger()}
+        assert statuses == {
+            "tx-a": LedgerStatus.APPLIED,
+            "tx-b": LedgerStatus.FAILED,
+            "tx-c": LedgerStatus.APPLIED,
+        }
+
+    def test_a_failed_compensation_is_reported_and_isolated(self, storage: SqlHarness) -> None:
+        # Two steps of one transaction at this participant; the first one's row
+        # disappears behind our back, so only its compensation fails.
+        steps = [
+            requested(
+                "tx-1",
+                "update",
+                {"target": "accounts", "key": 1, "set": {"owner": "z"}},
+                step=0,
+                n_steps=2,
+            ),
+            requested(
+                "tx-1",
+                "increment",
+                {"target": "accounts", "key": 2, "field": "balance", "by": 5},
+                step=1,
+                n_steps=2,
+            ),
+        ]
+        assert only_status(storage.storage.execute(steps)) == [
+            ("tx-1", 0, StepStatus.APPLIED),
+            ("tx-1", 1, StepStatus.APPLIED),
+        ]
+        storage.remove("accounts", 1)
+        reports = storage.storage.execute([rollback("tx-1")])
+        assert only_status(reports) == [
+            ("tx-1", 0, StepStatus.COMPENSATION_FAILED),
+            ("tx-1", 1, StepStatus.COMPENSATED),
+        ]
+        assert reports[0].reason == (
+            "compensation failed: accounts/1 no longer exists, so its update cannot be undone"
+        )
+        assert storage.record("accounts", 2) == {"owner": "bob", "balance": 50, "credit": None}
+        entries = {e.step: e.status for e in storage.storage.ledger("tx-1")}
+        assert entries == {0: LedgerStatus.COMPENSATION_FAILED, 1: LedgerStatus.COMPENSATED}
+
+    def test_redelivered_request_takes_effect_once(self, storage: SqlHarness) -> None:
+        step = requested(
+            "tx-1", "increment", {"target": "accounts", "key": 2, "field": "balance", "by": 10}
+        )
+        # Twice in one batch, then again in a later batch: same report, one effect.
+        assert storage.storage.execute([step, step]) == [
+            report("tx-1", StepStatus.APPLIED),
+            report("tx-1", StepStatus.APPLIED),
+        ]
+        assert storage.storage.execute([step]) == [report("tx-1", StepStatus.APPLIED)]
+        assert storage.record("accounts", 2) == {"owner": "bob", "balance": 60, "credit": None}
+        # The rollback, redelivered too, compensates once.
+        assert storage.storage.execute([rollback("tx-1"), rollback("tx-1")]) == [
+            report("tx-1", StepStatus.COMPENSATED),
+            report("tx-1", StepStatus.COMPENSATED),
+        ]
+        assert storage.storage.execute([rollback("tx-1")]) == [
+            report("tx-1", StepStatus.COMPENSATED)
+        ]
+        assert storage.record("accounts", 2) == {"owner": "bob", "balance": 50, "credit": None}
+
+    def test_redelivered_rejection_repeats_its_reason(self, storage: SqlHarness) -> None:
+        step = requested("tx-1", "delete", {"target": "accounts", "key": 99})
+        first = storage.storage.execute([step])
+        assert first == [report("tx-1", StepStatus.FAILED, reason="accounts/99 does not exist")]
+        assert storage.storage.execute([step]) == first
+
+    def test_rollback_before_request_is_a_null_compensation(self, storage: SqlHarness) -> None:
+        before = storage.snapshot()
+        assert storage.storage.execute([rollback("tx-1"), rollback("tx-1")]) == []
+        assert storage.storage.ledger("tx-1") == []  # the marker is not a step entry
+        late = requested(
+            "tx-1", "insert", {"target": "accounts", "key": 3, "value": {"owner": "c"}}
+        )
+        assert storage.storage.execute([late]) == [report("tx-1", StepStatus.COMPENSATED)]
+        assert storage.storage.execute([late]) == [report("tx-1", StepStatus.COMPENSATED)]
+        assert storage.snapshot() == before
+        [entry] = storage.storage.ledger("tx-1")
+        assert (entry.status, entry.effect) == (LedgerStatus.COMPENSATED, False)
+
+    def test_request_after_its_deadline_is_never_applied(self, storage: SqlHarness) -> None:
+        before = storage.snapshot()
+        late = requested(
+            "tx-1",
+            "insert",
+            {"target": "accounts", "key": 3, "value": {"owner": "c"}},
+            deadline_ms=NOW - 1,
+        )
+        assert storage.storage.execute([late]) == [
+            report("tx-1", StepStatus.FAILED, reason="deadline passed before the step was applied")
+        ]
+        assert storage.snapshot() == before
+        assert storage.storage.execute([rollback("tx-1")]) == [
+            report("tx-1", StepStatus.COMPENSATED)
+        ]
+        assert storage.snapshot() == before
+
+    def test_sequential_step_waits_for_its_predecessor(self, storage: SqlHarness) -> None:
+        step = requested(
+            "tx-1",
+            "increment",
+            {"target": "accounts", "key": 2, "field": "balance", "by": 10},
+            step=1,
+            n_steps=2,
+            mode=Mode.SEQUENTIAL,
+        )
+        assert storage.storage.execute([step, step]) == []
+        [entry] = storage.storage.ledger("tx-1")
+        assert entry.status is LedgerStatus.WAITING
+        assert storage.record("accounts", 2) == {"owner": "bob", "balance": 50, "credit": None}
+        assert "tx-1" in storage.storage.in_flight_sequential()
+
+        go = PredecessorApplied("tx-1", 1, NOW + 10)
+        assert storage.storage.execute([go, go]) == [report("tx-1", StepStatus.APPLIED, step=1)]
+        assert storage.record("accounts", 2) == {"owner": "bob", "balance": 60, "credit": None}
+        # The last step of the saga no longer waits on any neighbour.
+        assert "tx-1" not in storage.storage.in_flight_sequential()
+
+    def test_sequential_request_after_its_predecessor_applies_at_once(
+        self, storage: SqlHarness
+    ) -> None:
+        step = requested(
+            "tx-1",
+            "increment",
+            {"target": "accounts", "key": 2, "field": "balance", "by": 10},
+            step=1,
+            n_steps=2,
+            mode=Mode.SEQUENTIAL,
+            predecessor_applied=True,
+        )
+        assert storage.storage.execute([step]) == [report("tx-1", StepStatus.APPLIED, step=1)]
+
+    def test_sequential_rollback_waits_for_the_successor(self, storage: SqlHarness) -> None:
+        first = requested(
+            "tx-1",
+            "update",
+            {"target": "accounts", "key": 1, "set": {"balance": 0}},
+            step=0,
+            n_steps=2,
+            mode=Mode.SEQUENTIAL,
+        )
+        assert storage.storage.execute([first]) == [report("tx-1", StepStatus.APPLIED)]
+        assert "tx-1" in storage.storage.in_flight_sequential()
+
+        assert storage.storage.execute([rollback("tx-1")]) == []
+        [entry] = storage.storage.ledger("tx-1")
+        assert (entry.status, entry.rollback_pending) == (LedgerStatus.APPLIED, True)
+        assert storage.record("accounts", 1) == {
+            "owner": "alice",
+            "balance": 0,
+            "credit": Decimal("10.50"),
+        }
+
+        done = SuccessorCompensated("tx-1", 0, NOW + 2_000)
+        assert storage.storage.execute([done, done]) == [report("tx-1", StepStatus.COMPENSATED)]
+        assert storage.record("accounts", 1) == {
+            "owner": "alice",
+            "balance": 100,
+            "credit": Decimal("10.50"),
+        }
+        assert "tx-1" not in storage.storage.in_flight_sequential()
+
+    def test_successor_compensated_before_the_rollback_is_remembered(
+        self, storage: SqlHarness
+    ) -> None:
+        first = requested(
+            "tx-1",
+            "increment",
+            {"target": "accounts", "key": 2, "field": "balance", "by": 5},
+            step=0,
+            n_steps=3,
+            mode=Mode.SEQUENTIAL,
+        )
+        storage.storage.execute([first])
+        assert storage.storage.execute([SuccessorCompensated("tx-1", 0, NOW + 1)]) == []
+        assert storage.storage.execute([rollback("tx-1")]) == [
+            report("tx-1", StepStatus.COMPENSATED)
+        ]
+        assert storage.record("accounts", 2) == {"owner": "bob", "balance": 50, "credit": None}
+
+    @pytest.mark.parametrize(
+        ("args", "reason"),
+        [
+            (
+                {"target": "secrets", "key": 1},
+                "target 'secrets' is not in this participant's allow-list (accounts, orders)",
+            ),
+            ({"target": "accounts; DROP TABLE secrets", "key": 1}, None),
+            ({"target": 'accounts"', "key": 1}, None),
+        ],
+    )
+    def test_targets_outside_the_allow_list_are_refused(
+        self, storage: SqlHarness, args: dict[str, Any], reason: str | None
+    ) -> None:
+        before = storage.snapshot()
+        [got] = storage.storage.execute([requested("tx-1", "delete", args)])
+        assert got.status is StepStatus.FAILED
+        assert got.reason
+        if reason is None:
+            assert "is not a valid name" in got.reason
+        else:
+            assert got.reason == reason
+        assert storage.snapshot() == before
+
+    @pytest.mark.parametrize(
+        "name", ['a"b', "balance = 0 --", "owner; DROP TABLE secrets", "balance\n"]
+    )
+    def test_field_names_that_are_not_identifiers_are_refused(
+        self, storage: SqlHarness, name: str
+    ) -> None:
+        before = storage.snapshot()
+        steps = [
+            requested("tx-1", "update", {"target": "accounts", "key": 1, "set": {name: 1}}),
+            requested(
+                "tx-2", "increment", {"target": "accounts", "key": 1, "field": name, "by": 1}
+            ),
+            requested("tx-3", "put", {"target": "accounts", "key": 1, "value": {name: "x"}}),
+        ]
+        reports = storage.storage.execute(steps)
+        assert [r.status for r in reports] == [StepStatus.FAILED] * 3
+        assert all("is not a valid name" in (r.reason or "") for r in reports)
+        assert storage.snapshot() == before
+
+    def test_ledger_is_per_participant(self, storage: SqlHarness) -> None:
+        other = storage.make(name="shop")
+        other.setup()
+        storage.storage.execute(
+            [requested("tx-1", "update", {"target": "accounts", "key": 1, "set": {"balance": 1}})]
+        )
+        other.execute(
+            [requested("tx-1", "update", {"target": "orders", "key": "o-1", "set": {"qty": 2}})]
+        )
+        assert [e.action for e in storage.storage.ledger()] == ["update"]
+        assert [e.args for e in other.ledger("tx-1")] == [
+            {"target": "orders", "key": "o-1", "set": {"qty": 2}}
+        ]
+        # A rollback reaches each participant's own step only.
+        assert other.execute([rollback("tx-1")]) == [report("tx-1", StepStatus.COMPENSATED)]
+        assert storage.record("accounts", 1) == {
+            "owner": "alice",
+            "balance": 1,
+            "credit": Decimal("10.50"),
+        }
+
+
+# ---------------------------------------------------------------- SQL specifics
+
+
+def reserve(session: SqlSession, args: Mapping[str, Any]) -> Any:
+    orders = session.table("orders")
+    found = session.execute(sa.select(orders.c.qty).where(orders.c.id == args["order"])).first()
+    if found is None:
+        raise Reject(f"order {args['order']} does not exist")
+    session.execute(sa.update(orders).where(orders.c.id == args["order"]).values(qty=0))
+    if args.get("explode"):
+        raise Reject("the handler changed its mind")
+    return {"qty": found.qty}
+
+
+def release(session: SqlSession, args: Mapping[str, Any], before: Any) -> None:
+    orders = session.table("orders")
+    session.execute(sa.update(orders).where(orders.c.id == args["order"]).values(qty=before["qty"]))
+
+
+def test_custom_handlers_run_in_the_same_transaction(database: Database) -> None:
+    with sql_harness(database) as harness:
+        storage = harness.make(name="shop", handlers={"reserve": Handler(reserve, release)})
+        storage.setup()
+        before = harness.snapshot()
+        reports = storage.execute(
+            [
+                requested("tx-1", "reserve", {"order": "o-1", "explode": True}),
+                requested("tx-2", "reserve", {"order": "o-1"}),
+                requested(
+                    "tx-3", "increment", {"target": "orders", "key": "o-1", "field": "qty", "by": 4}
+                ),
+            ]
+        )
+        assert reports == [
+            report("tx-1", StepStatus.FAILED, reason="the handler changed its mind"),
+            report("tx-2", StepStatus.APPLIED),
+            report("tx-3", StepStatus.APPLIED),
+        ]
+        assert harness.record("orders", "o-1") == {
+            "item": "book",
+            "qty": 4,
+            "price": Decimal("9.99"),
+        }
+        assert [e.before for e in storage.ledger("tx-2")] == [{"qty": 1}]
+        storage.execute([rollback("tx-3"), rollback("tx-2")])
+        assert harness.snapshot() == before
+
+
+def test_unreachable_database_is_a_transient_error() -> None:
+    storage = SqlStorage("bank", "postgresql://saga:saga@127.0.0.1:1/saga", ["accounts"])
+    try:
+        with pytest.raises(TransientError) as info:
+            storage.setup()
+        message = str(info.value)
+        assert message.startswith(
+            "participant 'bank' could not set up its ledger and tables: "
+            "PostgreSQL at 127.0.0.1:1/saga is unavailable or failed ("
+        )
+        assert "saga:saga" not in message  # never the password
+        assert info.value.retryable
+        with pytest.raises(TransientError, match="could not set up"):
+            storage.execute([rollback("tx-1")])
+    finally:
+        storage.close()
+
+
+def test_lost_connection_is_a_transient_error_and_the_batch_is_retried(
+    postgres_db: Database,
+) -> None:
+    with sql_harness(postgres_db) as harness:
+        step = requested(
+            "tx-1", "increment", {"target": "accounts", "key": 2, "field": "balance", "by": 1}
+        )
+
+        # Kill our own server process mid-batch, after the effect ran.
+        def kill_self(session: SqlSession, args: Mapping[str, Any]) -> Any:
+            session.execute(sa.text("SELECT pg_terminate_backend(pg_backend_pid())"))
+            return None
+
+        storage = harness.make(name="flaky", handlers={"boom": Handler(kill_self, release)})
+        storage.setup()
+        with pytest.raises(TransientError, match="could not run a batch"):
+            storage.execute([step, requested("tx-2", "boom", {})])
+        assert harness.record("accounts", 2) == {"owner": "bob", "balance": 50, "credit": None}
+        assert storage.ledger() == []
+        # The pool notices the dead connection; the retried batch goes through.
+        assert storage.execute([step]) == [report("tx-1", StepStatus.APPLIED)]
+        assert harness.record("accounts", 2) == {"owner": "bob", "balance": 51, "credit": None}
+
+
+def test_two_workers_on_one_step_apply_it_once(postgres_db: Database) -> None:
+    """A zombie and its successor get the same request: one applies, the other re-reports."""
+    with sql_harness(postgres_db) as harness:
+        workers = [harness.make(), harness.make()]
+        step = requested(
+            "tx-1", "increment", {"target": "accounts", "key": 2, "field": "balance", "by": 1}
+        )
+        outcomes: list[object] = []
+
+        def work(storage: Storage) -> None:
+            try:
+                outcomes.append(storage.execute([step]))
+            except TransientError as exc:
+                outcomes.append(exc)
+
+        accounts = postgres_db.tables["accounts"]
+        with postgres_db.engine.connect() as holder:
+            # Hold the business row so that both workers are inside their batch at once.
+            holder.execute(sa.select(accounts).where(accounts.c.id == 2).with_for_update())
+            threads = [threading.Thread(target=work, args=(w,)) for w in workers]
+            for thread in threads:
+                thread.start()
+            # pg_locks is live (pg_stat_activity is a per-transaction snapshot).
+            waiting = sa.text("SELECT count(*) FROM pg_locks WHERE NOT granted")
+            deadline = time.monotonic() + 20
+            with postgres_db.engine.connect() as probe:
+                while probe.execute(waiting).scalar_one() < 2:
+                    assert time.monotonic() < deadline, "the workers never queued up"
+                    probe.rollback()
+                    time.sleep(0.05)
+            holder.rollback()
+        for thread in threads:
+            thread.join(timeout=30)
+
+        # The advisory lock made the second wait for the first: no collision, no retry.
+        assert outcomes == [[report("tx-1", StepStatus.APPLIED)]] * 2
+        assert harness.record("accounts", 2) == {"owner": "bob", "balance": 51, "credit": None}
+        [entry] = workers[1].ledger("tx-1")
+        assert entry.status is LedgerStatus.APPLIED
+
+
+def test_request_racing_its_rollback_on_another_worker_is_never_applied(
+    postgres_db: Database,
+) -> None:
+    """Hanging prevention across workers: the rollback marker's batch holds the transaction."""
+    with sql_harness(postgres_db) as harness:
+        inside, go_on = threading.Event(), threading.Event()
+
+        def hold(session: SqlSession, args: Mapping[str, Any]) -> Any:
+            session.execute(sa.select(1))
+            inside.set()
+            assert go_on.wait(timeout=30)
+            return None
+
+        zombie = harness.make(handlers={"hold": Handler(hold, release)})
+        successor = harness.make()
+        before = harness.snapshot()
+        outcomes: dict[str, list[Report]] = {}
+
+        def run(name: str, storage: Storage, items: list[Any]) -> None:
+            outcomes[name] = storage.execute(items)
+
+        # The zombie records the rollback of tx-1 and, in the same batch, lingers.
+        rolling_back = threading.Thread(
+            target=run,
+            args=("zombie", zombie, [rollback("tx-1"), requested("tx-2", "hold", {})]),
+        )
+        rolling_back.start()
+        assert inside.wait(timeout=20), "the zombie's batch never reached its handler"
+        late = requested(
+            "tx-1", "insert", {"target": "accounts", "key": 3, "value": {"owner": "c"}}
+        )
+        requesting = threading.Thread(target=run, args=("successor", successor, [late]))
+        requesting.start()
+        advisory = sa.text(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+        )
+        deadline = time.monotonic() + 20
+        with postgres_db.engine.connect() as probe:
+            while probe.execute(advisory).scalar_one() < 1:
+                assert time.monotonic() < deadline, "the successor never waited for the zombie"
+                probe.rollback()
+                time.sleep(0.05)
+        go_on.set()
+        rolling_back.join(timeout=30)
+        requesting.join(timeout=30)
+
+        assert outcomes["zombie"] == [report("tx-2", StepStatus.APPLIED)]
+        assert outcomes["successor"] == [report("tx-1", StepStatus.COMPENSATED)]
+        assert harness.snapshot() == before
+
+
+def test_ledger_entry_written_meanwhile_is_a_transient_error(database: Database) -> None:
+    """The backstop: an entry read as absent but written by someone else before our insert."""
+    from participants._barrier import LedgerEntry
+    from participants._sql import _SqlUnit
+
+    with sql_harness(database) as harness:
+        storage = harness.storage
+        assert isinstance(storage, SqlStorage)
+        storage.execute([])  # set up
+        entry = LedgerEntry("tx-1", 0, LedgerStatus.APPLIED, "delete", {"target": "accounts"})
+        with database.engine.connect() as connection:
+            unit = _SqlUnit(storage, connection, SqlSession(connection, {}))
+            assert unit.entry("tx-1", 0) is None
+            connection.commit()  # let the other writer in (SQLite has one writer at a time)
+            other = harness.make()
+            other.setup()
+            assert isinstance(other, SqlStorage)
+            with database.engine.begin() as elsewhere:
+                elsewhere.execute(
+                    sa.insert(other.ledger_table).values(
+                        participant="bank",
+                        tx_id="tx-1",
+                        step=0,
+                        status="applied",
+                        mode="parallel",
+                        n_steps=1,
+                        deadline_ms=0,
+                        effect=True,
+                        rollback_pending=False,
+                        successor_compensated=False,
+                        updated_ms=0,
+                    )
+                )
+            with pytest.raises(TransientError, match="another worker recorded tx-1 step 0"):
+                unit.write(entry)
+
+
+class TestConfiguration:
+    def test_missing_target_table(self, database: Database) -> None:
+        storage = SqlStorage("bank", database.url, ["accounts", "ghosts"], schema=database.schema)
+        with pytest.raises(ConfigurationError, match=r"target table (\S+\.)?ghosts does not exist"):
+            storage.setup()
+        storage.close()
+
+    def test_target_needs_a_single_column_primary_key(self, database: Database) -> None:
+        metadata = sa.MetaData(schema=database.schema)
+        sa.Table(
+            "pairs",
+            metadata,
+            sa.Column("a", sa.Integer, primary_key=True),
+            sa.Column("b", sa.Integer, primary_key=True),
+        )
+        sa.Table("heap", metadata, sa.Column("a", sa.Integer))
+        metadata.create_all(database.engine)
+        for name, has in (("pairs", "2 columns: a, b"), ("heap", "none")):
+            storage = SqlStorage("bank", database.url, [name], schema=database.schema)
+            with pytest.raises(
+                ConfigurationError, match=f"single-column primary key \\(it has {has}\\)"
+            ):
+                storage.setup()
+            storage.close()
+
+    def test_ledger_cannot_be_a_target(self, database: Database) -> None:
+        with pytest.raises(ConfigurationError, match="cannot also be a target"):
+            SqlStorage("bank", database.url, ["saga_ledger"], schema=database.schema)
+
+    @pytest.mark.parametrize("name", ["accounts; DROP TABLE x", 'a"b', "x\n"])
+    def test_target_names_are_checked_up_front(self, database: Database, name: str) -> None:
+        with pytest.raises(ConfigurationError, match="is not a plain SQL name"):
+            SqlStorage("bank", database.url, [name], schema=database.schema)
+
+    def test_missing_schema(self, postgres_db: Database) -> None:
+        storage = SqlStorage("bank", postgres_db.url, ["accounts"], schema="no_such_schema")
+        with pytest.raises(ConfigurationError, match="schema 'no_such_schema' does not exist"):
+            storage.setup()
+        storage.close()
+
+    def test_setup_is_idempotent_and_the_ledger_is_portable(self, database: Database) -> None:
+        for _ in range(2):
+            storage = SqlStorage("bank", database.url, ["accounts"], schema=database.schema)
+            storage.setup()
+            storage.close()
+        columns = {
+            c["name"]
+            for c in sa.inspect(database.engine).get_columns("saga_ledger", schema=database.schema)
+        }
+        assert {"participant", "tx_id", "step", "before", "updated_ms"} <= columns
+        indexes = sa.inspect(database.engine).get_indexes("saga_ledger", schema=database.schema)
+        assert any(ix["column_names"] == ["participant", "status"] for ix in indexes)
+
+    def test_bad_url(self) -> None:
+        with pytest.raises(ConfigurationError, match="is not a database URL"):
+            SqlStorage("bank", "not a url", ["accounts"])
+
+    def test_confirm_rejection_leaves_the_step_applied(self, database: Database) -> None:
+        with sql_harness(database) as harness:
+
+            def refuse(session: SqlSession, args: Mapping[str, Any]) -> None:
+                orders = session.table("orders")
+                session.execute(sa.update(orders).values(qty=42))
+                raise BusinessRejection("no")
+
+            storage = harness.make(
+                name="shop",
+                handlers={"reserve": Handler(reserve, release, confirm=refuse)},
+            )
+            storage.setup()
+            storage.execute([requested("tx-1", "reserve", {"order": "o-1"})])
+            assert storage.execute([commit("tx-1")]) == []
+            [entry] = storage.ledger("tx-1")
+            assert entry.status is LedgerStatus.APPLIED
+            assert harness.record("orders", "o-1") == {
+                "item": "book",
+                "qty": 0,
+                "price": Decimal("9.99"),
+            }
