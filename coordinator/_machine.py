@@ -353,7 +353,7 @@ def _settle(saga: Saga, at_ms: int) -> Saga:
         return replace(saga, state=state, reason=reason, updated_ms=at_ms)
     if state is SagaState.ROLLED_BACK and saga.state is SagaState.FAILED and saga.reason:
         # A retried compensation succeeded: the operator note no longer holds.
-        reason = saga.reason.split(_OPERATOR_MUST_ACT.split("{")[0])[0]
+        reason = saga.reason.split(_OPERATOR_MUST_ACT.split("{", maxsplit=1)[0])[0]
         return replace(saga, state=state, reason=reason, updated_ms=at_ms)
     if state is not saga.state:
         return replace(saga, state=state, updated_ms=at_ms)

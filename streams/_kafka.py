@@ -1020,11 +1020,20 @@ class Consumer:
     def watermarks(self, topic: str, partition: int, timeout: float = 10.0) -> tuple[int, int]:
         """``(low, high)``: the oldest offset still stored, and the offset of the next record."""
         tp = ck.TopicPartition(topic, partition)
-        marks = self._guard(
-            f"reading the offsets of {topic} [{partition}]",
-            lambda: self._client.get_watermark_offsets(tp, timeout=timeout),
-            topic=topic,
-        )
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                marks = self._guard(
+                    f"reading the offsets of {topic} [{partition}]",
+                    lambda: self._client.get_watermark_offsets(tp, timeout=timeout),
+                    topic=topic,
+                )
+                break
+            except TransientError:
+                # A partition created a moment ago may still answer "not leader".
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.1)
         if marks is None:
             raise TransientError(
                 f"Kafka at {self._settings.bootstrap} did not report the offsets of "
@@ -1140,6 +1149,20 @@ def _existing_counts(admin: AdminClient, names: Iterable[str], timeout: float) -
     return counts
 
 
+def _all_led(admin: AdminClient, names: Iterable[str], timeout: float) -> bool:
+    try:
+        metadata = admin.list_topics(timeout=timeout)
+    except ck.KafkaException as exc:
+        raise _translate(_error_of(exc), "listing the Kafka topics", text=str(exc)) from exc
+    for name in names:
+        described = metadata.topics.get(name)
+        if described is None or described.error is not None:
+            return False
+        if any(p.leader < 0 or p.error is not None for p in described.partitions.values()):
+            return False
+    return True
+
+
 def _check_count(name: str, actual: int, wanted: int) -> None:
     if actual != wanted:
         raise ConfigurationError(
@@ -1248,7 +1271,9 @@ def _await_topics(
         counts = _existing_counts(admin, names, timeout)
         for name, count in counts.items():
             _check_count(name, count, partitions)
-        if len(counts) == len(names):
+        # Ready means every partition has a leader: right after creation a
+        # partition may still answer "not leader" to offset look-ups.
+        if len(counts) == len(names) and _all_led(admin, names, timeout):
             return
         if time.monotonic() >= deadline:
             absent = ", ".join(n for n in names if n not in counts)

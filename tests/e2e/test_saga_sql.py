@@ -223,6 +223,7 @@ def test_null_compensation_and_hanging_prevention(system: SagaSystem) -> None:
             lambda: len(_markers(system, request.tx_id)) == 2,
             timeout=60,
             message="the participants did not record the early rollback",
+            retry_on=(sa.exc.ProgrammingError,),  # the ledger table may not exist yet
         )
         client.send(request)
         final = client.result(request.tx_id, timeout=90)
