@@ -60,8 +60,15 @@ _RANK = {
 
 @dataclass(frozen=True, slots=True)
 class RequestReceived:
+    """A request; ``known`` lists the participants that exist, when the operator said so.
+
+    A step naming a participant outside ``known`` can never be applied: the
+    transaction rolls back at once and that step counts as compensated.
+    """
+
     request: SagaRequest
     at_ms: int
+    known: frozenset[str] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,7 +229,22 @@ def decide(saga: Saga | None, inp: Input) -> tuple[Saga | None, list[Output]]:
                     "payload; the new request is ignored",
                 )
             ]
-        before, after = saga, _settle(_on_request(saga, inp), inp.at_ms)
+        after = _on_request(saga, inp)
+        unknown = [
+            i
+            for i, p in enumerate(after.participants)
+            if inp.known is not None and p not in inp.known
+        ]
+        if unknown:
+            steps = list(after.steps)
+            for i in unknown:
+                steps[i] = StepStatus.COMPENSATED
+            after = replace(after, steps=tuple(steps))
+            if not after.decided:
+                names = ", ".join(sorted({after.participants[i] for i in unknown}))
+                reason = f"step {unknown[0]} names unknown participant(s): {names}"
+                after = _decide(after, Outcome.ROLLBACK, reason, inp.at_ms)
+        before, after = saga, _settle(after, inp.at_ms)
     elif isinstance(inp, StepReported):
         before = saga
         result = _on_step(saga, inp)

@@ -90,7 +90,8 @@ class CoordinatorService:
     (``<prefix>.coordinator``). ``instance_id`` must be stable for an instance
     across restarts and unique among live instances: it names the
     transactional producer, so a restarted instance fences its predecessor and
-    aborts what that one left open.
+    aborts what that one left open. ``participants``, when given, is the set of
+    participant names that exist: a request naming another rolls back at once.
     """
 
     def __init__(
@@ -98,6 +99,7 @@ class CoordinatorService:
         settings: KafkaSettings,
         *,
         instance_id: str = "0",
+        participants: frozenset[str] | None = None,
         batch_size: int = 2000,
         poll_timeout_s: float = 0.05,
         transaction_timeout_ms: int = 10_000,
@@ -106,6 +108,7 @@ class CoordinatorService:
         self.settings = settings
         self.topics = settings.topics
         self.instance_id = instance_id
+        self.participants = participants
         self.batch_size = batch_size
         self.poll_timeout_s = poll_timeout_s
         self.clock = clock
@@ -286,7 +289,7 @@ class CoordinatorService:
             rejected.append((m, f"record key {key!r} differs from its tx_id {record.tx_id!r}"))
             return None
         if isinstance(record, SagaRequest):
-            return RequestReceived(record, now)
+            return RequestReceived(record, now, self.participants)
         if isinstance(record, SagaAbort):
             return AbortRequested(record)
         assert isinstance(record, StepEvent)

@@ -120,14 +120,27 @@ def coordinator() -> None:
     show_default=True,
     help="Stable and unique per coordinator process; names its transactional producer.",
 )
+@click.option(
+    "--participants",
+    default=None,
+    help="Comma-separated names of the participants that exist; a request naming "
+    "another rolls back at once (default: accept any name).",
+)
 def coordinator_run(
-    bootstrap: str | None, prefix: str | None, kafka_config: str | None, instance_id: str
+    bootstrap: str | None,
+    prefix: str | None,
+    kafka_config: str | None,
+    instance_id: str,
+    participants: str | None,
 ) -> None:
     """Consume requests and step events, decide commit or rollback, publish status."""
     from coordinator._service import CoordinatorService
 
+    known = (
+        frozenset(p.strip() for p in participants.split(",") if p.strip()) if participants else None
+    )
     service = CoordinatorService(
-        settings_from(bootstrap, prefix, kafka_config), instance_id=instance_id
+        settings_from(bootstrap, prefix, kafka_config), instance_id=instance_id, participants=known
     )
     service.install_signal_handlers()
     service.run()
@@ -329,6 +342,61 @@ def watch(
         pass
     finally:
         view.close()
+
+
+@main.command()
+@kafka_options
+@click.option("--sagas", type=click.IntRange(1, 1_000_000), default=2000, show_default=True)
+@click.option(
+    "--fail-share",
+    type=click.FloatRange(0, 1),
+    default=0.2,
+    show_default=True,
+    help="Share of sagas designed to fail (insufficient funds).",
+)
+@click.option(
+    "--postgres-url",
+    envvar="SAGA_POSTGRES_URL",
+    required=True,
+    help="PostgreSQL for the ledger and shop participants [env SAGA_POSTGRES_URL].",
+)
+@click.option(
+    "--mongo-url",
+    envvar="SAGA_MONGO_URL",
+    default=None,
+    help="MongoDB-wire server to check [env SAGA_MONGO_URL].",
+)
+@click.option(
+    "--redis-url",
+    envvar="SAGA_REDIS_URL",
+    default=None,
+    help="Redis to check [env SAGA_REDIS_URL].",
+)
+def demo(
+    bootstrap: str | None,
+    prefix: str | None,
+    kafka_config: str | None,
+    sagas: int,
+    fail_share: float,
+    postgres_url: str,
+    mongo_url: str | None,
+    redis_url: str | None,
+) -> None:
+    """Run the demo workload end to end on running services and print a summary.
+
+    `make demo` starts the local services and runs this. Each run uses fresh
+    topics (prefix demo-<time> unless --prefix is given) and recreates the
+    saga_demo schema.
+    """
+    from rich.console import Console
+
+    from coordinator._demo import DemoConfig, run_demo
+
+    settings = settings_from(bootstrap, prefix or f"demo-{int(time.time())}", kafka_config)
+    cfg = DemoConfig(
+        settings, postgres_url, mongo_url, redis_url, sagas=sagas, fail_share=fail_share
+    )
+    sys.exit(run_demo(cfg, Console()))
 
 
 @main.command("schema")

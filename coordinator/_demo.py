@@ -1,0 +1,381 @@
+"""The demo workload: a shop's orders as sagas across real services.
+
+``saga demo`` checks that every local service answers, creates fresh topics
+and tables, starts a coordinator and the participants as real processes,
+drives a few thousand order sagas (about a fifth designed to fail for lack of
+funds), shows a live progress bar, prints a summary with decision latencies,
+checks that money is conserved across the stores, and stops what it started.
+"""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import sqlalchemy as sa
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from coordinator._client import SagaClient
+from streams import (
+    ConfigurationError,
+    Decision,
+    SagaState,
+    SagaStatus,
+    Step,
+    TransientError,
+    decode_as,
+)
+from streams._kafka import Consumer, KafkaSettings, create_topics, wait_for_broker
+
+ACCOUNTS = 200
+OPENING_BALANCE = 1_000
+SCHEMA = "saga_demo"
+
+_metadata = sa.MetaData(schema=SCHEMA)
+accounts = sa.Table(
+    "accounts",
+    _metadata,
+    sa.Column("id", sa.Text, primary_key=True),
+    sa.Column("balance", sa.BigInteger, nullable=False),
+)
+orders_table = sa.Table(
+    "orders",
+    _metadata,
+    sa.Column("id", sa.Text, primary_key=True),
+    sa.Column("account", sa.Text, nullable=False),
+    sa.Column("item", sa.Text, nullable=False),
+    sa.Column("amount", sa.BigInteger),
+)
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    kafka: KafkaSettings
+    postgres_url: str
+    mongo_url: str | None
+    redis_url: str | None
+    sagas: int = 2_000
+    fail_share: float = 0.2
+    partitions: int = 4
+    seed: int = 7
+    logs: Path = Path(".infra/logs/demo")
+
+
+def _sa_url(url: str) -> str:
+    if url.startswith("postgresql://"):
+        return "postgresql+psycopg://" + url.removeprefix("postgresql://")
+    return url
+
+
+def check_services(cfg: DemoConfig, console: Console) -> None:
+    """One line per service: it answers, or the demo stops with a sentence saying which."""
+    wait_for_broker(cfg.kafka, timeout=20)
+    console.print(f"  kafka      {cfg.kafka.bootstrap}  [green]answers[/]")
+    engine = sa.create_engine(_sa_url(cfg.postgres_url))
+    try:
+        with engine.connect() as conn:
+            version = conn.execute(sa.text("SHOW server_version")).scalar()
+    except sa.exc.OperationalError as exc:
+        raise TransientError(f"PostgreSQL at {cfg.postgres_url} does not answer") from exc
+    finally:
+        engine.dispose()
+    console.print(f"  postgres   {version}  [green]answers[/]")
+    if cfg.mongo_url:
+        import pymongo
+
+        client: pymongo.MongoClient[dict[str, object]] = pymongo.MongoClient(
+            cfg.mongo_url, serverSelectionTimeoutMS=5000
+        )
+        try:
+            info = client.server_info()
+        except pymongo.errors.PyMongoError as exc:
+            raise TransientError(
+                f"the MongoDB-wire server at {cfg.mongo_url} does not answer"
+            ) from exc
+        finally:
+            client.close()
+        console.print(f"  mongo      wire version {info.get('version')}  [green]answers[/]")
+    if cfg.redis_url:
+        import redis
+
+        r = redis.Redis.from_url(cfg.redis_url, socket_timeout=5)
+        try:
+            aof = r.config_get("appendonly").get("appendonly")
+        except redis.RedisError as exc:
+            raise TransientError(f"Redis at {cfg.redis_url} does not answer") from exc
+        finally:
+            r.close()
+        console.print(f"  redis      appendonly={aof}  [green]answers[/]")
+
+
+def prepare_tables(cfg: DemoConfig) -> None:
+    engine = sa.create_engine(_sa_url(cfg.postgres_url))
+    try:
+        with engine.begin() as conn:
+            conn.execute(sa.schema.DropSchema(SCHEMA, cascade=True, if_exists=True))
+            conn.execute(sa.schema.CreateSchema(SCHEMA))
+            _metadata.create_all(conn)
+            conn.execute(
+                accounts.insert(),
+                [{"id": f"acct-{i:04d}", "balance": OPENING_BALANCE} for i in range(ACCOUNTS)],
+            )
+    finally:
+        engine.dispose()
+
+
+@contextmanager
+def processes(cfg: DemoConfig) -> Iterator[list[subprocess.Popen[bytes]]]:
+    """The coordinator and the participants, as the user would run them."""
+    cfg.logs.mkdir(parents=True, exist_ok=True)
+    common = ["--bootstrap", cfg.kafka.bootstrap, "--prefix", cfg.kafka.prefix]
+    commands = {
+        "coordinator": ["coordinator", "run", *common, "--participants", "ledger,shop"],
+        "ledger": [
+            "participant",
+            "run",
+            *common,
+            "--name",
+            "ledger",
+            "--storage",
+            "sql",
+            "--url",
+            cfg.postgres_url,
+            "--schema",
+            SCHEMA,
+            "--targets",
+            "accounts",
+        ],
+        "shop": [
+            "participant",
+            "run",
+            *common,
+            "--name",
+            "shop",
+            "--storage",
+            "sql",
+            "--url",
+            cfg.postgres_url,
+            "--schema",
+            SCHEMA,
+            "--targets",
+            "orders",
+        ],
+    }
+    procs = []
+    try:
+        for name, args in commands.items():
+            log = (cfg.logs / f"{name}.log").open("wb")
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "coordinator", *args],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+            )
+            log.close()
+        yield procs
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def order_saga(rng: random.Random, n: int, fail_share: float) -> tuple[list[Step], bool]:
+    """Debit an account and record the order; ``True`` when designed to fail."""
+    account = f"acct-{rng.randrange(ACCOUNTS):04d}"
+    doomed = rng.random() < fail_share
+    amount = OPENING_BALANCE * 10 if doomed else rng.randint(1, 40)
+    return [
+        Step(
+            "ledger",
+            "increment",
+            {"target": "accounts", "key": account, "field": "balance", "by": -amount, "min": 0},
+        ),
+        Step(
+            "shop",
+            "insert",
+            {
+                "target": "orders",
+                "key": f"order-{n:06d}",
+                "value": {"account": account, "item": "book", "amount": amount},
+            },
+        ),
+    ], doomed
+
+
+def _percentile(values: list[int], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return float(ordered[min(len(ordered) - 1, int(q * len(ordered)))])
+
+
+def read_decisions(settings: KafkaSettings) -> dict[str, Decision]:
+    consumer = Consumer(settings, group_id=None, client_id="saga.demo")
+    found: dict[str, Decision] = {}
+    try:
+        topic = settings.topics.decisions
+        ends = {}
+        for p in range(consumer.list_partitions(topic)):
+            low, high = consumer.watermarks(topic, p)
+            if high > low:
+                ends[p] = high
+        consumer.assign([(topic, p, 0) for p in ends])
+        deadline = time.monotonic() + 60
+        while ends and time.monotonic() < deadline:
+            for m in consumer.poll_batch(5000, 0.2):
+                d = decode_as(m.value, Decision)
+                assert isinstance(d, Decision)
+                found.setdefault(d.tx_id, d)
+            pos = consumer.position([(topic, p) for p in ends])
+            ends = {p: h for p, h in ends.items() if (pos.get((topic, p)) or 0) < h}
+    finally:
+        consumer.close()
+    return found
+
+
+def run_demo(cfg: DemoConfig, console: Console) -> int:
+    console.rule("[bold]saga demo")
+    console.print("Services:")
+    check_services(cfg, console)
+    create_topics(cfg.kafka, cfg.partitions)
+    prepare_tables(cfg)
+    console.print(
+        f"Topics under prefix [bold]{cfg.kafka.prefix}[/], {ACCOUNTS} accounts "
+        f"of {OPENING_BALANCE} in PostgreSQL schema {SCHEMA}."
+    )
+    rng = random.Random(cfg.seed)
+    created: dict[str, int] = {}
+    with processes(cfg) as procs, SagaClient(cfg.kafka, status_from_beginning=False) as client:
+        progress = Progress(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[counts]}"),
+            TimeElapsedColumn(),
+            console=console,
+        )
+        # One saga first (designed to roll back, so it leaves no trace): the
+        # processes have joined their groups once it finishes, so the latencies
+        # below measure sagas, not start-up.
+        with console.status("starting the coordinator and participants"):
+            warm = client.submit(order_saga(rng, -1, 1.0)[0], saga="warm-up", timeout=120)
+            client.result(warm, timeout=120)
+        with progress:
+            task = progress.add_task("sagas", total=cfg.sagas, counts="")
+            for n in range(cfg.sagas):
+                steps, _ = order_saga(rng, n, cfg.fail_share)
+                request = client.build(steps, saga="order", timeout=60)
+                client.send(request, wait_delivery=False)
+                created[request.tx_id] = request.created_ms
+            client.flush()
+            deadline = time.monotonic() + 180
+            while True:
+                snap = client.statuses()
+                final = Counter(
+                    s.state.value for tx, s in snap.items() if tx in created and s.state.final
+                )
+                done = sum(final.values())
+                progress.update(
+                    task,
+                    completed=done,
+                    counts=(f"committed {final['committed']}  rolled back {final['rolled_back']}"),
+                )
+                if done >= cfg.sagas:
+                    break
+                if any(p.poll() is not None for p in procs):
+                    raise ConfigurationError(
+                        f"a demo process exited early; see the logs in {cfg.logs}"
+                    )
+                if time.monotonic() > deadline:
+                    raise TransientError(
+                        f"only {done} of {cfg.sagas} sagas finished within 180 s; "
+                        f"see the logs in {cfg.logs}"
+                    )
+                time.sleep(0.2)
+        statuses = {tx: s for tx, s in client.statuses().items() if tx in created}
+    decisions = read_decisions(cfg.kafka)
+    return summarize(cfg, console, created, statuses, decisions)
+
+
+def summarize(
+    cfg: DemoConfig,
+    console: Console,
+    created: dict[str, int],
+    statuses: Mapping[str, SagaStatus],
+    decisions: dict[str, Decision],
+) -> int:
+    states = Counter(getattr(s, "state", SagaState.PENDING).value for s in statuses.values())
+    reasons = Counter(
+        _reason_kind(getattr(s, "reason", "") or "")
+        for s in statuses.values()
+        if getattr(s, "state", None) is SagaState.ROLLED_BACK
+    )
+    latency = [d.at_ms - created[tx] for tx, d in decisions.items() if tx in created]
+    table = Table(title="summary")
+    table.add_column("what")
+    table.add_column("value", justify="right")
+    table.add_row("sagas submitted", str(len(created)))
+    table.add_row("committed", str(states["committed"]))
+    table.add_row("rolled back", str(states["rolled_back"]))
+    for reason, count in reasons.most_common():
+        table.add_row(f"  {reason}", str(count))
+    table.add_row("failed (operator must act)", str(states["failed"]))
+    table.add_row("decision latency p50", f"{_percentile(latency, 0.50):.0f} ms")
+    table.add_row("decision latency p99", f"{_percentile(latency, 0.99):.0f} ms")
+    console.print(table)
+
+    engine = sa.create_engine(_sa_url(cfg.postgres_url))
+    try:
+        with engine.connect() as conn:
+            total = conn.execute(sa.select(sa.func.sum(accounts.c.balance))).scalar()
+            negative = conn.execute(
+                sa.select(sa.func.count()).where(accounts.c.balance < 0)
+            ).scalar()
+            spent = conn.execute(
+                sa.select(sa.func.coalesce(sa.func.sum(orders_table.c.amount), 0))
+            ).scalar()
+            orders = conn.execute(sa.select(sa.func.count()).select_from(orders_table)).scalar()
+    finally:
+        engine.dispose()
+    opening = ACCOUNTS * OPENING_BALANCE
+    conserved = int(total or 0) + int(spent or 0) == opening
+    checks = Table(title="cross-store check")
+    checks.add_column("check")
+    checks.add_column("result")
+    checks.add_row(
+        "balances + orders == opening money",
+        f"{int(total or 0)} + {int(spent or 0)} == {opening}: "
+        + ("[green]ok[/]" if conserved else "[red]VIOLATED[/]"),
+    )
+    checks.add_row("no negative balance", "[green]ok[/]" if negative == 0 else "[red]VIOLATED[/]")
+    orders_ok = orders == states["committed"]
+    checks.add_row(
+        "one order per committed saga",
+        f"{orders} orders: " + ("[green]ok[/]" if orders_ok else "[red]VIOLATED[/]"),
+    )
+    console.print(checks)
+    ok = conserved and negative == 0 and orders_ok and states["failed"] == 0
+    console.print("[bold green]demo passed[/]" if ok else "[bold red]demo found a violation[/]")
+    return 0 if ok else 1
+
+
+def _reason_kind(reason: str) -> str:
+    if "below the minimum" in reason:
+        return "insufficient funds"
+    if reason == "deadline passed":
+        return "deadline passed"
+    return reason.split(":", 1)[0] if reason else "unknown"
