@@ -14,6 +14,7 @@ from ._errors import (
     SagaTimeout,
     TransientError,
 )
+from ._kafka import KafkaSettings
 from ._records import (
     MAX_STEPS,
     RECORD_TYPES,
@@ -46,6 +47,7 @@ __all__ = [
     "Decision",
     "FatalKafkaError",
     "InvalidRecord",
+    "KafkaSettings",
     "Mode",
     "Outcome",
     "Record",

@@ -17,13 +17,20 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import sqlalchemy as sa
 
 from coordinator import SagaClient
 from streams import Decision, StepEvent, decode
-from streams._kafka import Consumer, KafkaSettings, Producer, create_topics, delete_topics
+from streams._kafka import (
+    Consumer,
+    KafkaSettings,
+    Message,
+    Producer,
+    create_topics,
+    delete_topics,
+)
 from tests._infra import Services, sqlalchemy_url, unique_name
 
 
@@ -75,6 +82,9 @@ class SagaSystem:
     partitions: int = 4
     prefix: str = field(default_factory=lambda: unique_name("saga"))
     procs: list[Proc] = field(default_factory=list)
+    # Extra environment for every process started from now on, e.g.
+    # {"SAGA_KAFKA_SESSION_TIMEOUT_MS": "6000"} (SAGA_KAFKA_<NAME> sets a librdkafka setting).
+    extra_env: dict[str, str] = field(default_factory=dict)
 
     @property
     def settings(self) -> KafkaSettings:
@@ -85,6 +95,7 @@ class SagaSystem:
         env["SAGA_KAFKA_BOOTSTRAP"] = self.services.kafka_bootstrap
         env["SAGA_TOPIC_PREFIX"] = self.prefix
         env.pop("SAGA_FAULTS", None)
+        env.update(self.extra_env)
         if faults:
             env["SAGA_FAULTS"] = faults
         return env
@@ -100,12 +111,17 @@ class SagaSystem:
         self.procs.append(proc)
         return proc
 
-    def coordinator(self, instance_id: str = "0", faults: str | None = None) -> Proc:
-        return self.start(
-            f"coordinator-{instance_id}",
-            ["coordinator", "run", "--instance-id", instance_id],
-            faults,
-        )
+    def coordinator(
+        self,
+        instance_id: str = "0",
+        faults: str | None = None,
+        participants: Sequence[str] | None = None,
+    ) -> Proc:
+        """Start ``saga coordinator run``; ``participants`` passes ``--participants a,b``."""
+        args = ["coordinator", "run", "--instance-id", instance_id]
+        if participants is not None:
+            args += ["--participants", ",".join(participants)]
+        return self.start(f"coordinator-{instance_id}", args, faults)
 
     def participant(
         self, name: str, targets: Sequence[str], faults: str | None = None, tag: str = ""
@@ -167,9 +183,42 @@ class SagaSystem:
                         if m.offset + 1 >= high:
                             done = True
                     pos = consumer.position([(topic, p)])
-                    if pos and all(v >= high for v in pos.values()):
+                    if pos and all(v is not None and v >= high for v in pos.values()):
                         done = True
             return records
+        finally:
+            consumer.close()
+
+    def read_messages(
+        self,
+        topic: str,
+        isolation_level: Literal["read_committed", "read_uncommitted"] = "read_committed",
+    ) -> list[Message]:
+        """Every record of a topic as raw messages (key, value bytes, headers, offsets),
+        in partition then offset order; ``read_uncommitted`` also shows aborted records."""
+        consumer = Consumer(
+            self.settings,
+            group_id=None,
+            client_id="test-raw-reader",
+            isolation_level=isolation_level,
+        )
+        try:
+            found: list[Message] = []
+            for p in range(consumer.list_partitions(topic)):
+                low, high = consumer.watermarks(topic, p)
+                if high <= low:
+                    continue
+                consumer.assign([(topic, p, low)])
+                deadline = time.monotonic() + 30
+                while time.monotonic() < deadline:
+                    batch = consumer.poll_batch(1000, 0.2)
+                    found.extend(batch)
+                    if batch and batch[-1].offset + 1 >= high:
+                        break
+                    pos = consumer.position([(topic, p)])
+                    if pos and all(v is not None and v >= high for v in pos.values()):
+                        break
+            return found
         finally:
             consumer.close()
 

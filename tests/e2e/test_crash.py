@@ -1,0 +1,239 @@
+"""Crash tests: kill -9 participants and coordinators at the protocol's critical points.
+
+The fault points of ``streams._faults`` (armed through ``SAGA_FAULTS``) SIGKILL a
+process exactly between two steps of its protocol; ``Proc.kill()`` kills at
+arbitrary moments under load. After each crash the process is restarted (a
+coordinator with the same ``--instance-id``) and the transfer workload of
+``tests/_workload.py`` must still finish with DESIGN §6 intact: every saga
+final, one decision per transaction, each step applied at most once.
+
+The processes run with a 6 s Kafka session timeout (``SAGA_KAFKA_SESSION_TIMEOUT_MS``;
+the library default is librdkafka's 45 s): a restarted member can only take the
+partitions over once the group has given up on the killed one.
+"""
+
+from __future__ import annotations
+
+import random
+import signal
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from streams import Decision, StepEvent, StepStatus, decode
+from streams._kafka import Consumer
+from tests._infra import Services, eventually
+from tests._system import Proc, SagaSystem
+from tests._workload import (
+    check_invariants,
+    final_count,
+    ledger_rows,
+    make_transfers,
+    seed,
+    submit_all,
+    wait_all_final,
+)
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(150)]
+
+SESSION_TIMEOUT_MS = 6000  # the broker's group.min.session.timeout.ms
+TAKEOVER_S = SESSION_TIMEOUT_MS / 1000 + 60  # session expiry + rebalance + restore + slack
+
+
+@pytest.fixture
+def system(services: Services, pg_schema: tuple[str, str], tmp_path: Path) -> Iterator[SagaSystem]:
+    _, schema = pg_schema
+    s = SagaSystem(
+        services,
+        tmp_path,
+        schema,
+        partitions=4,
+        extra_env={"SAGA_KAFKA_SESSION_TIMEOUT_MS": str(SESSION_TIMEOUT_MS)},
+    )
+    seed(s)
+    s.create_topics()
+    try:
+        yield s
+    finally:
+        s.stop_all()
+        s.delete_topics()
+
+
+def wait_killed(proc: Proc, what: str) -> None:
+    eventually(
+        lambda: not proc.alive,
+        timeout=60,
+        message=f"{what} did not hit its fault point",
+    )
+    assert proc.popen is not None
+    assert proc.popen.returncode == -signal.SIGKILL, (proc.popen.returncode, proc.log())
+
+
+def events_of(system: SagaSystem, participant: str) -> list[StepEvent]:
+    return [
+        r
+        for r in system.read_topic(system.settings.topics.events)
+        if isinstance(r, StepEvent) and r.participant == participant
+    ]
+
+
+def committed_offsets(system: SagaSystem, group: str, topic: str) -> dict[int, int | None]:
+    reader = Consumer(system.settings, group_id=group, client_id="test-offsets")
+    try:
+        n = reader.list_partitions(topic)
+        got = reader.committed([(topic, p) for p in range(n)])
+        return {p: off for (_, p), off in got.items()}
+    finally:
+        reader.close()
+
+
+# ---------------------------------------------------------------- participant crashes
+
+
+def test_participant_killed_between_local_commit_and_events(system: SagaSystem) -> None:
+    """participant.after_local_commit: the storage committed the first batch, the events
+    were never sent. The restarted participant re-reads the batch, its ledger turns the
+    repeat into re-emitted events, and no step takes effect twice."""
+    transfers = make_transfers(60, tag="lc")
+    system.coordinator()
+    system.participant("shop", ["orders"])
+    with system.client() as client:
+        submit_all(client, transfers)
+        # The whole load is in the log before the bank starts: its first batch holds
+        # requests, so the crash comes right after a local commit with real work in it.
+        bank = system.participant(
+            "bank", ["accounts"], faults="participant.after_local_commit:1", tag="-faulty"
+        )
+        wait_killed(bank, "the bank participant")
+        applied_locally = {
+            (tx, step) for who, tx, step, _, effect in ledger_rows(system) if who == "bank"
+        }
+        assert applied_locally, "the crashed batch committed nothing locally"
+        reported = {(e.tx_id, e.step) for e in events_of(system, "bank")}
+        assert not reported, f"events were sent before the crash: {sorted(reported)[:5]}"
+
+        system.participant("bank", ["accounts"])
+        finals = wait_all_final(client, [t.tx_id for t in transfers], timeout=TAKEOVER_S + 60)
+
+    states = check_invariants(system, transfers, finals)
+    assert states["committed"] > 0 and states["rolled_back"] > 0, states
+    # The locally committed steps were reported once the participant came back.
+    reported = {(e.tx_id, e.step) for e in events_of(system, "bank")}
+    assert applied_locally <= reported
+
+
+def test_participant_killed_between_events_and_offset_commit(system: SagaSystem) -> None:
+    """participant.after_events: the events of the first batch are in the log, its input
+    offsets are not committed. The restart redelivers the batch: the events come again
+    (idempotent re-emission), the effects do not."""
+    transfers = make_transfers(60, tag="ev")
+    system.coordinator()
+    system.participant("shop", ["orders"])
+    with system.client() as client:
+        submit_all(client, transfers)
+        bank = system.participant(
+            "bank", ["accounts"], faults="participant.after_events:1", tag="-faulty"
+        )
+        wait_killed(bank, "the bank participant")
+        first = events_of(system, "bank")
+        assert first, "the crashed batch emitted no events"
+        offsets = committed_offsets(
+            system, f"{system.prefix}.participant.bank", system.settings.topics.requests
+        )
+        assert all(off is None for off in offsets.values()), offsets
+
+        system.participant("bank", ["accounts"])
+        finals = wait_all_final(client, [t.tx_id for t in transfers], timeout=TAKEOVER_S + 60)
+
+    states = check_invariants(system, transfers, finals)
+    assert states["committed"] > 0 and states["rolled_back"] > 0, states
+    # The redelivered batch was answered again: its reports are in the log twice.
+    counts = Counter((e.tx_id, e.step, e.status) for e in events_of(system, "bank"))
+    assert all(counts[(e.tx_id, e.step, e.status)] >= 2 for e in first), "no redelivery"
+
+
+# ---------------------------------------------------------------- coordinator crashes
+
+
+@pytest.mark.parametrize("point", ["coordinator.after_read", "coordinator.before_commit"])
+def test_coordinator_killed_mid_batch(system: SagaSystem, point: str) -> None:
+    """The coordinator dies with records read and nothing decided (after_read), or with
+    decisions produced inside a Kafka transaction that never commits (before_commit).
+    Restarted with the same instance id, it fences its predecessor, re-reads the batch and
+    decides every saga exactly once."""
+    transfers = make_transfers(60, tag="co")
+    system.participant("bank", ["accounts"])
+    system.participant("shop", ["orders"])
+    with system.client() as client:
+        submit_all(client, transfers)
+        # Let the participants answer every request first, so the coordinator's first
+        # batch holds requests and events: enough to decide most sagas at once.
+        eventually(
+            lambda: len(system.read_topic(system.settings.topics.events)) >= 3 * len(transfers),
+            timeout=60,
+            message="the participants did not answer the requests",
+        )
+        faulty = system.coordinator("c1", faults=f"{point}:1")
+        wait_killed(faulty, "the coordinator")
+        # Nothing it did is visible to read_committed readers.
+        assert system.read_topic(system.settings.topics.decisions) == []
+        if point == "coordinator.after_read":  # its very first batch
+            assert system.read_topic(system.settings.topics.status) == []
+        else:
+            # The aborted (or still open) transaction did carry decisions.
+            uncommitted = [
+                decode(m.value)
+                for m in system.read_messages(
+                    system.settings.topics.decisions, isolation_level="read_uncommitted"
+                )
+            ]
+            assert any(isinstance(d, Decision) for d in uncommitted), "no decision was produced"
+
+        restarted = system.coordinator("c1")
+        # More load after the restart: the new instance keeps working.
+        more = make_transfers(20, tag="co2")
+        submit_all(client, more)
+        transfers += more
+        finals = wait_all_final(client, [t.tx_id for t in transfers], timeout=TAKEOVER_S + 60)
+        assert restarted.alive
+
+    states = check_invariants(system, transfers, finals)
+    assert states["committed"] > 0 and states["rolled_back"] > 0, states
+
+
+# ---------------------------------------------------------------- kills at random moments
+
+
+def test_random_kills_under_load(system: SagaSystem) -> None:
+    """kill -9 of the bank participant and of the coordinator at random points of a running
+    load (not at a fault point); each is restarted at once. Every saga still finishes with
+    one decision and every step applied at most once."""
+    rnd = random.Random()
+    transfers = make_transfers(150, tag="rk")
+    waves = [transfers[:50], transfers[50:100], transfers[100:]]
+    coordinator = system.coordinator("r")
+    bank = system.participant("bank", ["accounts"])
+    system.participant("shop", ["orders"])
+    ids = [t.tx_id for t in transfers]
+    with system.client() as client:
+        submit_all(client, waves[0])
+        # Kill the bank once a random share of the first wave is done, mid-flight.
+        goal = rnd.randint(1, 40)
+        eventually(lambda: final_count(client, ids) >= goal, timeout=60, message="no progress")
+        submit_all(client, waves[1])
+        bank.kill()
+        system.participant("bank", ["accounts"], tag="-2")
+        # Kill the coordinator somewhere in the second wave.
+        goal = rnd.randint(55, 90)
+        eventually(
+            lambda: final_count(client, ids) >= goal, timeout=TAKEOVER_S + 30, message="stalled"
+        )
+        submit_all(client, waves[2])
+        coordinator.kill()
+        system.coordinator("r")
+        finals = wait_all_final(client, ids, timeout=TAKEOVER_S + 60)
+
+    states = check_invariants(system, transfers, finals)
+    assert states["committed"] > 0 and states["rolled_back"] > 0, states
