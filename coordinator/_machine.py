@@ -19,8 +19,8 @@ Rules (DESIGN §1, §6):
 A step event may arrive before its request (topics are read concurrently). The
 machine then keeps a *placeholder* saga (``request_seen`` false) that records
 the events, publishes it (so a restarted coordinator rebuilds it from the status
-topic) and completes it when the request arrives. A ``failed`` step needs no
-request to decide: the transaction rolls back at once.
+topic) and, when the request arrives, counts them with the request's checks.
+Nothing is decided on an early event: only the request tells whether it is valid.
 """
 
 from __future__ import annotations
@@ -125,6 +125,8 @@ class Saga:
     updated_ms: int
     deadline_ms: int
     fingerprint: str | None
+    early: tuple[StepEvent, ...] = ()
+    """Step events seen before the request, checked and counted when it arrives."""
 
     @property
     def decided(self) -> bool:
@@ -170,6 +172,13 @@ class Saga:
             updated_ms=status.updated_ms,
             deadline_ms=status.deadline_ms,
             fingerprint=status.fingerprint,
+            early=()
+            if status.fingerprint is not None
+            else tuple(
+                StepEvent(status.tx_id, i, p.participant, p.status, status.updated_ms)
+                for i, p in enumerate(status.steps)
+                if p.status is not StepStatus.PENDING and p.participant != UNKNOWN_PARTICIPANT
+            ),
         )
 
 
@@ -275,44 +284,40 @@ def _on_request(saga: Saga | None, inp: RequestReceived) -> Saga:
     fresh = _new_from_request(request, inp.at_ms)
     if saga is None:
         return fresh
-    # Complete a placeholder: keep what early events and an early decision said,
-    # but only events from the participant the request names for that step.
-    steps = list(fresh.steps)
-    for index, (status, who) in enumerate(zip(saga.steps, saga.participants, strict=True)):
-        if index < len(steps) and who == fresh.participants[index]:
-            steps[index] = status
-    return replace(
+    # Complete a placeholder: keep an early decision (an abort), then count the
+    # early step events as if they came now, with the request's checks.
+    after = replace(
         fresh,
-        steps=tuple(steps),
         outcome=saga.outcome,
         state=saga.state,
         reason=saga.reason if saga.decided else None,
     )
+    # In step order, not arrival order: a coordinator restored from the status
+    # topic knows only the steps, and must decide the same way.
+    for event in sorted(saga.early, key=lambda e: e.step):
+        result = _on_step(after, StepReported(event, inp.at_ms))
+        if not isinstance(result, Ignored):
+            after = result
+    return after
 
 
 def _on_step(saga: Saga | None, inp: StepReported) -> Saga | Ignored:
     event = inp.event
     if saga is None:
         saga = _placeholder(event.tx_id, inp.at_ms)
-    if saga.request_seen:
-        if event.step >= len(saga.steps):
-            return Ignored(
-                event.tx_id,
-                f"step {event.step} of {event.tx_id} does not exist "
-                f"(the request has {len(saga.steps)} steps)",
-            )
-        if saga.participants[event.step] != event.participant:
-            return Ignored(
-                event.tx_id,
-                f"step {event.step} of {event.tx_id} belongs to "
-                f"{saga.participants[event.step]!r}, not {event.participant!r}",
-            )
-    elif event.step >= len(saga.steps):
-        grow = event.step + 1 - len(saga.steps)
-        saga = replace(
-            saga,
-            steps=saga.steps + (StepStatus.PENDING,) * grow,
-            participants=saga.participants + (UNKNOWN_PARTICIPANT,) * grow,
+    if not saga.request_seen:
+        return _remember_early(saga, event, inp.at_ms)
+    if event.step >= len(saga.steps):
+        return Ignored(
+            event.tx_id,
+            f"step {event.step} of {event.tx_id} does not exist "
+            f"(the request has {len(saga.steps)} steps)",
+        )
+    if saga.participants[event.step] != event.participant:
+        return Ignored(
+            event.tx_id,
+            f"step {event.step} of {event.tx_id} belongs to "
+            f"{saga.participants[event.step]!r}, not {event.participant!r}",
         )
     current = saga.steps[event.step]
     if not _advances(current, event.status):
@@ -335,6 +340,36 @@ def _on_step(saga: Saga | None, inp: StepReported) -> Saga | Ignored:
                 inp.at_ms,
             )
     return saga
+
+
+def _remember_early(saga: Saga, event: StepEvent, at_ms: int) -> Saga:
+    """Keep an event that came before its request; decide nothing on it yet.
+
+    Whether the event is valid (the step exists, the participant is the one
+    named) is only known with the request. The published placeholder shows the
+    latest report per step, so a restarted coordinator knows it too.
+    """
+    if any(
+        e.step == event.step and e.participant == event.participant and e.status == event.status
+        for e in saga.early
+    ):
+        return saga
+    steps, participants = list(saga.steps), list(saga.participants)
+    if event.step >= len(steps):
+        grow = event.step + 1 - len(steps)
+        steps += [StepStatus.PENDING] * grow
+        participants += [UNKNOWN_PARTICIPANT] * grow
+    same = participants[event.step] == event.participant
+    if not same or _advances(steps[event.step], event.status):
+        steps[event.step] = event.status
+        participants[event.step] = event.participant
+    return replace(
+        saga,
+        steps=tuple(steps),
+        participants=tuple(participants),
+        early=(*saga.early, event),
+        updated_ms=at_ms,
+    )
 
 
 def _advances(current: StepStatus, new: StepStatus) -> bool:

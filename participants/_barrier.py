@@ -87,6 +87,7 @@ class Requested:
     deadline_ms: int
     now_ms: int
     predecessor_applied: bool = False  # sequential: step - 1 was seen applied already
+    successor_compensated: bool = False  # sequential: step + 1 was seen compensated already
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,8 +200,9 @@ def _on_request(entry: LedgerEntry | None, tx_rolled_back: bool, s: Requested) -
         return _nothing("request repeated while waiting for the predecessor")
     if entry is not None:
         return _reemit(entry)  # idempotency: the request was acted on already
-    if tx_rolled_back:
-        # Hanging prevention: the rollback came first; the step is closed for good.
+    if tx_rolled_back or s.successor_compensated:
+        # Hanging prevention: the rollback came first (a compensated successor
+        # means one was decided); the step is closed for good.
         closed = _entry(s, LedgerStatus.COMPENSATED, "rolled back before the request arrived")
         return Plan(Effect.NONE, closed, StepStatus.COMPENSATED)
     if s.now_ms > s.deadline_ms:
@@ -274,6 +276,16 @@ def _compensate(entry: LedgerEntry, now_ms: int) -> Plan:
 
 
 def _on_successor(entry: LedgerEntry | None, s: SuccessorCompensated) -> Plan:
+    if entry is not None and entry.status is LedgerStatus.WAITING:
+        # A compensated successor means the saga rolls back: this step, never
+        # applied, is closed now so its predecessor's `applied` cannot open it.
+        closed = replace(
+            entry,
+            status=LedgerStatus.COMPENSATED,
+            reason="rolled back before the step was applied",
+            updated_ms=s.now_ms,
+        )
+        return Plan(Effect.NONE, closed, StepStatus.COMPENSATED)
     if entry is None or entry.status is not LedgerStatus.APPLIED:
         return _nothing()
     if entry.rollback_pending:

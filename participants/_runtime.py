@@ -105,16 +105,28 @@ class ParticipantRuntime:
         self._stop = threading.Event()
         # (tx_id, step) of recently seen `applied` events -> when seen
         self._applied_seen: OrderedDict[tuple[str, int], int] = OrderedDict()
+        # (tx_id, step) of recently seen `compensated` events -> when seen
+        self._compensated_seen: OrderedDict[tuple[str, int], int] = OrderedDict()
         # sequential transactions with a step here -> when last touched; only
         # their neighbours' events need a look at the ledger
         self._sequential: OrderedDict[str, int] = OrderedDict()
         self._carry: list[Message] = []
+        # Partitions were assigned: sequential transactions another worker was
+        # serving may have a step here that waits on a neighbour (see _handle).
+        self._reload_sequential = False
         # per events partition: (offset, seen_ms) not yet committed
         self._event_offsets: dict[int, deque[tuple[int, int]]] = {}
         self._consumer = Consumer(
             settings,
             group_id=f"{self.topics.prefix}.participant.{name}",
             client_id=f"{self.topics.prefix}.participant.{name}",
+            # One worker must see a transaction's request and its events (sequential
+            # sagas: step i waits for step i-1's `applied`): the range assignor gives
+            # each worker the same partition numbers of every topic; cooperative-sticky
+            # does not, and a sequential step whose events went to the other worker
+            # waited until its deadline.
+            assignment_strategy="range",
+            on_assign=self._on_assign,
             on_revoke=self._on_revoke,
             on_lost=self._on_revoke,
         )
@@ -148,6 +160,9 @@ class ParticipantRuntime:
             self._consumer.close()
             self.storage.close()
 
+    def _on_assign(self, partitions: list[tuple[str, int]]) -> None:
+        self._reload_sequential = True
+
     def _on_revoke(self, partitions: list[tuple[str, int]]) -> None:
         for t, p in partitions:
             if t == self.topics.events:
@@ -157,6 +172,13 @@ class ParticipantRuntime:
 
     def _handle(self, messages: list[Message]) -> None:
         now = self.clock()
+        if self._reload_sequential:
+            # Taken over from a worker that died or left: its sequential sagas are known
+            # only to the ledger, and their neighbours' events (re-read from the trailing
+            # events offset) must find them, as after a restart (see run()).
+            self._reload_sequential = False
+            for tx in self.storage.in_flight_sequential():
+                self._sequential.setdefault(tx, now)
         items = unique(self._work_items(messages, now))
         reports = self._execute(items) if items else []
         faults.hit("participant.after_local_commit")
@@ -238,6 +260,19 @@ class ParticipantRuntime:
                     "skipping invalid record at %s/%d@%d: %s", m.topic, m.partition, m.offset, exc
                 )
                 continue
+            if m.key is None or m.key.decode("utf-8", "replace") != record.tx_id:
+                # Keyed by another transaction (so maybe on another partition): the
+                # coordinator moves it to the DLQ and never decides it, so acting on
+                # it here would leave an effect no decision ever settles.
+                self.stats.skipped_invalid += 1
+                log.debug(
+                    "skipping record at %s/%d@%d: its key is not its tx_id %r",
+                    m.topic,
+                    m.partition,
+                    m.offset,
+                    record.tx_id,
+                )
+                continue
             if isinstance(record, SagaRequest):
                 items.extend(self._requested(record, now))
             elif isinstance(record, Decision):
@@ -265,6 +300,8 @@ class ParticipantRuntime:
                     deadline_ms=request.deadline_ms,
                     now_ms=now,
                     predecessor_applied=(request.tx_id, index - 1) in self._applied_seen,
+                    successor_compensated=sequential
+                    and (request.tx_id, index + 1) in self._compensated_seen,
                 )
             )
             if sequential:
@@ -277,18 +314,17 @@ class ParticipantRuntime:
             self._applied_seen[(event.tx_id, event.step)] = now
             if event.tx_id in self._sequential:
                 return [PredecessorApplied(event.tx_id, event.step + 1, now)]
-        elif (
-            event.status is StepStatus.COMPENSATED
-            and event.step > 0
-            and event.tx_id in self._sequential
-        ):
-            return [SuccessorCompensated(event.tx_id, event.step - 1, now)]
+        elif event.status is StepStatus.COMPENSATED and event.step > 0:
+            self._compensated_seen[(event.tx_id, event.step)] = now
+            if event.tx_id in self._sequential:
+                return [SuccessorCompensated(event.tx_id, event.step - 1, now)]
         return []
 
     def _forget_old(self, now: int) -> None:
         horizon = now - self.event_window_ms
-        while self._applied_seen and next(iter(self._applied_seen.values())) <= horizon:
-            self._applied_seen.popitem(last=False)
+        for seen in (self._applied_seen, self._compensated_seen):
+            while seen and next(iter(seen.values())) <= horizon:
+                seen.popitem(last=False)
         # A sequential saga outlives its deadline by far less than an hour.
         horizon = now - max(self.event_window_ms, 3_600_000)
         while self._sequential and next(iter(self._sequential.values())) <= horizon:

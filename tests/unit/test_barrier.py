@@ -459,11 +459,6 @@ def test_successor_compensated_on_a_step_not_applied_does_nothing(
     assert nothing(plan(entry, False, SuccessorCompensated(TX, 0, NOW)))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: SuccessorCompensated on a WAITING step is dropped; once the predecessor "
-    "applies the step, its rollback waits forever for a successor event already consumed",
-)
 def test_successor_compensated_while_waiting_is_not_lost() -> None:
     # sequential 3 steps, this participant owns step 1: the rollback reached step 2
     # (null-compensated) before it reached us, and step 0 was applied meanwhile.
@@ -551,6 +546,7 @@ class Node:
     ledger: dict[int, LedgerEntry] = field(default_factory=dict)
     marker: bool = False  # the tx-level "rolled back before I knew my steps"
     applied_seen: set[int] = field(default_factory=set)  # runtime._applied_seen
+    compensated_seen: set[int] = field(default_factory=set)  # runtime._compensated_seen
     sequential_known: bool = False  # runtime._sequential
     cursor: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TOPICS, 0))
     saw_rollback: bool = False
@@ -630,6 +626,8 @@ class Model:
                     deadline_ms=self.deadline,
                     now_ms=now,
                     predecessor_applied=(i - 1) in node.applied_seen,
+                    successor_compensated=self.mode is Mode.SEQUENTIAL
+                    and (i + 1) in node.compensated_seen,
                 )
                 for i in sorted(node.steps)
             ]
@@ -647,11 +645,10 @@ class Model:
                     signal: Signal = PredecessorApplied(TX, step + 1, now)
                     self.run_signal(node, node.ledger.get(step + 1), signal)
             elif status is StepStatus.COMPENSATED and step > 0:
+                node.compensated_seen.add(step)
                 if node.sequential_known:
                     signal = SuccessorCompensated(TX, step - 1, now)
                     self.run_signal(node, node.ledger.get(step - 1), signal)
-                elif step - 1 in node.steps:
-                    node.lost_successor.add(step - 1)  # the runtime drops it
 
     def crash(self, node: Node, data: st.DataObject) -> None:
         """The runtime restarts: its memory is rebuilt from the ledger, offsets go back.
@@ -660,6 +657,7 @@ class Model:
         it); the other topics resume from some earlier committed offset.
         """
         node.applied_seen = set()
+        node.compensated_seen = set()
         node.sequential_known = self.mode is Mode.SEQUENTIAL and any(  # in_flight_sequential
             e.status is LedgerStatus.WAITING
             or (e.status is LedgerStatus.APPLIED and e.step < e.n_steps - 1)
@@ -682,6 +680,28 @@ class Model:
             self.run_signal(node, entry, Decided(TX, entry.step, outcome, now))
 
     def run_signal(self, node: Node, entry: LedgerEntry | None, signal: Signal) -> None:
+        """``_run_signal``, then: a repeated request or decision reports the step again."""
+        mark = len(self.emitted.get(signal.step, ()))
+        self._run_signal(node, entry, signal)
+        if entry is None or signal.step not in node.steps:
+            return
+        now = node.ledger[signal.step]
+        said = self.emitted[signal.step][mark:]
+        if now.status is LedgerStatus.WAITING or (
+            now.rollback_pending and not isinstance(signal, Requested)
+        ):
+            assert said == [], (signal, said)
+        elif isinstance(signal, Requested) or (
+            isinstance(signal, Decided) and entry.status is not LedgerStatus.WAITING
+        ):
+            if isinstance(signal, Decided) and signal.outcome is Outcome.COMMIT:
+                expected = {LedgerStatus.COMMITTED: StepStatus.COMMITTED}.get(now.status)
+            else:
+                expected = StepStatus(str(now.status))
+            if expected is not None:
+                assert said[-1:] == [expected], (signal, entry.status, now.status, said)
+
+    def _run_signal(self, node: Node, entry: LedgerEntry | None, signal: Signal) -> None:
         """``_run_signal`` with a model storage that counts effects."""
         step = signal.step
         rolled_back = isinstance(signal, Requested) and entry is None and node.marker
@@ -701,7 +721,7 @@ class Model:
             assert step in node.steps, f"participant {node.name} wrote step {step} it does not own"
         if p.effect is Effect.APPLY:
             assert target is not None
-            self.check_apply(node, step)
+            self.check_apply(node, step, signal.now_ms)
             if self.rejects[step]:
                 failed = replace(target, status=LedgerStatus.FAILED, effect=False, reason="no")
                 node.ledger[step] = failed
@@ -747,10 +767,12 @@ class Model:
 
     # -------------------------------------------------------------- invariants
 
-    def check_apply(self, node: Node, step: int) -> None:
-        # hanging prevention: nothing is applied once this participant saw the rollback
+    def check_apply(self, node: Node, step: int, now: int) -> None:
+        # hanging prevention: nothing is applied once this participant saw the rollback,
+        # nor after the deadline (by this participant's clock)
         assert not node.saw_rollback, f"step {step} applied after its rollback"
         assert not node.marker
+        assert now <= self.deadline, f"step {step} applied after its deadline"
         if self.mode is Mode.SEQUENTIAL and step > 0:
             assert (step - 1, StepStatus.APPLIED) in self.events, (
                 f"step {step} before step {step - 1}"
@@ -959,44 +981,21 @@ def _lose_the_successor_event(model: Model, *, b_saw_request_first: bool) -> Non
     model.deliver(a, "requests")  # a: has not read the decision yet -> applied(0)
     if b_saw_request_first:
         model.deliver(b, "requests")  # b: step 1 waits for step 0
-    model.deliver(b, "events")  # compensated(2): dropped (barrier or runtime)
+    model.deliver(b, "events")  # compensated(2): closes a waiting step 1, or is remembered
     model.deliver(b, "events")  # applied(0)
     if not b_saw_request_first:
-        model.deliver(b, "requests")  # b: predecessor already seen -> applies
-    assert model.applied == [1, 1, 0]
+        model.deliver(b, "requests")  # b: successor already compensated -> closes step 1
+    assert model.applied == [1, 0, 0]  # step 1 was never applied: the rollback came first
     model.drain()  # everything else is delivered once; no replay
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: barrier drops SuccessorCompensated for a WAITING step; the step is applied "
-    "later and its compensation (and every earlier step's) waits for a replayed decision",
-)
 def test_model_a_waiting_step_does_not_lose_its_successors_compensation() -> None:
     model = sequential_three()
     _lose_the_successor_event(model, b_saw_request_first=True)
     model.check_final(tolerate_known_bug=False)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: participants/_runtime._neighbour drops a 'compensated' event of step i+1 read "
-    "before the request; step i is applied later and its rollback waits for a replay",
-)
 def test_model_a_step_not_yet_requested_does_not_lose_its_successors_compensation() -> None:
     model = sequential_three()
     _lose_the_successor_event(model, b_saw_request_first=False)
-    model.check_final(tolerate_known_bug=False)
-
-
-@pytest.mark.parametrize("b_saw_request_first", [True, False])
-def test_model_a_replayed_decision_finishes_the_stuck_rollback(b_saw_request_first: bool) -> None:
-    model = sequential_three()
-    _lose_the_successor_event(model, b_saw_request_first=b_saw_request_first)
-    assert model.known_bug == {1}
-    model.check_final(tolerate_known_bug=True)  # stuck, as documented by the xfails above
-    assert model.emitted[0] == [StepStatus.APPLIED]
-    assert model.emitted[1] == [StepStatus.APPLIED]
-    model.decisions.append(Outcome.ROLLBACK)  # the reconciliation job replays the decision
-    model.drain()
     model.check_final(tolerate_known_bug=False)
