@@ -31,6 +31,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from participants._actions import is_builtin
 from participants._storage import Actions
 from streams import BusinessRejection, ConfigurationError
 
@@ -99,3 +100,36 @@ class WithHandlers(Actions):
             self.builtin.confirm(native, action, args)
         elif handler.confirm is not None:
             handler.confirm(native, args)
+
+
+class BuiltinsFirst(Actions):
+    """Built-in action names run built in; every other name goes to ``custom``."""
+
+    def __init__(self, builtin: Actions, custom: Actions) -> None:
+        self.builtin = builtin
+        self.custom = custom
+
+    def _for(self, action: str) -> Actions:
+        return self.builtin if is_builtin(action) else self.custom
+
+    def apply(self, native: Any, action: str, args: Mapping[str, Any]) -> Any:
+        return self._for(action).apply(native, action, args)
+
+    def compensate(self, native: Any, action: str, args: Mapping[str, Any], before: Any) -> None:
+        self._for(action).compensate(native, action, args, before)
+
+    def confirm(self, native: Any, action: str, args: Mapping[str, Any]) -> None:
+        self._for(action).confirm(native, action, args)
+
+
+def combine(builtin: Actions, handlers: Actions | Mapping[str, Handler] | None) -> Actions:
+    """A storage's actions: its built-ins plus custom handlers, however they were given.
+
+    A mapping of :class:`Handler` may also replace a built-in name; an
+    :class:`Actions` object only receives the names that are not built in.
+    """
+    if handlers is None:
+        return builtin
+    if isinstance(handlers, Actions):
+        return BuiltinsFirst(builtin, handlers)
+    return WithHandlers(handlers, builtin)

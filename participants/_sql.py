@@ -97,11 +97,10 @@ from participants._actions import (
     Insert,
     Put,
     Update,
-    is_builtin,
     parse_action,
 )
 from participants._barrier import LedgerEntry, LedgerStatus
-from participants._handlers import Handler, WithHandlers
+from participants._handlers import Handler, combine
 from participants._storage import Actions, Report, Storage, Unit, WorkItem, run_item
 from streams import BusinessRejection, ConfigurationError, Mode, TransientError
 
@@ -598,26 +597,6 @@ class _DriverErrorsTranslated(Actions):
             self.inner.confirm(native, action, args)
 
 
-class _BuiltinsFirst(Actions):
-    """Built-in action names run built in; every other name goes to ``custom``."""
-
-    def __init__(self, builtin: Actions, custom: Actions) -> None:
-        self.builtin = builtin
-        self.custom = custom
-
-    def _for(self, action: str) -> Actions:
-        return self.builtin if is_builtin(action) else self.custom
-
-    def apply(self, native: Any, action: str, args: Mapping[str, Any]) -> Any:
-        return self._for(action).apply(native, action, args)
-
-    def compensate(self, native: Any, action: str, args: Mapping[str, Any], before: Any) -> None:
-        self._for(action).compensate(native, action, args, before)
-
-    def confirm(self, native: Any, action: str, args: Mapping[str, Any]) -> None:
-        self._for(action).confirm(native, action, args)
-
-
 @contextmanager
 def _rejected_by_database(what: str) -> Iterator[None]:
     try:
@@ -827,14 +806,7 @@ class SqlStorage(Storage):
         self._ready = False
         self._lock_transactions = self._engine.dialect.name == "postgresql"
         builtin = SqlActions(self.targets)
-        custom: Actions
-        if handlers is None:
-            custom = builtin
-        elif isinstance(handlers, Actions):
-            custom = _BuiltinsFirst(builtin, handlers)
-        else:
-            custom = WithHandlers(handlers, builtin)
-        self.actions: Actions = _DriverErrorsTranslated(custom)
+        self.actions: Actions = _DriverErrorsTranslated(combine(builtin, handlers))
 
     # -- lifecycle
 
