@@ -1,10 +1,17 @@
-"""The demo workload: a shop's orders as sagas across real services.
+"""The demo workload: a shop's orders as sagas across three storages.
 
-``saga demo`` checks that every local service answers, creates fresh topics
-and tables, starts a coordinator and the participants as real processes,
-drives a few thousand order sagas (about a fifth designed to fail for lack of
-funds), shows a live progress bar, prints a summary with decision latencies,
-checks that money is conserved across the stores, and stops what it started.
+Each order is one saga of three steps, each in another storage:
+
+* ``ledger``    (PostgreSQL) debits the customer's account (never below 0);
+* ``inventory`` (MongoDB wire) takes the items from stock (never below 0);
+* ``loyalty``   (Redis) credits the customer one point per unit of money spent.
+
+``saga demo`` checks that every local service answers, creates fresh topics and
+data, starts a coordinator and the three participants as real processes,
+drives a few thousand orders (about a fifth designed to fail: insufficient
+funds or out of stock), shows a live progress bar, prints a summary with
+decision latencies, checks across the stores that money and stock are
+conserved, and stops what it started.
 """
 
 from __future__ import annotations
@@ -38,7 +45,10 @@ from streams._kafka import Consumer, KafkaSettings, create_topics, wait_for_brok
 
 ACCOUNTS = 200
 OPENING_BALANCE = 1_000
-SCHEMA = "saga_demo"
+PRODUCTS = 50
+OPENING_STOCK = 500
+PRICE = 5
+SCHEMA = "saga_demo"  # PostgreSQL schema, MongoDB database and Redis key prefix
 
 _metadata = sa.MetaData(schema=SCHEMA)
 accounts = sa.Table(
@@ -46,14 +56,6 @@ accounts = sa.Table(
     _metadata,
     sa.Column("id", sa.Text, primary_key=True),
     sa.Column("balance", sa.BigInteger, nullable=False),
-)
-orders_table = sa.Table(
-    "orders",
-    _metadata,
-    sa.Column("id", sa.Text, primary_key=True),
-    sa.Column("account", sa.Text, nullable=False),
-    sa.Column("item", sa.Text, nullable=False),
-    sa.Column("amount", sa.BigInteger),
 )
 
 
@@ -130,6 +132,29 @@ def prepare_tables(cfg: DemoConfig) -> None:
             )
     finally:
         engine.dispose()
+    import pymongo
+    import redis
+
+    assert cfg.mongo_url is not None and cfg.redis_url is not None
+    mongo: pymongo.MongoClient[dict[str, object]] = pymongo.MongoClient(cfg.mongo_url)
+    try:
+        mongo.drop_database(SCHEMA)
+        mongo[SCHEMA]["stock"].insert_many(
+            [{"_id": f"sku-{i:03d}", "qty": OPENING_STOCK} for i in range(PRODUCTS)]
+        )
+    finally:
+        mongo.close()
+    r = redis.Redis.from_url(cfg.redis_url)
+    try:
+        stale = list(r.scan_iter(match=f"{SCHEMA}:*", count=1000))
+        if stale:
+            r.delete(*stale)
+        with r.pipeline() as pipe:
+            for i in range(ACCOUNTS):
+                pipe.hset(f"{SCHEMA}:points:acct-{i:04d}", "points", 0)
+            pipe.execute()
+    finally:
+        r.close()
 
 
 @contextmanager
@@ -137,38 +162,21 @@ def processes(cfg: DemoConfig) -> Iterator[list[subprocess.Popen[bytes]]]:
     """The coordinator and the participants, as the user would run them."""
     cfg.logs.mkdir(parents=True, exist_ok=True)
     common = ["--bootstrap", cfg.kafka.bootstrap, "--prefix", cfg.kafka.prefix]
+
+    def participant(name: str, storage: str, url: str, target: str) -> list[str]:
+        return [
+            *("participant", "run", *common, "--name", name, "--storage", storage),
+            *("--url", url, "--schema", SCHEMA, "--targets", target),
+        ]
+
+    assert cfg.mongo_url is not None and cfg.redis_url is not None
     commands = {
-        "coordinator": ["coordinator", "run", *common, "--participants", "ledger,shop"],
-        "ledger": [
-            "participant",
-            "run",
-            *common,
-            "--name",
-            "ledger",
-            "--storage",
-            "sql",
-            "--url",
-            cfg.postgres_url,
-            "--schema",
-            SCHEMA,
-            "--targets",
-            "accounts",
+        "coordinator": [
+            *("coordinator", "run", *common, "--participants", "ledger,inventory,loyalty"),
         ],
-        "shop": [
-            "participant",
-            "run",
-            *common,
-            "--name",
-            "shop",
-            "--storage",
-            "sql",
-            "--url",
-            cfg.postgres_url,
-            "--schema",
-            SCHEMA,
-            "--targets",
-            "orders",
-        ],
+        "ledger": participant("ledger", "sql", cfg.postgres_url, "accounts"),
+        "inventory": participant("inventory", "mongo", cfg.mongo_url, "stock"),
+        "loyalty": participant("loyalty", "redis", cfg.redis_url, "points"),
     }
     procs = []
     try:
@@ -193,27 +201,41 @@ def processes(cfg: DemoConfig) -> Iterator[list[subprocess.Popen[bytes]]]:
                 p.kill()
 
 
-def order_saga(rng: random.Random, n: int, fail_share: float) -> tuple[list[Step], bool]:
-    """Debit an account and record the order; ``True`` when designed to fail."""
+@dataclass(frozen=True)
+class Order:
+    steps: list[Step]
+    qty: int
+    designed_to_fail: bool
+
+
+def order_saga(rng: random.Random, fail_share: float) -> Order:
+    """One customer buys ``qty`` of one product for ``amount``; some are designed to fail."""
     account = f"acct-{rng.randrange(ACCOUNTS):04d}"
+    sku = f"sku-{rng.randrange(PRODUCTS):03d}"
+    qty, amount = rng.randint(1, 3), rng.randint(1, 40)
     doomed = rng.random() < fail_share
-    amount = OPENING_BALANCE * 10 if doomed else rng.randint(1, 40)
-    return [
+    if doomed and rng.random() < 0.5:
+        amount = OPENING_BALANCE * 10  # insufficient funds
+    elif doomed:
+        qty = OPENING_STOCK * 10  # out of stock
+    steps = [
         Step(
             "ledger",
             "increment",
             {"target": "accounts", "key": account, "field": "balance", "by": -amount, "min": 0},
         ),
         Step(
-            "shop",
-            "insert",
-            {
-                "target": "orders",
-                "key": f"order-{n:06d}",
-                "value": {"account": account, "item": "book", "amount": amount},
-            },
+            "inventory",
+            "increment",
+            {"target": "stock", "key": sku, "field": "qty", "by": -qty, "min": 0},
         ),
-    ], doomed
+        Step(
+            "loyalty",
+            "increment",
+            {"target": "points", "key": account, "field": "points", "by": amount},
+        ),
+    ]
+    return Order(steps, qty, doomed)
 
 
 def _percentile(values: list[int], q: float) -> float:
@@ -259,6 +281,7 @@ def run_demo(cfg: DemoConfig, console: Console) -> int:
     )
     rng = random.Random(cfg.seed)
     created: dict[str, int] = {}
+    quantities: dict[str, int] = {}
     with processes(cfg) as procs, SagaClient(cfg.kafka, status_from_beginning=False) as client:
         progress = Progress(
             TextColumn("[bold]{task.description}"),
@@ -272,15 +295,16 @@ def run_demo(cfg: DemoConfig, console: Console) -> int:
         # processes have joined their groups once it finishes, so the latencies
         # below measure sagas, not start-up.
         with console.status("starting the coordinator and participants"):
-            warm = client.submit(order_saga(rng, -1, 1.0)[0], saga="warm-up", timeout=120)
+            warm = client.submit(order_saga(rng, 1.0).steps, saga="warm-up", timeout=120)
             client.result(warm, timeout=120)
         with progress:
             task = progress.add_task("sagas", total=cfg.sagas, counts="")
-            for n in range(cfg.sagas):
-                steps, _ = order_saga(rng, n, cfg.fail_share)
-                request = client.build(steps, saga="order", timeout=60)
+            for _ in range(cfg.sagas):
+                order = order_saga(rng, cfg.fail_share)
+                request = client.build(order.steps, saga="order", timeout=60)
                 client.send(request, wait_delivery=False)
                 created[request.tx_id] = request.created_ms
+                quantities[request.tx_id] = order.qty
             client.flush()
             deadline = time.monotonic() + 180
             while True:
@@ -308,13 +332,14 @@ def run_demo(cfg: DemoConfig, console: Console) -> int:
                 time.sleep(0.2)
         statuses = {tx: s for tx, s in client.statuses().items() if tx in created}
     decisions = read_decisions(cfg.kafka)
-    return summarize(cfg, console, created, statuses, decisions)
+    return summarize(cfg, console, created, quantities, statuses, decisions)
 
 
 def summarize(
     cfg: DemoConfig,
     console: Console,
     created: dict[str, int],
+    quantities: dict[str, int],
     statuses: Mapping[str, SagaStatus],
     decisions: dict[str, Decision],
 ) -> int:
@@ -338,6 +363,37 @@ def summarize(
     table.add_row("decision latency p99", f"{_percentile(latency, 0.99):.0f} ms")
     console.print(table)
 
+    balances, negative_balances = _money(cfg)
+    points = _points(cfg)
+    stock, negative_stock = _stock(cfg)
+    opening_money = ACCOUNTS * OPENING_BALANCE
+    sold = sum(quantities[tx] for tx, st in statuses.items() if st.state is SagaState.COMMITTED)
+    opening_stock = PRODUCTS * OPENING_STOCK
+    money_ok = balances + points == opening_money
+    stock_ok = opening_stock - stock == sold
+
+    def verdict(good: bool) -> str:
+        return "[green]ok[/]" if good else "[red]VIOLATED[/]"
+
+    checks = Table(title="cross-store check")
+    checks.add_column("check")
+    checks.add_column("result")
+    checks.add_row(
+        "balances (PostgreSQL) + points (Redis) == opening money",
+        f"{balances} + {points} == {opening_money}: {verdict(money_ok)}",
+    )
+    checks.add_row(
+        "stock taken (MongoDB) == units in committed orders",
+        f"{opening_stock} - {stock} == {sold}: {verdict(stock_ok)}",
+    )
+    checks.add_row("no negative balance or stock", verdict(negative_balances + negative_stock == 0))
+    console.print(checks)
+    ok = money_ok and stock_ok and negative_balances + negative_stock == 0 and not states["failed"]
+    console.print("[bold green]demo passed[/]" if ok else "[bold red]demo found a violation[/]")
+    return 0 if ok else 1
+
+
+def _money(cfg: DemoConfig) -> tuple[int, int]:
     engine = sa.create_engine(_sa_url(cfg.postgres_url))
     try:
         with engine.connect() as conn:
@@ -345,37 +401,44 @@ def summarize(
             negative = conn.execute(
                 sa.select(sa.func.count()).where(accounts.c.balance < 0)
             ).scalar()
-            spent = conn.execute(
-                sa.select(sa.func.coalesce(sa.func.sum(orders_table.c.amount), 0))
-            ).scalar()
-            orders = conn.execute(sa.select(sa.func.count()).select_from(orders_table)).scalar()
     finally:
         engine.dispose()
-    opening = ACCOUNTS * OPENING_BALANCE
-    conserved = int(total or 0) + int(spent or 0) == opening
-    checks = Table(title="cross-store check")
-    checks.add_column("check")
-    checks.add_column("result")
-    checks.add_row(
-        "balances + orders == opening money",
-        f"{int(total or 0)} + {int(spent or 0)} == {opening}: "
-        + ("[green]ok[/]" if conserved else "[red]VIOLATED[/]"),
-    )
-    checks.add_row("no negative balance", "[green]ok[/]" if negative == 0 else "[red]VIOLATED[/]")
-    orders_ok = orders == states["committed"]
-    checks.add_row(
-        "one order per committed saga",
-        f"{orders} orders: " + ("[green]ok[/]" if orders_ok else "[red]VIOLATED[/]"),
-    )
-    console.print(checks)
-    ok = conserved and negative == 0 and orders_ok and states["failed"] == 0
-    console.print("[bold green]demo passed[/]" if ok else "[bold red]demo found a violation[/]")
-    return 0 if ok else 1
+    return int(total or 0), int(negative or 0)
+
+
+def _points(cfg: DemoConfig) -> int:
+    import redis
+
+    assert cfg.redis_url is not None
+    r = redis.Redis.from_url(cfg.redis_url, decode_responses=True)
+    try:
+        keys = list(r.scan_iter(match=f"{SCHEMA}:points:*", count=1000))
+        with r.pipeline() as pipe:
+            for key in keys:
+                pipe.hget(key, "points")
+            return sum(int(v or 0) for v in pipe.execute())
+    finally:
+        r.close()
+
+
+def _stock(cfg: DemoConfig) -> tuple[int, int]:
+    import pymongo
+
+    assert cfg.mongo_url is not None
+    mongo: pymongo.MongoClient[dict[str, object]] = pymongo.MongoClient(cfg.mongo_url)
+    try:
+        docs = list(mongo[SCHEMA]["stock"].find({}, {"qty": 1}))
+    finally:
+        mongo.close()
+    quantities = [int(str(d.get("qty", 0))) for d in docs]
+    return sum(quantities), sum(q < 0 for q in quantities)
 
 
 def _reason_kind(reason: str) -> str:
-    if "below the minimum" in reason:
+    if "balance" in reason and "below the minimum" in reason:
         return "insufficient funds"
+    if "qty" in reason and "below the minimum" in reason:
+        return "out of stock"
     if reason == "deadline passed":
         return "deadline passed"
     return reason.split(":", 1)[0] if reason else "unknown"

@@ -119,6 +119,12 @@ class CoordinatorService:
             settings,
             group_id=f"{self.topics.prefix}.coordinator",
             client_id=f"{self.topics.prefix}.coordinator.{instance_id}",
+            # A transaction's request, events and decisions share one partition number,
+            # and only the owner of its requests partition keeps its state: the range
+            # assignor hands each instance the same partition numbers of every topic
+            # (cooperative-sticky does not, and events owned apart from their requests
+            # were skipped, their offsets committed: those sagas never decided).
+            assignment_strategy="range",
             on_assign=self._on_assign,
             on_revoke=self._on_revoke,
             on_lost=self._on_revoke,
@@ -279,14 +285,15 @@ class CoordinatorService:
             elif m.topic == self.topics.events:
                 record = decode_as(m.value, StepEvent)
             else:
-                decode_as(m.value, Decision)  # only checked: decisions are ours
-                return None
+                record = decode_as(m.value, Decision)  # checked (contract, key): ours
         except InvalidRecord as exc:
             rejected.append((m, exc.reason))
             return None
         key = m.key.decode("utf-8", "replace") if m.key is not None else None
         if key != record.tx_id:
             rejected.append((m, f"record key {key!r} differs from its tx_id {record.tx_id!r}"))
+            return None
+        if isinstance(record, Decision):
             return None
         if isinstance(record, SagaRequest):
             return RequestReceived(record, now, self.participants)

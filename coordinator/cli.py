@@ -363,13 +363,13 @@ def watch(
 @click.option(
     "--mongo-url",
     envvar="SAGA_MONGO_URL",
-    default=None,
+    required=True,
     help="MongoDB-wire server to check [env SAGA_MONGO_URL].",
 )
 @click.option(
     "--redis-url",
     envvar="SAGA_REDIS_URL",
-    default=None,
+    required=True,
     help="Redis to check [env SAGA_REDIS_URL].",
 )
 def demo(

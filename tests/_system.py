@@ -85,6 +85,8 @@ class SagaSystem:
     # Extra environment for every process started from now on, e.g.
     # {"SAGA_KAFKA_SESSION_TIMEOUT_MS": "6000"} (SAGA_KAFKA_<NAME> sets a librdkafka setting).
     extra_env: dict[str, str] = field(default_factory=dict)
+    # Log level of the processes started from now on: 1 = info, 2 = debug (``saga -v``).
+    verbose: int = 0
 
     @property
     def settings(self) -> KafkaSettings:
@@ -107,7 +109,8 @@ class SagaSystem:
         delete_topics(self.settings, list(self.settings.topics.all))
 
     def start(self, name: str, args: Sequence[str], faults: str | None = None) -> Proc:
-        proc = Proc(name, list(args), self.env(faults), self.tmp / f"{name}.log").start()
+        flags = ["-v"] * self.verbose
+        proc = Proc(name, [*flags, *args], self.env(faults), self.tmp / f"{name}.log").start()
         self.procs.append(proc)
         return proc
 

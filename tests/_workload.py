@@ -8,9 +8,13 @@ records an order named after the transaction::
     1 bank  increment accounts/dst balance +amount
     2 shop  insert    orders/o-<tx_id> {item: "transfer", qty: amount}
 
-Sagas designed to fail do so at the bank (an amount larger than all the money:
-nothing is applied at the bank) or at the shop (the order already exists: both
-bank steps were applied and must be compensated).
+Sagas designed to fail do so at the bank (the source account does not exist:
+the credit is applied and must be compensated) or at the shop (the order already
+exists: both bank steps were applied and must be compensated). They fail the
+same way whatever runs concurrently. (An amount larger than the source's balance
+would not: sagas have no isolation, so in parallel mode another failing saga's
+credit, visible until it is compensated, could cover it; the test suite found
+exactly that while it was being written.) Some transfers run in sequential mode.
 
 :func:`check_invariants` reads the stores and the log after the load and checks
 DESIGN §6 for it: every saga final, one decision per transaction that agrees
@@ -39,6 +43,8 @@ START_BALANCE = 1000
 TOTAL = START_BALANCE * len(ACCOUNTS)
 DUPLICATE_ORDER = "o-taken"
 """An order that exists from the start: inserting it again is a business rejection."""
+MISSING_ACCOUNT = "acc-missing"
+"""An account that never exists: debiting it is a business rejection."""
 
 
 @dataclass(frozen=True)
@@ -48,6 +54,7 @@ class Transfer:
     dst: str
     amount: int
     fails: str | None  # None, "bank" (step 0 rejected) or "shop" (step 2 rejected)
+    mode: str = "parallel"
 
     @property
     def order(self) -> str:
@@ -60,7 +67,7 @@ class Transfer:
                 "increment",
                 {
                     "target": "accounts",
-                    "key": self.src,
+                    "key": MISSING_ACCOUNT if self.fails == "bank" else self.src,
                     "field": "balance",
                     "by": -self.amount,
                     "min": 0,
@@ -102,18 +109,20 @@ def seed(system: SagaSystem) -> None:
 
 
 def make_transfers(
-    n: int, *, tag: str, fail_every: int = 7, seed_value: int | None = None
+    n: int, *, tag: str, fail_every: int = 7, sequential_every: int = 0
 ) -> list[Transfer]:
-    """``n`` transfers; every ``fail_every``-th fails, alternately at the bank and the shop."""
-    rnd = random.Random(seed_value if seed_value is not None else tag)
+    """``n`` transfers; every ``fail_every``-th fails, alternately at the bank and the
+    shop; every ``sequential_every``-th (if not 0) runs in sequential mode."""
+    rnd = random.Random(tag)
     out = []
     for i in range(n):
         src, dst = rnd.sample(ACCOUNTS, 2)
         fails: str | None = None
         if fail_every and i % fail_every == fail_every - 1:
             fails = "bank" if (i // fail_every) % 2 == 0 else "shop"
-        amount = TOTAL + 1 if fails == "bank" else rnd.randint(1, 20)
-        out.append(Transfer(f"{tag}-{i:04d}", src, dst, amount, fails))
+        sequential = sequential_every and i % sequential_every == sequential_every // 2
+        mode = "sequential" if sequential else "parallel"
+        out.append(Transfer(f"{tag}-{i:04d}", src, dst, rnd.randint(1, 20), fails, mode))
     return out
 
 
@@ -123,7 +132,9 @@ def submit_all(
     """Send every transfer (one flush at the end); returns the requests."""
     requests = []
     for t in transfers:
-        request = client.build(t.steps(), saga="transfer", timeout=timeout, tx_id=t.tx_id)
+        request = client.build(
+            t.steps(), saga="transfer", mode=t.mode, timeout=timeout, tx_id=t.tx_id
+        )
         client.send(request, wait_delivery=False)
         requests.append(request)
     client.flush(30)
@@ -156,9 +167,11 @@ def wait_all_final(
         return f"{len(stuck)} {what} not final, e.g. {stuck[:5]}"
 
     try:
-        return eventually(done, timeout=timeout, interval=0.25, message=f"not all {what} final")
+        found = eventually(done, timeout=timeout, interval=0.25, message=f"not all {what} final")
     except AssertionError as exc:
         raise AssertionError(f"{exc}: {left()}") from None
+    assert found is not None
+    return found
 
 
 # ---------------------------------------------------------------- reading the stores
@@ -224,10 +237,10 @@ def check_invariants(
         got = decisions.get(t.tx_id, [])
         assert len({d.outcome for d in got}) == 1, f"{t.tx_id}: decisions {got}"
         assert len(got) == 1, f"{t.tx_id}: {len(got)} decision records {got}"
-        expected = (
+        outcome = (
             Outcome.COMMIT if finals[t.tx_id].state is SagaState.COMMITTED else Outcome.ROLLBACK
         )
-        assert got[0].outcome is expected, (t, got, finals[t.tx_id])
+        assert got[0].outcome is outcome, (t, got, finals[t.tx_id])
 
     # Designed failures roll back; nothing needs an operator.
     for t in transfers:

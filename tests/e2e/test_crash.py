@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import random
 import signal
-from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from streams import Decision, StepEvent, StepStatus, decode
+from streams import StepEvent, StepStatus
 from streams._kafka import Consumer
 from tests._infra import Services, eventually
 from tests._system import Proc, SagaSystem
@@ -107,10 +106,10 @@ def test_participant_killed_between_local_commit_and_events(system: SagaSystem) 
             "bank", ["accounts"], faults="participant.after_local_commit:1", tag="-faulty"
         )
         wait_killed(bank, "the bank participant")
-        applied_locally = {
-            (tx, step) for who, tx, step, _, effect in ledger_rows(system) if who == "bank"
+        recorded_locally = {
+            (tx, step) for who, tx, step, _, _ in ledger_rows(system) if who == "bank"
         }
-        assert applied_locally, "the crashed batch committed nothing locally"
+        assert recorded_locally, "the crashed batch committed nothing locally"
         reported = {(e.tx_id, e.step) for e in events_of(system, "bank")}
         assert not reported, f"events were sent before the crash: {sorted(reported)[:5]}"
 
@@ -121,13 +120,14 @@ def test_participant_killed_between_local_commit_and_events(system: SagaSystem) 
     assert states["committed"] > 0 and states["rolled_back"] > 0, states
     # The locally committed steps were reported once the participant came back.
     reported = {(e.tx_id, e.step) for e in events_of(system, "bank")}
-    assert applied_locally <= reported
+    assert recorded_locally <= reported
 
 
 def test_participant_killed_between_events_and_offset_commit(system: SagaSystem) -> None:
     """participant.after_events: the events of the first batch are in the log, its input
-    offsets are not committed. The restart redelivers the batch: the events come again
-    (idempotent re-emission), the effects do not."""
+    offsets are not committed. The restarted participant reads the batch again (with
+    the decisions that the events led to meanwhile): the ledger re-reports what was
+    done, and nothing takes effect twice."""
     transfers = make_transfers(60, tag="ev")
     system.coordinator()
     system.participant("shop", ["orders"])
@@ -149,9 +149,13 @@ def test_participant_killed_between_events_and_offset_commit(system: SagaSystem)
 
     states = check_invariants(system, transfers, finals)
     assert states["committed"] > 0 and states["rolled_back"] > 0, states
-    # The redelivered batch was answered again: its reports are in the log twice.
-    counts = Counter((e.tx_id, e.step, e.status) for e in events_of(system, "bank"))
-    assert all(counts[(e.tx_id, e.step, e.status)] >= 2 for e in first), "no redelivery"
+    # Every step reported before the crash was settled after it (committed/compensated).
+    settled = {
+        (e.tx_id, e.step)
+        for e in events_of(system, "bank")
+        if e.status in (StepStatus.COMMITTED, StepStatus.COMPENSATED)
+    }
+    assert {(e.tx_id, e.step) for e in first} <= settled
 
 
 # ---------------------------------------------------------------- coordinator crashes
@@ -181,15 +185,9 @@ def test_coordinator_killed_mid_batch(system: SagaSystem, point: str) -> None:
         assert system.read_topic(system.settings.topics.decisions) == []
         if point == "coordinator.after_read":  # its very first batch
             assert system.read_topic(system.settings.topics.status) == []
-        else:
-            # The aborted (or still open) transaction did carry decisions.
-            uncommitted = [
-                decode(m.value)
-                for m in system.read_messages(
-                    system.settings.topics.decisions, isolation_level="read_uncommitted"
-                )
-            ]
-            assert any(isinstance(d, Decision) for d in uncommitted), "no decision was produced"
+        # (before_commit fires only in a batch with decisions. Whether they reached the
+        # broker before the kill depends on librdkafka's send queue; those that did stay
+        # in an aborted transaction, and check_invariants finds one decision per tx.)
 
         restarted = system.coordinator("c1")
         # More load after the restart: the new instance keeps working.
@@ -211,7 +209,9 @@ def test_random_kills_under_load(system: SagaSystem) -> None:
     load (not at a fault point); each is restarted at once. Every saga still finishes with
     one decision and every step applied at most once."""
     rnd = random.Random()
-    transfers = make_transfers(150, tag="rk")
+    bank_at, coordinator_at = rnd.randint(1, 40), rnd.randint(55, 90)
+    print(f"kill -9: the bank after {bank_at} final sagas, the coordinator after {coordinator_at}")
+    transfers = make_transfers(150, tag="rk", sequential_every=5)
     waves = [transfers[:50], transfers[50:100], transfers[100:]]
     coordinator = system.coordinator("r")
     bank = system.participant("bank", ["accounts"])
@@ -220,17 +220,19 @@ def test_random_kills_under_load(system: SagaSystem) -> None:
     with system.client() as client:
         submit_all(client, waves[0])
         # Kill the bank once a random share of the first wave is done, mid-flight.
-        goal = rnd.randint(1, 40)
-        eventually(lambda: final_count(client, ids) >= goal, timeout=60, message="no progress")
+        eventually(lambda: final_count(client, ids) >= bank_at, timeout=60, message="no progress")
         submit_all(client, waves[1])
+        assert bank.alive
         bank.kill()
         system.participant("bank", ["accounts"], tag="-2")
         # Kill the coordinator somewhere in the second wave.
-        goal = rnd.randint(55, 90)
         eventually(
-            lambda: final_count(client, ids) >= goal, timeout=TAKEOVER_S + 30, message="stalled"
+            lambda: final_count(client, ids) >= coordinator_at,
+            timeout=TAKEOVER_S + 30,
+            message="stalled",
         )
         submit_all(client, waves[2])
+        assert coordinator.alive
         coordinator.kill()
         system.coordinator("r")
         finals = wait_all_final(client, ids, timeout=TAKEOVER_S + 60)

@@ -1,0 +1,147 @@
+"""I6: every record on the dead-letter topic was rightly rejected.
+
+The DLQ is small (it holds only rejected records), so its records are judged in
+this process with the project's own decoder (:func:`streams.decode_as`, the
+JSON Schemas themselves), not with the JVM-side approximation the main log
+needs for speed.
+
+A dead letter was rightly rejected when it
+
+* does not decode as a record of its source topic (header
+  ``saga.source.topic``), or
+* is keyed by something other than its ``tx_id``, or
+* is a request whose transaction already had a different first request (a
+  conflicting resubmission), or
+* is an abort of a transaction that has a decision.
+
+Any other dead letter is a valid record that was wrongly rejected: an I6
+violation, reported on its transaction.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+
+from streams._codec import decode, decode_as
+from streams._errors import InvalidRecord
+from streams._records import (
+    Decision,
+    Record,
+    SagaAbort,
+    SagaRequest,
+    SagaStatus,
+    StepEvent,
+)
+from streams._topics import Topics
+
+__all__ = ["DeadLetter", "DlqVerdict", "TxFacts", "judge"]
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLetter:
+    """One record of the DLQ: its bytes and headers as read."""
+
+    partition: int
+    offset: int
+    key: bytes | None
+    value: bytes | None
+    headers: Mapping[str, bytes] = field(default_factory=dict)
+
+    def header(self, name: str) -> str | None:
+        raw = self.headers.get(name)
+        return raw.decode("utf-8", "replace") if raw is not None else None
+
+
+@dataclass(frozen=True, slots=True)
+class TxFacts:
+    """What the main audit knows of a transaction a valid dead letter names."""
+
+    decided: bool
+    first_request: SagaRequest | None
+    first_request_offset: int | None
+
+
+@dataclass
+class DlqVerdict:
+    """The DLQ's counts and the I6 findings per transaction."""
+
+    records: int = 0
+    invalid: int = 0
+    justified: int = 0
+    by_component: Counter[str] = field(default_factory=Counter)
+    findings: dict[str, list[str]] = field(default_factory=dict)
+
+    @property
+    def violations(self) -> int:
+        return sum(len(v) for v in self.findings.values())
+
+
+def _kinds(topics: Topics, source: str | None) -> tuple[type[Record], ...] | None:
+    if source == topics.requests:
+        return (SagaRequest, SagaAbort)
+    if source == topics.events:
+        return (StepEvent,)
+    if source == topics.decisions:
+        return (Decision,)
+    if source == topics.status:
+        return (SagaStatus,)
+    return None
+
+
+def judge(
+    letters: Iterable[DeadLetter],
+    topics: Topics,
+    facts: Callable[[set[str]], Mapping[str, TxFacts]],
+) -> DlqVerdict:
+    """Judge every dead letter; ``facts`` answers for the transactions of valid ones."""
+    verdict = DlqVerdict()
+    candidates: list[tuple[DeadLetter, Record]] = []
+    for letter in letters:
+        verdict.records += 1
+        verdict.by_component[letter.header("saga.component") or "unknown"] += 1
+        source = letter.header("saga.source.topic")
+        kinds = _kinds(topics, source)
+        try:
+            record = decode(letter.value) if kinds is None else decode_as(letter.value, *kinds)
+        except InvalidRecord:
+            verdict.invalid += 1
+            continue
+        key = letter.key.decode("utf-8", "replace") if letter.key is not None else None
+        if key != record.tx_id:
+            verdict.justified += 1
+            continue
+        candidates.append((letter, record))
+    if not candidates:
+        return verdict
+
+    known = facts({record.tx_id for _, record in candidates})
+    for letter, record in candidates:
+        tx = known.get(record.tx_id)
+        why = _wrongly_rejected(letter, record, tx)
+        if why is None:
+            verdict.justified += 1
+        else:
+            verdict.findings.setdefault(record.tx_id, []).append(why)
+    return verdict
+
+
+def _wrongly_rejected(letter: DeadLetter, record: Record, tx: TxFacts | None) -> str | None:
+    """Why a valid dead letter should not be there, or ``None`` when it rightly is."""
+    where = (
+        f"{letter.header('saga.source.topic') or 'an unknown topic'}"
+        f"[{letter.header('saga.source.partition') or '?'}]"
+        f"@{letter.header('saga.source.offset') or '?'}"
+    )
+    said = letter.header("saga.error") or "no reason given"
+    if isinstance(record, SagaRequest) and tx is not None and tx.first_request is not None:
+        same_record = str(tx.first_request_offset) == letter.header("saga.source.offset")
+        if not same_record and tx.first_request.fingerprint() != record.fingerprint():
+            return None  # a conflicting resubmission: rightly rejected
+    if isinstance(record, SagaAbort) and tx is not None and tx.decided:
+        return None  # an abort after the decision: rightly rejected
+    return (
+        f"a valid {record.TYPE} from {where} is on the dead-letter topic "
+        f"(rejected with: {said[:200]})"
+    )

@@ -1,0 +1,502 @@
+"""One reconciliation run, start to finish.
+
+1. Pre-flight (before Spark, so mistakes cost seconds): the jars folder, Kafka
+   and every topic, every store named by ``--ledger`` / ``--table``.
+2. Fix the offset range of each topic (the snapshot), start Spark.
+3. Read requests, events and decisions up to the snapshot, parse and fold them
+   into one row per transaction (:mod:`._audit`); join the ledgers (I4).
+4. Judge the dead letters (I6, :mod:`._dlq`) and classify every transaction.
+5. Write ``findings/`` (Parquet), run the business checks, plan the replay,
+   and with ``replay`` re-publish (:mod:`._replay`).
+6. Write ``summary.json`` and ``replay.jsonl``.
+
+Exit status: 0 clean (``in_flight`` allowed), 1 violations, stuck sagas or a
+failed business check, 2 could not run (:class:`._spark.ReconcileError`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from streams._codec import decode_as
+from streams._errors import InvalidRecord
+from streams._records import SagaRequest
+
+from . import _audit, _dlq, _replay, _sources
+from ._config import ReconcileConfig
+from ._spark import (
+    LogRange,
+    ReconcileError,
+    check_jars,
+    fetch_records,
+    kafka_frame,
+    snapshot_offsets,
+    spark_boundary,
+    start_spark,
+    submitted,
+)
+
+__all__ = ["RunResult", "run"]
+
+_STUCK = ("stuck_no_decision", "stuck_unfinished", "compensation_failed")
+_OUTPUT_COLUMNS = (
+    "tx_id",
+    "class",
+    "invariants",
+    "reasons",
+    "saga",
+    "mode",
+    "steps",
+    "outcome",
+    "outcomes",
+    "requests",
+    "decisions",
+    "events",
+    "created_ms",
+    "deadline_ms",
+    "decided_ms",
+    "decision_reason",
+    "unfinished_steps",
+    "replay",
+)
+
+
+@dataclass
+class RunResult:
+    """The run's summary (also written as ``summary.json``), the rows shown, the resends."""
+
+    summary: dict[str, Any]
+    shown: list[dict[str, Any]] = field(default_factory=list)
+    resends: list[tuple[_replay.Resend, bool]] = field(default_factory=list)
+
+    @property
+    def exit_code(self) -> int:
+        code: int = self.summary["exit_code"]
+        return code
+
+
+Progress = Callable[[str], None]
+
+
+def run(
+    config: ReconcileConfig,
+    *,
+    started: float | None = None,
+    say: Progress = print,
+    spark: Any = None,
+) -> RunResult:
+    """Run the audit (and the replay) described by ``config``.
+
+    ``started`` is the ``time.monotonic()`` of the process start, for the wall
+    time; ``say`` receives progress lines. ``spark``: a SparkSession to use (and
+    leave running), e.g. one shared by tests; by default the run starts its own
+    (with the jars of ``config.jars_dir``) and stops it at the end.
+
+    Raises:
+        ReconcileError: the job could not run (exit status 2); the message is one sentence.
+    """
+    t0 = started if started is not None else time.monotonic()
+    topics = config.settings.topics
+    as_of = config.as_of_ms()
+    jars = []
+    if spark is None and not submitted():
+        if config.jars_dir is None:
+            raise ReconcileError(
+                "no Spark jars folder: pass --jars-dir or set SAGA_SPARK_JARS to the folder "
+                "with spark-sql-kafka-0-10 (infra/services.sh provision fills one)"
+            )
+        jars = check_jars(config.jars_dir)
+    log = snapshot_offsets(config, (topics.requests, topics.events, topics.decisions, topics.dlq))
+    for ledger in config.ledgers:
+        table = ledger.store.option("table", "saga_ledger") if ledger.store.kind == "sql" else None
+        _sources.ping(ledger.store, table)
+    for source in config.tables:
+        _sources.ping(source.store)
+    try:
+        config.out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ReconcileError(
+            f"cannot create the output folder {config.out}: {exc.strerror}"
+        ) from None
+
+    own = spark is None
+    if own:
+        say("starting Spark")
+        spark = start_spark(config, jars)
+    t_ready = time.monotonic()
+    try:
+        return _audit_and_replay(spark, config, log, as_of, t0, t_ready, say)
+    finally:
+        if own and not submitted():
+            spark.stop()
+
+
+def _audit_and_replay(
+    spark: Any,
+    config: ReconcileConfig,
+    log: LogRange,
+    as_of: int,
+    t0: float,
+    t_ready: float,
+    say: Progress,
+) -> RunResult:
+    from pyspark import StorageLevel
+    from pyspark.sql import functions as F
+
+    topics = config.settings.topics
+    window = config.since_ms is not None
+    say(f"auditing {sum(log.spans().values())} offsets of {topics.prefix}.*")
+    with spark_boundary("reading the log"):
+        union = (
+            _audit.parse_requests(kafka_frame(spark, config, log, topics.requests, config.since_ms))
+            .unionByName(
+                _audit.parse_events(kafka_frame(spark, config, log, topics.events, config.since_ms))
+            )
+            .unionByName(
+                _audit.parse_decisions(
+                    kafka_frame(spark, config, log, topics.decisions, config.since_ms)
+                )
+            )
+        )
+        frame = _audit.per_transaction(
+            union, as_of_ms=as_of, grace_ms=config.grace_ms, window=window
+        )
+
+    ledger_info: list[dict[str, Any]] = []
+    ledgers: Any = None
+    if config.ledgers:
+        with spark_boundary("reading the ledgers"):
+            for source in config.ledgers:
+                part = _sources.ledger_frame(spark, source)
+                ledgers = part if ledgers is None else ledgers.unionByName(part)
+            assert ledgers is not None
+            ledgers = ledgers.persist(StorageLevel.MEMORY_AND_DISK)
+            per_source = ledgers.groupBy("source", "participant").count().collect()
+            covered: set[str] = set()
+            for source in config.ledgers:
+                names = {r["participant"] for r in per_source if r["source"] == source.label}
+                names |= set(source.participants or ())
+                covered |= names
+                ledger_info.append(
+                    {
+                        "source": source.label,
+                        "participants": sorted(names),
+                        "entries": sum(
+                            int(r["count"]) for r in per_source if r["source"] == source.label
+                        ),
+                    }
+                )
+            frame = _audit.ledger_findings(
+                frame,
+                ledgers,
+                sorted(covered),
+                as_of_ms=as_of,
+                grace_ms=config.grace_ms,
+                window=window,
+            )
+    else:
+        frame = frame.withColumn(
+            "ledger_findings",
+            F.expr("CAST(NULL AS ARRAY<STRUCT<invariant: STRING, reason: STRING>>)"),
+        )
+
+    base = frame.drop("events").persist(StorageLevel.MEMORY_AND_DISK)
+    try:
+        return _finish(spark, config, log, base, ledger_info, as_of, t0, t_ready, say)
+    finally:
+        base.unpersist()
+        if ledgers is not None:
+            ledgers.unpersist()
+
+
+def _finish(
+    spark: Any,
+    config: ReconcileConfig,
+    log: LogRange,
+    base: Any,
+    ledger_info: list[dict[str, Any]],
+    as_of: int,
+    t0: float,
+    t_ready: float,
+    say: Progress,
+) -> RunResult:
+    from pyspark.sql import functions as F
+
+    topics = config.settings.topics
+    with spark_boundary("reading the dead-letter topic"):
+        letters = _dead_letters(spark, config, log)
+        verdict = _dlq.judge(letters, topics, lambda txs: _facts(spark, config, base, txs))
+    if verdict.findings:
+        dlq_rows = [
+            (tx, [("I6", reason) for reason in reasons]) for tx, reasons in verdict.findings.items()
+        ]
+        dlq_frame = spark.createDataFrame(
+            dlq_rows, "tx STRING, dlq_findings ARRAY<STRUCT<invariant: STRING, reason: STRING>>"
+        )
+        merged = base.join(F.broadcast(dlq_frame), on="tx", how="full")
+    else:
+        merged = base.withColumn(
+            "dlq_findings", F.expr("CAST(NULL AS ARRAY<STRUCT<invariant: STRING, reason: STRING>>)")
+        )
+    final = _audit.classify(merged, as_of_ms=as_of)
+
+    with spark_boundary("auditing the log"):
+        totals = _totals(final)
+        records = {
+            "requests": totals["n_requests"] + totals["n_aborts"] + totals["bad_requests"],
+            "events": totals["n_events"] + totals["bad_events"],
+            "decisions": totals["n_decisions"] + totals["bad_decisions"],
+            "dlq": verdict.records,
+        }
+        records["total"] = sum(records.values())
+        transactions = final.where("tx_id IS NOT NULL")
+        findings_path = config.out / "findings"
+        written = transactions if config.write_all else transactions.where("class != 'ok'")
+        written.select(*_OUTPUT_COLUMNS).write.mode("overwrite").parquet(str(findings_path))
+        severity = F.expr(
+            "array_position(array(" + ", ".join(f"'{c}'" for c in _audit.CLASSES) + "), class)"
+        )
+        shown = [
+            r.asDict(recursive=True)
+            for r in transactions.where("class != 'ok'")
+            .orderBy(severity, "tx_id")
+            .select(*_OUTPUT_COLUMNS)
+            .limit(config.show)
+            .collect()
+        ]
+        stuck = [
+            r.asDict(recursive=True)
+            for r in transactions.where("replay IS NOT NULL")
+            .select("tx_id", "class", "replay", "request_at", "decision_at")
+            .orderBy("tx_id")
+            .toLocalIterator()
+        ]
+    t_audit = time.monotonic()
+
+    checks = _run_checks(spark, config)
+    t_checks = time.monotonic()
+
+    resends = _replay.plan_resends(
+        stuck, requests_topic=topics.requests, decisions_topic=topics.decisions
+    )
+    sent = [False] * len(resends)
+    if config.replay and resends:
+        say(f"replaying {len(resends)} record(s)")
+        with spark_boundary("reading the records to replay"):
+            originals: dict[tuple[str, int, int], tuple[bytes | None, bytes | None]] = {}
+            for topic in (topics.decisions, topics.requests):
+                wanted = {(r.partition, r.offset) for r in resends if r.topic == topic}
+                for (part, off), record in fetch_records(spark, config, topic, wanted).items():
+                    originals[(topic, part, off)] = record
+        sent = _replay.send(
+            config.settings,
+            resends,
+            originals,
+            rate=config.replay_rate,
+            progress=lambda done, total: say(f"replayed {done}/{total}"),
+        )
+    t_end = time.monotonic()
+
+    classes = {c: totals[f"class_{c}"] for c in _audit.CLASSES}
+    invariants = {i: totals[f"inv_{i}"] for i in _audit.INVARIANTS}
+    failed_checks = [c for c in checks if not c["holds"]]
+    bad = classes["violation"] + sum(classes[c] for c in _STUCK)
+    exit_code = 1 if bad or failed_checks else 0
+    verdict_text = _verdict(classes, failed_checks, exit_code)
+    audit_s = t_audit - t_ready
+    summary: dict[str, Any] = {
+        "format": 1,
+        "prefix": topics.prefix,
+        "bootstrap": config.settings.bootstrap,
+        "as_of_ms": as_of,
+        "grace_ms": config.grace_ms,
+        "since_ms": config.since_ms,
+        "offsets": log.to_json(),
+        "records": records,
+        "invalid_records": {
+            "requests": totals["bad_requests"],
+            "events": totals["bad_events"],
+            "decisions": totals["bad_decisions"],
+        },
+        "transactions": totals["transactions"],
+        "classes": classes,
+        "invariants": invariants,
+        "dlq": {
+            "records": verdict.records,
+            "invalid": verdict.invalid,
+            "justified": verdict.justified,
+            "violations": verdict.violations,
+            "by_component": dict(verdict.by_component),
+        },
+        "ledgers": ledger_info,
+        "checks": checks,
+        "replay": {
+            "mode": "sent" if config.replay else "dry-run",
+            "planned": len(resends),
+            "decisions": sum(1 for r in resends if r.kind == "decision"),
+            "requests": sum(1 for r in resends if r.kind == "request"),
+            "sent": sum(sent),
+        },
+        "timings": {
+            "startup_s": round(t_ready - t0, 3),
+            "audit_s": round(audit_s, 3),
+            "checks_s": round(t_checks - t_audit, 3),
+            "replay_s": round(t_end - t_checks, 3),
+            "wall_s": round(t_end - t0, 3),
+            "records_per_s": round(records["total"] / audit_s, 1) if audit_s > 0 else 0.0,
+        },
+        "findings_path": str(findings_path),
+        "exit_code": exit_code,
+        "verdict": verdict_text,
+    }
+    from ._report import write_json, write_jsonl
+
+    write_json(config.out / "summary.json", summary)
+    write_jsonl(
+        config.out / "replay.jsonl",
+        [r.to_json(s) for r, s in zip(resends, sent, strict=True)],
+    )
+    return RunResult(summary, shown, list(zip(resends, sent, strict=True)))
+
+
+def _verdict(classes: Mapping[str, int], failed_checks: list[dict[str, Any]], code: int) -> str:
+    if code == 0:
+        return "clean"
+    parts = [
+        f"{n} {c.replace('_', ' ')}"
+        for c, n in classes.items()
+        if n and c not in ("ok", "in_flight")
+    ]
+    parts += [f"check {c['name']} fails" for c in failed_checks]
+    return ", ".join(parts)
+
+
+def _totals(final: Any) -> dict[str, int]:
+    """Every count of the summary, in one pass over the classified transactions."""
+    from pyspark.sql import functions as F
+
+    sums = {
+        "n_requests": "requests",
+        "n_aborts": "n_aborts",
+        "n_events": "events",
+        "n_decisions": "decisions",
+        "bad_requests": "bad_requests",
+        "bad_events": "bad_events",
+        "bad_decisions": "bad_decisions",
+    }
+    exprs = [F.expr(f"coalesce(sum({column}), 0)").alias(name) for name, column in sums.items()]
+    exprs.append(F.expr("count_if(tx_id IS NOT NULL)").alias("transactions"))
+    exprs += [
+        F.expr(f"count_if(tx_id IS NOT NULL AND class = '{c}')").alias(f"class_{c}")
+        for c in _audit.CLASSES
+    ]
+    exprs += [
+        F.expr(f"count_if(array_contains(invariants, '{i}'))").alias(f"inv_{i}")
+        for i in _audit.INVARIANTS
+    ]
+    row = final.agg(*exprs).first()
+    return {k: int(v or 0) for k, v in row.asDict().items()}
+
+
+def _dead_letters(spark: Any, config: ReconcileConfig, log: LogRange) -> list[_dlq.DeadLetter]:
+    topic = config.settings.topics.dlq
+    if not any(e > s for s, e in log.ranges[topic].values()):
+        return []
+    frame = kafka_frame(spark, config, log, topic, None, headers=True)
+    frame = frame.select("partition", "offset", "key", "value", "headers")
+    out: list[_dlq.DeadLetter] = []
+    for row in frame.toLocalIterator():
+        headers = {h["key"]: bytes(h["value"] or b"") for h in (row["headers"] or [])}
+        out.append(
+            _dlq.DeadLetter(
+                partition=int(row["partition"]),
+                offset=int(row["offset"]),
+                key=bytes(row["key"]) if row["key"] is not None else None,
+                value=bytes(row["value"]) if row["value"] is not None else None,
+                headers=headers,
+            )
+        )
+    return out
+
+
+def _facts(
+    spark: Any, config: ReconcileConfig, base: Any, txs: set[str]
+) -> dict[str, _dlq.TxFacts]:
+    """What the audit knows of ``txs``: decided or not, and the first request."""
+    rows = (
+        base.where(base.tx.isin(sorted(txs)))
+        .select("tx", "n_decisions", "req.part", "req.off")
+        .collect()
+    )
+    topic = config.settings.topics.requests
+    pointers = {(int(r["part"]), int(r["off"])) for r in rows if r["part"] is not None}
+    originals = fetch_records(spark, config, topic, pointers)
+    facts: dict[str, _dlq.TxFacts] = {}
+    for r in rows:
+        first: SagaRequest | None = None
+        if r["part"] is not None:
+            value = originals.get((int(r["part"]), int(r["off"])), (None, None))[1]
+            try:
+                decoded = decode_as(value, SagaRequest)
+                first = decoded if isinstance(decoded, SagaRequest) else None
+            except InvalidRecord:
+                first = None
+        facts[r["tx"]] = _dlq.TxFacts(
+            decided=int(r["n_decisions"] or 0) > 0,
+            first_request=first,
+            first_request_offset=int(r["off"]) if r["off"] is not None else None,
+        )
+    return facts
+
+
+def _run_checks(spark: Any, config: ReconcileConfig) -> list[dict[str, Any]]:
+    """Register the tables as views, run each business check, report its verdict."""
+    if not config.checks:
+        return []
+    with spark_boundary("reading the tables for the business checks"):
+        for table in config.tables:
+            _sources.table_frame(spark, table).createOrReplaceTempView(table.name)
+    results: list[dict[str, Any]] = []
+    for check in config.checks:
+        try:
+            with spark_boundary(f"check {check.name}"):
+                frame = spark.sql(check.sql)
+                rows = [r.asDict(recursive=True) for r in frame.limit(21).collect()]
+        except ReconcileError as exc:
+            results.append(
+                {
+                    "name": check.name,
+                    "sql": check.sql,
+                    "holds": False,
+                    "rows": [],
+                    "error": str(exc),
+                }
+            )
+            continue
+        if "ok" in frame.columns:
+            holds = bool(rows) and all(r.get("ok") is True for r in rows)
+        else:
+            holds = not rows
+        results.append(
+            {
+                "name": check.name,
+                "sql": check.sql,
+                "holds": holds,
+                "rows": [{k: _plain(v) for k, v in r.items()} for r in rows[:20]],
+                "error": None,
+            }
+        )
+    return results
+
+
+def _plain(value: Any) -> Any:
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    return str(value)

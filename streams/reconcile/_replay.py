@@ -1,0 +1,144 @@
+"""Replaying stuck sagas: re-publish what is already in the log, never anything new.
+
+* ``stuck_no_decision``: the transaction's first request, byte for byte, on the
+  requests topic. The coordinator ignores a request it has seen (same
+  fingerprint) and decides one it has not (commit if every step is applied,
+  else rollback: the deadline has passed).
+* ``stuck_unfinished``: the transaction's first decision, byte for byte, on the
+  decisions topic; participants act on it once (the ledger) and report again.
+  When a step never answered at all, its participant may have missed the
+  request too, and a rollback alone would only close the transaction there
+  without a report: the request is re-sent as well, but only once the deadline
+  has passed, when a participant can no longer apply it (it reports ``failed``
+  or, after the rollback, ``compensated``).
+
+Decisions go out (and are acknowledged) before requests. Records are produced
+through :class:`streams._kafka.Producer` (murmur2, like every saga producer), so
+each lands on its transaction's partition. Replaying twice, or again after the
+job was killed half-way, re-sends only what is still stuck, and each consumer
+takes a repeat as a no-op.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from streams._kafka import KafkaSettings, Producer
+
+__all__ = ["Resend", "plan_resends", "send"]
+
+Kind = Literal["request", "decision"]
+
+
+@dataclass(frozen=True, slots=True)
+class Resend:
+    """One record to re-publish: which transaction, what, and where the original is."""
+
+    tx_id: str
+    kind: Kind
+    topic: str
+    partition: int
+    offset: int
+    why: str
+
+    def to_json(self, sent: bool) -> dict[str, object]:
+        return {
+            "tx_id": self.tx_id,
+            "kind": self.kind,
+            "topic": self.topic,
+            "original": f"{self.topic}[{self.partition}]@{self.offset}",
+            "why": self.why,
+            "sent": sent,
+        }
+
+
+def plan_resends(
+    rows: Iterable[Mapping[str, Any]], *, requests_topic: str, decisions_topic: str
+) -> list[Resend]:
+    """The records to re-publish, decisions first, from classified transactions.
+
+    ``rows`` carry ``tx_id``, ``class``, ``replay`` (``request``, ``decision`` or
+    ``decision+request``: decided by :func:`._audit.classify`), and the
+    positions of the first request and decision (``request_at``, ``decision_at``:
+    ``{part, off}``).
+    """
+    decisions: list[Resend] = []
+    requests: list[Resend] = []
+    for row in rows:
+        what = row.get("replay")
+        if not what:
+            continue
+        tx, why = str(row["tx_id"]), str(row["class"])
+        if "decision" in what:
+            at = row["decision_at"]
+            decisions.append(
+                Resend(tx, "decision", decisions_topic, int(at["part"]), int(at["off"]), why)
+            )
+        if "request" in what:
+            at = row["request_at"]
+            requests.append(
+                Resend(tx, "request", requests_topic, int(at["part"]), int(at["off"]), why)
+            )
+    return decisions + requests
+
+
+def send(
+    settings: KafkaSettings,
+    resends: list[Resend],
+    records: Mapping[tuple[str, int, int], tuple[bytes | None, bytes | None]],
+    *,
+    rate: float | None,
+    progress: Callable[[int, int], None],
+) -> list[bool]:
+    """Produce each resend's original key and value; returns which were acknowledged.
+
+    With ``rate`` (records per second) each record is sent and acknowledged before
+    the next, at that pace; otherwise the decisions, then the requests, are
+    sent in one batch each. ``progress(done, total)`` is called as records are
+    acknowledged.
+    """
+    sent = [False] * len(resends)
+    total = len(resends)
+    producer = Producer(settings, client_id=f"{settings.prefix}.reconcile")
+    try:
+        done = 0
+        interval = 1.0 / rate if rate else 0.0
+        next_at = time.monotonic()
+        for phase in ("decision", "request"):
+            batch = [i for i, r in enumerate(resends) if r.kind == phase]
+            for i in batch:
+                r = resends[i]
+                original = records.get((r.topic, r.partition, r.offset))
+                if original is None or original[1] is None:
+                    continue  # gone (retention) since the audit read it
+                key, value = original
+                if rate:
+                    pause = next_at - time.monotonic()
+                    if pause > 0:
+                        time.sleep(pause)
+                    next_at = max(next_at, time.monotonic()) + interval
+                producer.produce(
+                    r.topic,
+                    key if key is not None else r.tx_id,
+                    value,
+                    headers=[("saga.replayed.by", b"reconcile")],
+                )
+                if rate:
+                    producer.flush(30)
+                    sent[i] = True
+                    done += 1
+                    progress(done, total)
+            if not rate and batch:
+                producer.flush(60)
+                for i in batch:
+                    key_of = (resends[i].topic, resends[i].partition, resends[i].offset)
+                    original = records.get(key_of)
+                    sent[i] = original is not None and original[1] is not None
+                done = sum(sent)
+                progress(done, total)
+    finally:
+        producer.close()
+    return sent

@@ -1,0 +1,123 @@
+"""What a run leaves behind: the JSON summary, and the table printed for a person."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from ._audit import CLASSES, INVARIANTS
+
+__all__ = ["render", "write_json", "write_jsonl"]
+
+_MEANING = {
+    "violation": "an invariant is broken",
+    "compensation_failed": "an operator must act",
+    "stuck_no_decision": "no decision after the deadline + grace",
+    "stuck_unfinished": "decided, steps unanswered after grace",
+    "in_flight": "within its deadline or grace",
+    "ok": "finished as it should",
+}
+_INVARIANT = {
+    "I1": "one decision per request",
+    "I2": "commit => every step applied, then committed",
+    "I3": "rollback => applied steps compensated, none applied after",
+    "I4": "ledgers agree with the log",
+    "I6": "only invalid records on the DLQ",
+}
+
+
+def write_json(path: Path, data: Mapping[str, Any]) -> None:
+    path.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n", encoding="utf-8")
+
+
+def write_jsonl(path: Path, rows: Sequence[Mapping[str, Any]]) -> None:
+    with path.open("w", encoding="utf-8") as out:
+        for row in rows:
+            out.write(json.dumps(row) + "\n")
+
+
+def render(
+    console: Console, summary: Mapping[str, Any], shown: Sequence[Mapping[str, Any]]
+) -> None:
+    """Print the summary table, then up to ``--show`` findings."""
+    table = Table(title=f"saga reconcile — {summary['prefix']}.*", title_justify="left")
+    table.add_column("what")
+    table.add_column("count", justify="right")
+    table.add_column("meaning")
+    classes = summary["classes"]
+    table.add_row("transactions", str(summary["transactions"]), "")
+    for name in CLASSES:
+        style = "" if name in ("ok", "in_flight") or not classes.get(name) else "bold red"
+        table.add_row(f"  {name}", str(classes.get(name, 0)), _MEANING[name], style=style)
+    for name in INVARIANTS:
+        count = summary["invariants"].get(name, 0)
+        table.add_row(f"  {name}", str(count), _INVARIANT[name], style="bold red" if count else "")
+    records = summary["records"]
+    table.add_row(
+        "records read",
+        str(records["total"]),
+        ", ".join(f"{k} {v}" for k, v in records.items() if k != "total"),
+    )
+    invalid = summary["invalid_records"]
+    table.add_row(
+        "  invalid (skipped)",
+        str(sum(invalid.values())),
+        ", ".join(f"{k} {v}" for k, v in invalid.items()),
+    )
+    dlq = summary["dlq"]
+    table.add_row(
+        "dead letters",
+        str(dlq["records"]),
+        f"invalid {dlq['invalid']}, rightly rejected {dlq['justified']}, "
+        f"wrongly rejected {dlq['violations']}",
+    )
+    for ledger in summary["ledgers"]:
+        table.add_row(
+            "ledger",
+            str(ledger["entries"]),
+            f"{ledger['source']} ({', '.join(ledger['participants']) or 'no participant'})",
+        )
+    for check in summary["checks"]:
+        verdict = "holds" if check["holds"] else "FAILS"
+        detail = check.get("error") or "; ".join(
+            ", ".join(f"{k}={v}" for k, v in row.items()) for row in check["rows"][:3]
+        )
+        table.add_row(
+            f"check {check['name']}",
+            verdict,
+            detail[:160],
+            style="" if check["holds"] else "bold red",
+        )
+    replay = summary["replay"]
+    table.add_row(
+        "replay" + (" (dry run)" if replay["mode"] == "dry-run" else ""),
+        str(replay["sent"] if replay["mode"] == "sent" else replay["planned"]),
+        f"{replay['decisions']} decision(s), {replay['requests']} request(s)"
+        + (" would be re-published (use --replay)" if replay["mode"] == "dry-run" else " sent"),
+    )
+    t = summary["timings"]
+    table.add_row(
+        "throughput",
+        f"{t['records_per_s']:,.0f}/s",
+        f"audit {t['audit_s']:.1f}s, Spark start {t['startup_s']:.1f}s, wall {t['wall_s']:.1f}s",
+    )
+    console.print(table)
+    if shown:
+        found = Table(title="findings (first rows; all of them in findings/)", title_justify="left")
+        for column in ("tx_id", "class", "why"):
+            found.add_column(column, overflow="fold")
+        for row in shown:
+            why = "; ".join(row.get("reasons") or [])
+            if not why and row.get("unfinished_steps"):
+                steps = ", ".join(str(s) for s in row["unfinished_steps"])
+                why = f"step(s) {steps} unanswered; outcome {row.get('outcome')}"
+            if not why and row["class"] == "stuck_no_decision":
+                why = f"no decision; deadline {row.get('deadline_ms')}"
+            found.add_row(str(row["tx_id"]), str(row["class"]), why)
+        console.print(found)
+    console.print(f"exit status {summary['exit_code']}: {summary['verdict']}")

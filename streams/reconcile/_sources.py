@@ -1,0 +1,369 @@
+"""The participants' stores as Spark DataFrames: their ledgers (for I4) and tables (for I5).
+
+* PostgreSQL through Spark's JDBC source (the PostgreSQL driver jar is in the
+  jars folder): the read runs on the executors, filters pushed down.
+* MongoDB and Redis through a partition reader written here, run by Spark as
+  a Python task (``parallelize`` + ``flatMap``) that yields plain tuples, so
+  the job needs no extra Python dependency (a Python ``DataSource`` would need
+  pyarrow). The executors must have this package and the store's driver; in
+  ``local`` mode they run this very interpreter.
+
+Every ledger becomes rows of :data:`LEDGER_SCHEMA`, whatever its layout:
+
+* SQL ``saga_ledger`` (``participants._sql``): one row per
+  ``(participant, tx_id, step)``;
+* MongoDB ``saga_ledger`` (``participants._mongo``): one document per step, with
+  ``pending`` while a write's intent is unresolved (no transactions);
+* Redis ``<prefix>:ledger:<participant>:tx:<tx_id>`` (``participants._redis``): a
+  hash of step number to a JSON entry.
+
+``step = -1`` (the transaction-level rollback marker) is left out everywhere.
+This module imports the store drivers (psycopg, pymongo, redis) lazily, inside
+the functions that need them.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from functools import partial
+from typing import Any, Final
+from urllib.parse import unquote, urlsplit
+
+from ._config import LedgerSource, StoreSpec, TableSource
+from ._spark import ReconcileError
+
+__all__ = ["LEDGER_SCHEMA", "ledger_frame", "ping", "table_frame"]
+
+LEDGER_SCHEMA: Final = (
+    "source STRING, participant STRING, tx_id STRING, step INT, status STRING, "
+    "effect BOOLEAN, updated_ms BIGINT, pending BOOLEAN"
+)
+_SAMPLE: Final = 500
+_TIMEOUT_S: Final = 10
+
+
+# ---------------------------------------------------------------- PostgreSQL
+
+
+def jdbc_address(url: str) -> tuple[str, dict[str, str]]:
+    """``postgresql://user:pw@host:port/db?opts`` as a JDBC URL and its user/password."""
+    parts = urlsplit(url)
+    if not parts.hostname:
+        raise ReconcileError(
+            f"the PostgreSQL URL {parts.scheme}://{parts.path} names no host; JDBC needs "
+            "postgresql://user:password@host:port/database"
+        )
+    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+    database = parts.path.lstrip("/") or unquote(parts.username or "postgres")
+    query = f"?{parts.query}" if parts.query else ""
+    jdbc = f"jdbc:postgresql://{host}:{parts.port or 5432}/{database}{query}"
+    props = {"driver": "org.postgresql.Driver"}
+    if parts.username:
+        props["user"] = unquote(parts.username)
+    if parts.password:
+        props["password"] = unquote(parts.password)
+    return jdbc, props
+
+
+def _qualified(schema: str | None, table: str) -> str:
+    return f'"{schema}"."{table}"' if schema else f'"{table}"'
+
+
+def _jdbc(spark: Any, store: StoreSpec, table: str) -> Any:
+    jdbc, props = jdbc_address(store.url)
+    reader = spark.read.format("jdbc").option("url", jdbc).option("fetchsize", "10000")
+    for key, value in props.items():
+        reader = reader.option(key, value)
+    return reader.option("dbtable", _qualified(store.options.get("schema"), table)).load()
+
+
+# ---------------------------------------------------------------- MongoDB
+
+
+def _mongo_database(store: StoreSpec) -> str:
+    path = urlsplit(store.url).path.lstrip("/")
+    return store.options.get("database") or path.split("?")[0] or "saga"
+
+
+def _mongo_client(url: str) -> Any:
+    from pymongo import MongoClient
+
+    timeout = _TIMEOUT_S * 1000
+    return MongoClient(url, serverSelectionTimeoutMS=timeout, connectTimeoutMS=timeout)
+
+
+def _mongo_ledger_rows(url: str, database: str, collection: str, label: str) -> Iterator[tuple]:  # type: ignore[type-arg]
+    client = _mongo_client(url)
+    try:
+        fields = {n: 1 for n in ("participant", "tx_id", "step", "status", "effect", "updated_ms")}
+        fields["pending.at_ms"] = 1
+        cursor = client[database][collection].find({"step": {"$gte": 0}}, fields, batch_size=5000)
+        for doc in cursor:
+            pending = doc.get("pending") is not None
+            yield (
+                label,
+                str(doc.get("participant")),
+                str(doc.get("tx_id")),
+                int(doc.get("step", -1)),
+                doc.get("status") or ("pending" if pending else None),
+                bool(doc.get("effect", False)),
+                int(doc.get("updated_ms") or 0),
+                pending,
+            )
+    finally:
+        client.close()
+
+
+def _bson_kind(value: Any) -> str:
+    if isinstance(value, bool):
+        return "BOOLEAN"
+    if isinstance(value, int):
+        return "BIGINT"
+    if isinstance(value, float):
+        return "DOUBLE"
+    return "STRING"
+
+
+def _widen(kinds: Iterable[str]) -> str:
+    found = set(kinds)
+    if len(found) == 1:
+        return found.pop()
+    if found <= {"BIGINT", "DOUBLE"}:
+        return "DOUBLE"
+    return "STRING"
+
+
+def _cell(value: Any, kind: str) -> Any:
+    if value is None:
+        return None
+    if kind == "BOOLEAN":
+        return bool(value)
+    if kind == "BIGINT":
+        return int(value)
+    if kind == "DOUBLE":
+        return float(value)
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict | list):
+        from bson import json_util
+
+        return json_util.dumps(value)
+    return str(value)
+
+
+def _mongo_table_rows(
+    url: str, database: str, collection: str, columns: list[tuple[str, str]]
+) -> Iterator[tuple]:  # type: ignore[type-arg]
+    client = _mongo_client(url)
+    try:
+        for doc in client[database][collection].find({}, batch_size=5000):
+            yield tuple(_cell(doc.get(name), kind) for name, kind in columns)
+    finally:
+        client.close()
+
+
+def _mongo_columns(store: StoreSpec, collection: str) -> list[tuple[str, str]]:
+    client = _mongo_client(store.url)
+    try:
+        kinds: dict[str, list[str]] = {"_id": []}
+        for doc in client[_mongo_database(store)][collection].find({}).limit(_SAMPLE):
+            for name, value in doc.items():
+                if value is not None and not name.startswith("_saga"):
+                    kinds.setdefault(name, []).append(_bson_kind(value))
+    finally:
+        client.close()
+    return [(name, _widen(found) if found else "STRING") for name, found in kinds.items()]
+
+
+# ---------------------------------------------------------------- Redis
+
+
+def _redis_client(url: str) -> Any:
+    import redis
+
+    return redis.Redis.from_url(url, socket_timeout=30, socket_connect_timeout=_TIMEOUT_S)
+
+
+def _redis_batches(client: Any, pattern: str) -> Iterator[list[tuple[str, dict[str, str]]]]:
+    """Hashes whose key matches ``pattern``, read 500 at a time."""
+    keys: list[bytes] = []
+
+    def read(names: list[bytes]) -> list[tuple[str, dict[str, str]]]:
+        pipe = client.pipeline(transaction=False)
+        for name in names:
+            pipe.hgetall(name)
+        out = []
+        for name, fields in zip(names, pipe.execute(), strict=True):
+            out.append((name.decode(), {k.decode(): v.decode() for k, v in (fields or {}).items()}))
+        return out
+
+    for key in client.scan_iter(match=pattern, count=1000, _type="HASH"):
+        keys.append(key)
+        if len(keys) >= 500:
+            yield read(keys)
+            keys = []
+    if keys:
+        yield read(keys)
+
+
+def _redis_ledger_rows(url: str, prefix: str, label: str) -> Iterator[tuple]:  # type: ignore[type-arg]
+    client = _redis_client(url)
+    head = f"{prefix}:ledger:"
+    try:
+        for batch in _redis_batches(client, f"{head}*:tx:*"):
+            for name, fields in batch:
+                participant, _, tx_id = name[len(head) :].partition(":tx:")
+                for step, text in fields.items():
+                    if not step.isdigit():
+                        continue  # the rollback marker
+                    entry = json.loads(text)
+                    yield (
+                        label,
+                        participant,
+                        tx_id,
+                        int(step),
+                        entry.get("status"),
+                        bool(entry.get("effect", False)),
+                        int(entry.get("updated_ms") or 0),
+                        False,
+                    )
+    finally:
+        client.close()
+
+
+def _redis_table_rows(url: str, prefix: str, fields: list[str]) -> Iterator[tuple]:  # type: ignore[type-arg]
+    client = _redis_client(url)
+    try:
+        for batch in _redis_batches(client, f"{prefix}*"):
+            for name, record in batch:
+                yield (name[len(prefix) :], *(record.get(f) for f in fields))
+    finally:
+        client.close()
+
+
+def _redis_fields(url: str, prefix: str) -> list[str]:
+    client = _redis_client(url)
+    try:
+        seen: dict[str, None] = {}
+        sampled = 0
+        for batch in _redis_batches(client, f"{prefix}*"):
+            for _, record in batch:
+                seen.update(dict.fromkeys(record))
+            sampled += len(batch)
+            if sampled >= _SAMPLE:
+                break
+        return list(seen)
+    finally:
+        client.close()
+
+
+# ---------------------------------------------------------------- frames
+
+
+def _python_frame(spark: Any, rows: Any, schema: str) -> Any:
+    """A one-partition DataFrame of what ``rows()`` yields, read by a Spark task."""
+    return spark.createDataFrame(
+        spark.sparkContext.parallelize([0], 1).flatMap(lambda _: rows()), schema
+    )
+
+
+def ledger_frame(spark: Any, source: LedgerSource) -> Any:
+    """The step entries of one ledger as rows of :data:`LEDGER_SCHEMA`."""
+    store = source.store
+    label = source.label
+    if store.kind == "sql":
+        from pyspark.sql import functions as F
+
+        frame = _jdbc(spark, store, store.option("table", "saga_ledger")).where("step >= 0")
+        frame = frame.select(
+            F.lit(label).alias("source"),
+            "participant",
+            "tx_id",
+            F.col("step").cast("int").alias("step"),
+            "status",
+            F.col("effect").cast("boolean").alias("effect"),
+            F.col("updated_ms").cast("bigint").alias("updated_ms"),
+            F.lit(False).alias("pending"),
+        )
+    elif store.kind == "mongo":
+        reader = partial(
+            _mongo_ledger_rows,
+            store.url,
+            _mongo_database(store),
+            store.option("collection", "saga_ledger"),
+            label,
+        )
+        frame = _python_frame(spark, reader, LEDGER_SCHEMA)
+    else:
+        reader = partial(_redis_ledger_rows, store.url, store.option("prefix", "saga"), label)
+        frame = _python_frame(spark, reader, LEDGER_SCHEMA)
+    if source.participants is not None:
+        frame = frame.where(frame.participant.isin(list(source.participants)))
+    return frame
+
+
+def table_frame(spark: Any, table: TableSource) -> Any:
+    """A store's table (SQL table, Mongo collection, Redis hash records) as a DataFrame.
+
+    Columns: SQL — the table's; MongoDB — ``_id`` and every field seen in the first
+    500 documents (numbers as BIGINT or DOUBLE, booleans, the rest as text);
+    Redis — ``key`` (the part after ``<prefix>:<target>:``) and every hash field seen,
+    as text (cast in the query).
+    """
+    store = table.store
+    if store.kind == "sql":
+        return _jdbc(spark, store, store.option("table", table.name))
+    if store.kind == "mongo":
+        collection = store.option("collection", table.name)
+        columns = _mongo_columns(store, collection)
+        schema = ", ".join(f"`{name}` {kind}" for name, kind in columns)
+        reader = partial(_mongo_table_rows, store.url, _mongo_database(store), collection, columns)
+        return _python_frame(spark, reader, schema)
+    prefix = f"{store.option('prefix', 'saga')}:{store.option('target', table.name)}:"
+    fields = _redis_fields(store.url, prefix)
+    schema = ", ".join(["key STRING", *(f"`{f}` STRING" for f in fields)])
+    return _python_frame(spark, partial(_redis_table_rows, store.url, prefix, fields), schema)
+
+
+# ---------------------------------------------------------------- reachability
+
+
+def ping(store: StoreSpec, ledger_table: str | None = None) -> None:
+    """Fail fast, before Spark starts, when a store does not answer (or lacks its ledger).
+
+    Raises:
+        ReconcileError: one sentence naming the store and the problem.
+    """
+    try:
+        if store.kind == "sql":
+            _ping_postgres(store, ledger_table)
+        elif store.kind == "mongo":
+            client = _mongo_client(store.url)
+            try:
+                client.admin.command("ping")
+            finally:
+                client.close()
+        else:
+            client = _redis_client(store.url)
+            try:
+                client.ping()
+            finally:
+                client.close()
+    except ReconcileError:
+        raise
+    except Exception as exc:  # any driver's failure to answer
+        detail = " ".join(str(exc).split())[:200] or type(exc).__name__
+        raise ReconcileError(f"cannot reach {store.where}: {detail}") from None
+
+
+def _ping_postgres(store: StoreSpec, ledger_table: str | None) -> None:
+    import psycopg
+
+    with psycopg.connect(store.url, connect_timeout=_TIMEOUT_S) as conn:
+        if ledger_table is None:
+            return
+        name = _qualified(store.options.get("schema"), ledger_table)
+        found = conn.execute("SELECT to_regclass(%s)", (name,)).fetchone()
+        if found is None or found[0] is None:
+            raise ReconcileError(f"{store.where} has no table {name}")

@@ -1,0 +1,312 @@
+"""The Spark side of the job: the session, and the log read as a batch of Kafka records.
+
+The log is read through Spark's ``kafka`` source (``spark-sql-kafka-0-10``)
+with ``read_committed`` isolation, so records of aborted Kafka transactions
+(a coordinator that was fenced mid-batch) are never audited. The range read is
+fixed up front (:func:`snapshot_offsets`): every topic is read up to the end
+offsets seen at the start of the run, and the participants' ledgers are read
+after that, so anything the log holds happened before the ledgers were read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+from streams._errors import ConfigurationError, SagaError, TransientError
+from streams._kafka import Consumer, KafkaSettings, wait_for_broker
+
+from ._config import ReconcileConfig
+
+__all__ = [
+    "LogRange",
+    "ReconcileError",
+    "check_jars",
+    "kafka_frame",
+    "kafka_options",
+    "snapshot_offsets",
+    "spark_boundary",
+    "start_spark",
+]
+
+KAFKA_JAR_PREFIX: Final = "spark-sql-kafka-0-10"
+
+_LOG4J: Final = """\
+rootLogger.level = {level}
+rootLogger.appenderRef.stderr.ref = console
+appender.console.type = Console
+appender.console.name = console
+appender.console.target = SYSTEM_ERR
+appender.console.layout.type = PatternLayout
+appender.console.layout.pattern = %d{{HH:mm:ss}} %p %c{{1}}: %m%n
+logger.kafka.name = org.apache.kafka
+logger.kafka.level = error
+"""
+
+
+class ReconcileError(ConfigurationError):
+    """The job cannot run (exit status 2): a service, a topic, a jar or an option is missing."""
+
+
+# ---------------------------------------------------------------- pre-flight
+
+
+def check_jars(jars_dir: Path) -> list[Path]:
+    """The jars of ``jars_dir``; it must hold the Kafka connector.
+
+    Raises:
+        ReconcileError: the folder is missing or has no ``spark-sql-kafka-0-10`` jar.
+    """
+    if not jars_dir.is_dir():
+        raise ReconcileError(
+            f"the Spark jars folder {jars_dir} does not exist: run `infra/services.sh provision` "
+            "or pass --jars-dir (or SAGA_SPARK_JARS) naming the folder with spark-sql-kafka"
+        )
+    jars = sorted(p.resolve() for p in jars_dir.glob("*.jar"))
+    if not any(p.name.startswith(KAFKA_JAR_PREFIX) for p in jars):
+        raise ReconcileError(
+            f"the Spark jars folder {jars_dir} has no {KAFKA_JAR_PREFIX} jar: run "
+            "`infra/services.sh provision` to fetch the connector jars"
+        )
+    return jars
+
+
+@dataclass(frozen=True)
+class LogRange:
+    """The offsets read per topic: ``{topic: {partition: (start, end)}}``, end exclusive."""
+
+    ranges: Mapping[str, Mapping[int, tuple[int, int]]]
+
+    def spark_json(self, topic: str, which: int) -> str:
+        return json.dumps({topic: {str(p): r[which] for p, r in self.ranges[topic].items()}})
+
+    def spans(self) -> dict[str, int]:
+        """Offsets per topic in the range (records plus transaction markers)."""
+        return {t: sum(e - s for s, e in parts.values()) for t, parts in self.ranges.items()}
+
+    def to_json(self) -> dict[str, dict[str, list[int]]]:
+        return {
+            t: {str(p): [s, e] for p, (s, e) in sorted(parts.items())}
+            for t, parts in self.ranges.items()
+        }
+
+
+def snapshot_offsets(config: ReconcileConfig, topics: tuple[str, ...]) -> LogRange:
+    """Check that Kafka answers and every topic exists; fix the offset range to read.
+
+    End offsets are the last stable offsets (``read_committed``) at this moment,
+    unless ``ending_offsets`` names them; start offsets are the oldest still
+    stored, unless ``starting_offsets`` names them (``--since`` is applied by
+    Spark, by record time).
+
+    Raises:
+        ReconcileError: Kafka does not answer, refuses the credentials, or a topic
+            is missing.
+    """
+    settings = config.settings
+    try:
+        wait_for_broker(settings, timeout=10.0)
+    except SagaError as exc:
+        raise ReconcileError(f"cannot reach Kafka: {exc}") from None
+    reader = Consumer(settings, client_id=f"{settings.prefix}.reconcile.offsets")
+    try:
+        ranges: dict[str, dict[int, tuple[int, int]]] = {}
+        for topic in topics:
+            try:
+                count = reader.list_partitions(topic)
+            except ConfigurationError as exc:
+                raise ReconcileError(str(exc)) from None
+            parts: dict[int, tuple[int, int]] = {}
+            for p in range(count):
+                low, high = reader.watermarks(topic, p)
+                start = _given(config.starting_offsets, topic, p, low)
+                end = _given(config.ending_offsets, topic, p, high)
+                first = max(start, low)
+                parts[p] = (first, max(min(end, high), first))
+            ranges[topic] = parts
+        return LogRange(ranges)
+    except TransientError as exc:
+        raise ReconcileError(f"cannot read the topics' offsets from Kafka: {exc}") from None
+    finally:
+        reader.close()
+
+
+def _given(
+    offsets: Mapping[str, Mapping[int, int]] | None, topic: str, p: int, default: int
+) -> int:
+    if offsets is None or topic not in offsets:
+        return default
+    return offsets[topic].get(p, default)
+
+
+# ---------------------------------------------------------------- the session
+
+
+def submitted() -> bool:
+    """Whether this process was started by ``spark-submit`` (the JVM already exists)."""
+    return "PYSPARK_GATEWAY_PORT" in os.environ
+
+
+def start_spark(config: ReconcileConfig, jars: list[Path]) -> Any:
+    """A SparkSession for the job: ``local[*]`` unless ``--master`` (or ``spark-submit``) says.
+
+    Progress bars and INFO logs are off (``-v`` shows warnings). Under
+    ``spark-submit`` the session it configured is used and only the SQL
+    settings are applied.
+    """
+    from pyspark.sql import SparkSession
+
+    builder = SparkSession.builder.appName("saga-reconcile")
+    level = "warn" if config.verbose else "error"
+    if not submitted():
+        master = config.master or "local[*]"
+        builder = builder.master(master)
+        if jars:
+            builder = builder.config("spark.jars", ",".join(str(j) for j in jars))
+        log4j = Path(tempfile.mkdtemp(prefix="saga-reconcile-")) / "log4j2.properties"
+        log4j.write_text(_LOG4J.format(level=level), encoding="utf-8")
+        builder = (
+            builder.config("spark.driver.memory", config.driver_memory)
+            .config("spark.driver.extraJavaOptions", f"-Dlog4j2.configurationFile=file:{log4j}")
+            .config("spark.ui.enabled", "false")
+            .config("spark.ui.showConsoleProgress", "false")
+        )
+        if master.startswith("local"):
+            # A loopback driver avoids host-name trouble on laptops and CI.
+            builder = builder.config("spark.driver.host", "127.0.0.1").config(
+                "spark.driver.bindAddress", "127.0.0.1"
+            )
+    builder = builder.config("spark.sql.shuffle.partitions", str(config.shuffle_partitions))
+    builder = builder.config("spark.sql.session.timeZone", "UTC")
+    for key, value in config.spark_conf.items():
+        builder = builder.config(key, value)
+    try:
+        session = builder.getOrCreate()
+    except Exception as exc:  # the JVM could not start: no Java, bad master, ...
+        raise ReconcileError(f"Spark could not start: {_first_line(exc)}") from None
+    session.sparkContext.setLogLevel(level.upper())
+    if not config.verbose:
+        # PySpark logs every analysis error it raises as JSON on stderr; the job turns
+        # those errors into one sentence of its own (spark_boundary).
+        from pyspark.logger import PySparkLogger
+
+        for name in ("DataFrameQueryContextLogger", "SQLQueryContextLogger"):
+            PySparkLogger.getLogger(name).disabled = True
+    if session.sparkContext.master.startswith("local"):
+        # Local Python workers run this very interpreter: the ledger readers import this
+        # package and the store drivers (PySpark's default is whatever `python3` is).
+        session.sparkContext.pythonExec = sys.executable
+    return session
+
+
+def kafka_options(settings: KafkaSettings) -> dict[str, str]:
+    """Options of Spark's Kafka source for these settings (extras become ``kafka.<name>``)."""
+    options = {
+        "kafka.bootstrap.servers": settings.bootstrap,
+        "kafka.isolation.level": "read_committed",
+        # A partition emptied by retention between the snapshot and the read has nothing
+        # to lose for an audit of what is still there; failing the run would help no one.
+        "failOnDataLoss": "false",
+    }
+    for key, value in settings.extra.items():
+        options[f"kafka.{key}"] = value
+    return options
+
+
+def kafka_frame(
+    spark: Any,
+    config: ReconcileConfig,
+    log: LogRange,
+    topic: str,
+    since_ms: int | None,
+    *,
+    headers: bool = False,
+) -> Any:
+    """The records of ``topic`` in the run's range: key, value, partition, offset, timestamp
+    (and ``headers`` when asked)."""
+    reader = spark.read.format("kafka").options(**kafka_options(config.settings))
+    if headers:
+        reader = reader.option("includeHeaders", "true")
+    reader = reader.option("subscribe", topic).option("endingOffsets", log.spark_json(topic, 1))
+    if since_ms is not None:
+        reader = reader.option("startingTimestamp", str(since_ms)).option(
+            "startingOffsetsByTimestampStrategy", "latest"
+        )
+    else:
+        reader = reader.option("startingOffsets", log.spark_json(topic, 0))
+    return reader.load()
+
+
+# ---------------------------------------------------------------- errors
+
+
+def _first_line(exc: BaseException) -> str:
+    """The most useful line of a (Java) exception: the innermost cause's message."""
+    text = str(exc)
+    causes = [line.strip() for line in text.splitlines() if "Caused by:" in line]
+    line = causes[-1].split("Caused by:", 1)[1].strip() if causes else ""
+    if not line:
+        lines = [s.strip() for s in text.splitlines() if s.strip()]
+        line = lines[0] if lines else type(exc).__name__
+    return line if len(line) <= 300 else line[:297] + "..."
+
+
+@contextmanager
+def spark_boundary(doing: str) -> Iterator[None]:
+    """Turn a failure inside Spark into one sentence (exit status 2)."""
+    try:
+        yield
+    except SagaError:
+        raise
+    except Exception as exc:
+        name = type(exc).__name__
+        if name in ("Py4JJavaError", "Py4JError", "PythonException", "AnalysisException") or (
+            type(exc).__module__.startswith(("pyspark", "py4j"))
+        ):
+            raise ReconcileError(f"{doing} failed: {_first_line(exc)}") from None
+        raise
+
+
+def fetch_records(
+    spark: Any, config: ReconcileConfig, topic: str, pointers: set[tuple[int, int]]
+) -> dict[tuple[int, int], tuple[bytes | None, bytes | None]]:
+    """The key and value bytes of the records at ``(partition, offset)`` of ``topic``.
+
+    Reads only the partitions named and only between the lowest and the highest
+    offset wanted in each; the selection itself runs in Spark (a broadcast join),
+    so only the wanted records reach this process.
+    """
+    if not pointers:
+        return {}
+    from pyspark.sql import functions as F
+
+    bounds: dict[int, tuple[int, int]] = {}
+    for part, off in pointers:
+        low, high = bounds.get(part, (off, off))
+        bounds[part] = (min(low, off), max(high, off))
+    reader = spark.read.format("kafka").options(**kafka_options(config.settings))
+    frame = (
+        reader.option("assign", json.dumps({topic: sorted(bounds)}))
+        .option("startingOffsets", json.dumps({topic: {str(p): b[0] for p, b in bounds.items()}}))
+        .option("endingOffsets", json.dumps({topic: {str(p): b[1] + 1 for p, b in bounds.items()}}))
+        .load()
+    )
+    wanted = spark.createDataFrame(sorted(pointers), "partition INT, offset BIGINT")
+    rows = (
+        frame.join(F.broadcast(wanted), on=["partition", "offset"])
+        .select("partition", "offset", "key", "value")
+        .toLocalIterator()
+    )
+    found: dict[tuple[int, int], tuple[bytes | None, bytes | None]] = {}
+    for row in rows:
+        key = bytes(row["key"]) if row["key"] is not None else None
+        value = bytes(row["value"]) if row["value"] is not None else None
+        found[(int(row["partition"]), int(row["offset"]))] = (key, value)
+    return found

@@ -1,0 +1,230 @@
+"""``saga reconcile``: the command (also ``python -m streams.reconcile`` and ``spark-submit``).
+
+The ``saga`` command line registers it with ``main.add_command(reconcile)``.
+Expected failures print one sentence on stderr and exit 2; findings exit 1.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from streams._errors import ConfigurationError, SagaError
+from streams._kafka import KafkaSettings
+
+from ._config import (
+    DEFAULT_GRACE_MS,
+    ReconcileConfig,
+    parse_check,
+    parse_duration_ms,
+    parse_ledger,
+    parse_offsets,
+    parse_since,
+    parse_table,
+    spark_conf_pairs,
+)
+
+__all__ = ["main", "reconcile"]
+
+_EPILOG = """\b
+Examples:
+  saga reconcile                                   # audit everything, dry run
+  saga reconcile --replay                          # ... and re-publish what is stuck
+  saga reconcile --since 2h --grace 5m
+  saga reconcile \\
+    --ledger 'sql:postgresql://saga:saga@127.0.0.1:15432/saga#schema=bank' \\
+    --ledger 'redis:redis://127.0.0.1:16379/0#prefix=saga' \\
+    --table 'accounts=sql:postgresql://saga:saga@127.0.0.1:15432/saga#schema=bank' \\
+    --check 'money=SELECT sum(balance) = 200000 AS ok, sum(balance) AS total FROM accounts'
+
+\b
+Store specs: KIND:URL#key=value&... with KIND sql (schema, table), mongo
+(database, collection) or redis (prefix, target); ledgers also take
+participants=a,b. A check holds when its query returns no row, or, if it has
+a boolean column ok, when ok is true in every row it returns.
+
+\b
+Exit status: 0 clean; 1 violations, stuck sagas or a failed check;
+2 the job could not run (Kafka, a topic, the jars, a store or an option).
+"""
+
+
+@click.command(
+    "reconcile",
+    epilog=_EPILOG,
+    context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
+)
+@click.option(
+    "--bootstrap", default=None, help="Kafka bootstrap servers [env SAGA_KAFKA_BOOTSTRAP]."
+)
+@click.option("--prefix", default=None, help="Topic prefix [env SAGA_TOPIC_PREFIX; default: saga].")
+@click.option(
+    "--kafka-config",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="File of key=value Kafka client settings (security.protocol, sasl.*, ssl.*).",
+)
+@click.option(
+    "--out",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path("reports/reconcile"),
+    show_default=True,
+    help="Folder for findings/ (Parquet), summary.json and replay.jsonl.",
+)
+@click.option("--master", default=None, help="Spark master URL [default: local[*]].")
+@click.option(
+    "--jars-dir",
+    type=click.Path(path_type=Path),
+    envvar="SAGA_SPARK_JARS",
+    default=None,
+    help="Folder with spark-sql-kafka-0-10 and its dependencies [env SAGA_SPARK_JARS].",
+)
+@click.option(
+    "--since",
+    default=None,
+    help="Audit only records since then: 30m, 2h, 1d, an ISO 8601 time or epoch ms.",
+)
+@click.option(
+    "--starting-offsets", default=None, help='Spark offsets JSON: {"saga.events": {"0": 42}}.'
+)
+@click.option("--ending-offsets", default=None, help="Spark offsets JSON; default: the end now.")
+@click.option(
+    "--grace",
+    default=f"{DEFAULT_GRACE_MS // 1000}s",
+    show_default=True,
+    help="How long after a deadline or a decision a saga may still finish on its own.",
+)
+@click.option(
+    "--now-ms", type=int, default=None, help="The audit's 'now' (epoch ms) [default: clock]."
+)
+@click.option(
+    "--ledger", "ledgers", multiple=True, help="A participant ledger to cross-check (I4)."
+)
+@click.option("--table", "tables", multiple=True, help="NAME=SPEC: a store table for --check.")
+@click.option(
+    "--check", "checks", multiple=True, help="NAME=SQL or NAME=@FILE: a business invariant."
+)
+@click.option(
+    "--replay/--dry-run",
+    default=False,
+    show_default=True,
+    help="Re-publish the request of each stuck_no_decision saga and the decision of each "
+    "stuck_unfinished one (the dry run only lists them).",
+)
+@click.option(
+    "--replay-rate",
+    type=float,
+    default=None,
+    help="At most this many replayed records per second, each acknowledged before the next.",
+)
+@click.option("--all", "write_all", is_flag=True, help="Write every transaction, ok ones too.")
+@click.option("--show", type=click.IntRange(0, 10_000), default=20, show_default=True)
+@click.option("--driver-memory", default="2g", show_default=True)
+@click.option("--shuffle-partitions", type=click.IntRange(1, 100_000), default=8, show_default=True)
+@click.option("--conf", "conf", multiple=True, help="key=value: any Spark setting.")
+@click.option("--json", "as_json", is_flag=True, help="Print summary.json instead of the tables.")
+@click.option("-v", "--verbose", count=True, help="Spark warnings and more log lines.")
+def reconcile(
+    bootstrap: str | None,
+    prefix: str | None,
+    kafka_config: str | None,
+    out: Path,
+    master: str | None,
+    jars_dir: Path | None,
+    since: str | None,
+    starting_offsets: str | None,
+    ending_offsets: str | None,
+    grace: str,
+    now_ms: int | None,
+    ledgers: tuple[str, ...],
+    tables: tuple[str, ...],
+    checks: tuple[str, ...],
+    replay: bool,
+    replay_rate: float | None,
+    write_all: bool,
+    show: int,
+    driver_memory: str,
+    shuffle_partitions: int,
+    conf: tuple[str, ...],
+    as_json: bool,
+    verbose: int,
+) -> None:
+    """Audit the saga log (and the participants' ledgers) with Spark; replay stuck sagas.
+
+    Reads requests, events and decisions (and the dead letters) as a batch,
+    checks invariants I1-I4 and I6 per transaction, classifies each as ok,
+    in_flight, stuck_no_decision, stuck_unfinished, compensation_failed or
+    violation, writes the findings as Parquet with a JSON summary, and prints
+    a summary table. With --replay it re-publishes what stuck sagas miss.
+    """
+    started = time.monotonic()
+    try:
+        settings = KafkaSettings.from_sources(bootstrap, prefix, kafka_config, os.environ)
+        clock = now_ms if now_ms is not None else time.time_ns() // 1_000_000
+        config = ReconcileConfig(
+            settings=settings,
+            out=out,
+            jars_dir=jars_dir,
+            master=master,
+            grace_ms=parse_duration_ms(grace, "--grace"),
+            now_ms=now_ms,
+            since_ms=parse_since(since, clock) if since else None,
+            starting_offsets=parse_offsets(starting_offsets, "--starting-offsets")
+            if starting_offsets
+            else None,
+            ending_offsets=parse_offsets(ending_offsets, "--ending-offsets")
+            if ending_offsets
+            else None,
+            ledgers=tuple(parse_ledger(s) for s in ledgers),
+            tables=tuple(parse_table(s) for s in tables),
+            checks=tuple(parse_check(s) for s in checks),
+            replay=replay,
+            replay_rate=replay_rate,
+            write_all=write_all,
+            show=show,
+            driver_memory=driver_memory,
+            shuffle_partitions=shuffle_partitions,
+            spark_conf=spark_conf_pairs(conf),
+            verbose=verbose,
+        )
+        from ._job import run
+
+        def say(line: str) -> None:
+            click.echo(f"saga reconcile: {line}", err=True)
+
+        result = run(config, started=started, say=say)
+    except ConfigurationError as exc:
+        _fail(str(exc))
+    except SagaError as exc:  # e.g. Kafka failing mid-run
+        _fail(str(exc))
+    except KeyboardInterrupt:
+        sys.exit(130)
+    if as_json:
+        import json
+
+        click.echo(json.dumps(result.summary, indent=2))
+    else:
+        from rich.console import Console
+
+        from ._report import render
+
+        render(Console(), result.summary, result.shown)
+    sys.exit(result.exit_code)
+
+
+def _fail(message: str) -> None:
+    click.echo(f"saga reconcile: {message}", err=True)
+    sys.exit(2)
+
+
+def main() -> None:
+    """``python -m streams.reconcile`` / ``spark-submit streams/reconcile/__main__.py``."""
+    logging.basicConfig(
+        level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    reconcile.main(prog_name="saga reconcile")
