@@ -37,10 +37,12 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping
+from abc import abstractmethod
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Final, TypeAlias
+from typing import Any, Final, Protocol, TypeAlias
 
+from participants._storage import Actions
 from streams import BusinessRejection
 
 IDENTIFIER: Final = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
@@ -314,3 +316,64 @@ def _plural(word: str, items: list[Any]) -> str:
 def _signature(action: str) -> str:
     optional = [f"{name}?" for name in _OPTIONAL.get(action, ())]
     return ", ".join([*_REQUIRED[action], *optional])
+
+
+class RecordOps(Protocol):
+    """What a storage does to one record for each built-in action and its compensation."""
+
+    def insert(self, fields: Mapping[str, Any]) -> Any: ...
+    def put(self, fields: Mapping[str, Any]) -> Any: ...
+    def update(self, fields: Mapping[str, Any]) -> Any: ...
+    def delete(self) -> Any: ...
+    def increment(self, action: Increment) -> Any: ...
+    def remove(self) -> None: ...
+    def restore_put(self, before: Any) -> None: ...
+    def restore_fields(self, before: Any) -> None: ...
+    def reinsert(self, before: Any) -> None: ...
+    def increment_back(self, action: Increment, before: Any) -> None: ...
+
+
+class BuiltinActions(Actions):
+    """The built-in actions of one storage: validation and dispatch shared by every adapter.
+
+    An adapter says how to reach a record (:meth:`record`); the returned
+    :class:`RecordOps` returns the before-image from each forward operation and
+    restores it in the matching compensation.
+    """
+
+    def __init__(self, targets: Iterable[str]) -> None:
+        self.targets = frozenset(targets)
+
+    @abstractmethod
+    def record(self, native: Any, action: BuiltinAction) -> RecordOps:
+        """The record ``action`` addresses, in the storage ``native`` belongs to."""
+
+    def apply(self, native: Any, action: str, args: Mapping[str, Any]) -> Any:
+        parsed = parse_action(action, args, self.targets)
+        record = self.record(native, parsed)
+        if isinstance(parsed, Insert):
+            return record.insert(parsed.value)
+        if isinstance(parsed, Put):
+            return record.put(parsed.value)
+        if isinstance(parsed, Update):
+            return record.update(parsed.set)
+        if isinstance(parsed, Delete):
+            return record.delete()
+        return record.increment(parsed)
+
+    def compensate(self, native: Any, action: str, args: Mapping[str, Any], before: Any) -> None:
+        parsed = parse_action(action, args, self.targets)
+        record = self.record(native, parsed)
+        if isinstance(parsed, Insert):
+            record.remove()
+        elif isinstance(parsed, Put):
+            record.restore_put(before)
+        elif isinstance(parsed, Update):
+            record.restore_fields(before)
+        elif isinstance(parsed, Delete):
+            record.reinsert(before)
+        else:
+            record.increment_back(parsed, before)
+
+    def confirm(self, native: Any, action: str, args: Mapping[str, Any]) -> None:
+        """Nothing to do: a built-in action holds nothing beyond its local commit."""

@@ -69,13 +69,11 @@ from redis.client import Pipeline
 from participants._actions import (
     IDENTIFIER,
     MAX_KEY_LENGTH,
-    Delete,
+    BuiltinAction,
+    BuiltinActions,
     Increment,
-    Insert,
     Key,
-    Put,
-    Update,
-    parse_action,
+    RecordOps,
 )
 from participants._barrier import LedgerEntry, LedgerStatus
 from participants._handlers import Handler, combine
@@ -213,7 +211,7 @@ def _session(native: Any) -> RedisSession:
 # ---------------------------------------------------------------- built-in actions
 
 
-class RedisActions(Actions):
+class RedisActions(BuiltinActions):
     """The built-in actions on hash records (``native`` must be a :class:`RedisSession`).
 
     Before-images: ``put`` and ``delete`` keep the whole old hash (``put`` of a new
@@ -222,40 +220,8 @@ class RedisActions(Actions):
     restore exactly that: ``put`` rewrites the whole hash.
     """
 
-    def __init__(self, targets: Iterable[str]) -> None:
-        self.targets = frozenset(targets)
-
-    def apply(self, native: Any, action: str, args: Mapping[str, Any]) -> Any:
-        session = _session(native)
-        parsed = parse_action(action, args, self.targets)
-        record = _Record(session, parsed.target, parsed.key)
-        if isinstance(parsed, Insert):
-            return record.insert(parsed.value)
-        if isinstance(parsed, Put):
-            return record.put(parsed.value)
-        if isinstance(parsed, Update):
-            return record.update(parsed.set)
-        if isinstance(parsed, Delete):
-            return record.delete()
-        return record.increment(parsed)
-
-    def compensate(self, native: Any, action: str, args: Mapping[str, Any], before: Any) -> None:
-        session = _session(native)
-        parsed = parse_action(action, args, self.targets)
-        record = _Record(session, parsed.target, parsed.key)
-        if isinstance(parsed, Insert):
-            record.remove()
-        elif isinstance(parsed, Put):
-            record.restore_put(before)
-        elif isinstance(parsed, Update):
-            record.restore_fields(before)
-        elif isinstance(parsed, Delete):
-            record.reinsert(before)
-        else:
-            record.increment_back(parsed, before)
-
-    def confirm(self, native: Any, action: str, args: Mapping[str, Any]) -> None:
-        """Nothing to do: a built-in action holds nothing beyond its EXEC."""
+    def record(self, native: Any, action: BuiltinAction) -> RecordOps:
+        return _Record(_session(native), action.target, action.key)
 
 
 class _Record:

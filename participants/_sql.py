@@ -92,12 +92,9 @@ from sqlalchemy.sql import sqltypes
 from participants._actions import (
     IDENTIFIER,
     BuiltinAction,
-    Delete,
+    BuiltinActions,
     Increment,
-    Insert,
-    Put,
-    Update,
-    parse_action,
+    RecordOps,
 )
 from participants._barrier import LedgerEntry, LedgerStatus
 from participants._handlers import Handler, combine
@@ -238,7 +235,7 @@ def _session(native: Any) -> SqlSession:
 # ---------------------------------------------------------------- built-in actions
 
 
-class SqlActions(Actions):
+class SqlActions(BuiltinActions):
     """The built-in actions on reflected tables (``native`` must be a :class:`SqlSession`).
 
     ``key`` is the value of the table's single-column primary key; fields are
@@ -255,40 +252,9 @@ class SqlActions(Actions):
     increments in between.
     """
 
-    def __init__(self, targets: Iterable[str]) -> None:
-        self.targets = frozenset(targets)
-
-    def apply(self, native: Any, action: str, args: Mapping[str, Any]) -> Any:
+    def record(self, native: Any, action: BuiltinAction) -> RecordOps:
         session = _session(native)
-        parsed = parse_action(action, args, self.targets)
-        record = _Record(session, session.table(parsed.target), parsed)
-        if isinstance(parsed, Insert):
-            return record.insert(parsed.value)
-        if isinstance(parsed, Put):
-            return record.put(parsed.value)
-        if isinstance(parsed, Update):
-            return record.update(parsed.set)
-        if isinstance(parsed, Delete):
-            return record.delete()
-        return record.increment(parsed)
-
-    def compensate(self, native: Any, action: str, args: Mapping[str, Any], before: Any) -> None:
-        session = _session(native)
-        parsed = parse_action(action, args, self.targets)
-        record = _Record(session, session.table(parsed.target), parsed)
-        if isinstance(parsed, Insert):
-            record.remove()
-        elif isinstance(parsed, Put):
-            record.restore_put(before)
-        elif isinstance(parsed, Update):
-            record.restore_fields(before)
-        elif isinstance(parsed, Delete):
-            record.reinsert(before)
-        else:
-            record.increment_back(parsed)
-
-    def confirm(self, native: Any, action: str, args: Mapping[str, Any]) -> None:
-        """Nothing to do: a built-in action holds nothing beyond its local commit."""
+        return _Record(session, session.table(action.target), action)
 
 
 class _Record:
@@ -453,7 +419,7 @@ class _Record:
             )
         self._insert(values)
 
-    def increment_back(self, action: Increment) -> None:
+    def increment_back(self, action: Increment, before: Any = None) -> None:
         column = self._counter(action.field)
         by = _coerce(column, action.by, f"the increment of {self.where}")
         statement = update(self.table).where(self._match()).values({column.name: column - by})
