@@ -35,14 +35,11 @@ from streams import (
     encode,
 )
 from streams._kafka import Consumer, KafkaSettings, Producer
+from streams._lifecycle import wall_clock_ms
 
 log = logging.getLogger("saga.client")
 
 DEFAULT_TIMEOUT_S = 30.0
-
-
-def _now_ms() -> int:
-    return time.time_ns() // 1_000_000
 
 
 def _as_step(step: Step | Mapping[str, Any]) -> Step:
@@ -209,7 +206,7 @@ class SagaClient:
             raise InvalidRecord(f"mode must be 'parallel' or 'sequential', got {mode!r}") from exc
         if timeout <= 0:
             raise InvalidRecord(f"timeout must be positive seconds, got {timeout!r}")
-        created = _now_ms() if now_ms is None else now_ms
+        created = wall_clock_ms() if now_ms is None else now_ms
         request = SagaRequest(
             tx_id=tx_id if tx_id is not None else uuid.uuid4().hex,
             saga=saga,
@@ -285,7 +282,7 @@ class SagaClient:
 
     def abort(self, tx_id: str, reason: str = "") -> None:
         """Ask for a rollback; honoured only while the transaction has no decision."""
-        record = SagaAbort(tx_id=tx_id, reason=reason, at_ms=_now_ms())
+        record = SagaAbort(tx_id=tx_id, reason=reason, at_ms=wall_clock_ms())
         self._producer.produce(self.topics.requests, tx_id, encode(record))
         self._producer.flush(30)
 

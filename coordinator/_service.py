@@ -18,10 +18,7 @@ from __future__ import annotations
 
 import heapq
 import logging
-import signal
-import threading
-import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from coordinator._machine import (
@@ -53,14 +50,9 @@ from streams._kafka import (
     TransactionalProducer,
     send_to_dlq,
 )
+from streams._lifecycle import Clock, Stoppable, wall_clock_ms
 
 log = logging.getLogger("saga.coordinator")
-
-Clock = Callable[[], int]
-
-
-def wall_clock_ms() -> int:
-    return time.time_ns() // 1_000_000
 
 
 @dataclass(slots=True)
@@ -83,7 +75,7 @@ class _Partition:
     deadlines: list[tuple[int, str]] = field(default_factory=list)
 
 
-class CoordinatorService:
+class CoordinatorService(Stoppable):
     """Runs one coordinator instance until :meth:`stop` (or SIGTERM/SIGINT).
 
     Several instances share the partitions through one consumer group
@@ -113,7 +105,7 @@ class CoordinatorService:
         self.poll_timeout_s = poll_timeout_s
         self.clock = clock
         self.stats = CoordinatorStats()
-        self._stop = threading.Event()
+        super().__init__()
         self._partitions: dict[int, _Partition] = {}
         self._consumer = Consumer(
             settings,
@@ -137,20 +129,13 @@ class CoordinatorService:
 
     # ------------------------------------------------------------ lifecycle
 
-    def stop(self) -> None:
-        self._stop.set()
-
-    def install_signal_handlers(self) -> None:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: self.stop())
-
     def run(self) -> None:
         """Consume, decide and produce until stopped; raises FatalKafkaError when fenced."""
         self._producer.init()
         self._consumer.subscribe([self.topics.requests, self.topics.events, self.topics.decisions])
         log.info("coordinator %s running on %s", self.instance_id, self.settings.bootstrap)
         try:
-            while not self._stop.is_set():
+            while not self.stopping:
                 messages = self._consumer.poll_batch(self.batch_size, self.poll_timeout_s)
                 now = self.clock()
                 if messages or self._deadline_due(now):

@@ -26,11 +26,7 @@ restart the window is read again and nothing between the two topics is lost.
 from __future__ import annotations
 
 import logging
-import signal
-import threading
-import time
 from collections import OrderedDict, deque
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from tenacity import (
@@ -57,14 +53,9 @@ from streams import (
 )
 from streams import _faults as faults
 from streams._kafka import Consumer, KafkaSettings, Message, Producer
+from streams._lifecycle import Clock, Stoppable, wall_clock_ms
 
 log = logging.getLogger("saga.participant")
-
-Clock = Callable[[], int]
-
-
-def wall_clock_ms() -> int:
-    return time.time_ns() // 1_000_000
 
 
 @dataclass(slots=True)
@@ -77,7 +68,7 @@ class ParticipantStats:
     retries: int = 0
 
 
-class ParticipantRuntime:
+class ParticipantRuntime(Stoppable):
     """Runs one participant until :meth:`stop` (or SIGTERM/SIGINT)."""
 
     def __init__(
@@ -102,7 +93,7 @@ class ParticipantRuntime:
         self.max_backoff_s = max_backoff_s
         self.clock = clock
         self.stats = ParticipantStats()
-        self._stop = threading.Event()
+        super().__init__()
         # (tx_id, step) of recently seen `applied` events -> when seen
         self._applied_seen: OrderedDict[tuple[str, int], int] = OrderedDict()
         # (tx_id, step) of recently seen `compensated` events -> when seen
@@ -134,13 +125,6 @@ class ParticipantRuntime:
 
     # ------------------------------------------------------------ lifecycle
 
-    def stop(self) -> None:
-        self._stop.set()
-
-    def install_signal_handlers(self) -> None:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: self.stop())
-
     def run(self) -> None:
         self.storage.setup()
         now = self.clock()
@@ -148,7 +132,7 @@ class ParticipantRuntime:
         self._consumer.subscribe([self.topics.requests, self.topics.decisions, self.topics.events])
         log.info("participant %s running on %s", self.name, self.settings.bootstrap)
         try:
-            while not self._stop.is_set():
+            while not self.stopping:
                 messages, self._carry = self._carry, []
                 messages += self._consumer.poll_batch(self.batch_size, self.poll_timeout_s)
                 if messages:
