@@ -12,7 +12,7 @@ INFRA  := infra/services.sh
 # Exports the running services' addresses (SAGA_KAFKA_BOOTSTRAP, ...) into a recipe.
 WITH_ENV := eval "$$($(INFRA) env)" &&
 
-.PHONY: help venv lint unit test test-all demo bench chaos chaos-short infra-up infra-down infra-status clean
+.PHONY: help venv lint unit test demo reconcile-bench infra-up infra-down infra-status clean
 
 help:
 	@echo "make test          install everything, start the local services, lint, run the test suite"
@@ -22,6 +22,7 @@ help:
 	@echo "make infra-down    stop the services started by infra-up"
 	@echo "make lint          ruff and mypy"
 	@echo "make unit          the unit tests only (no services)"
+	@echo "make reconcile-bench  the reconciliation job's throughput on a generated log"
 
 $(VENV)/.installed: pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -54,6 +55,11 @@ test: venv lint infra-up
 
 demo: venv infra-up
 	@$(WITH_ENV) $(VENV)/bin/saga demo
+
+# The reconciliation job's throughput on a generated log (SAGAS=1000000 by default).
+SAGAS ?= 1000000
+reconcile-bench: venv infra-up
+	@$(WITH_ENV) $(PY) -m streams.reconcile.bench --sagas $(SAGAS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

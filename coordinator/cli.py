@@ -414,6 +414,11 @@ def schema_cmd(record_type: str | None) -> None:
     click.echo(json.dumps(schema(record_type), indent=2))
 
 
+from streams.reconcile.cli import reconcile  # noqa: E402  (registered after main exists)
+
+main.add_command(reconcile)
+
+
 def run() -> None:
     """Entry point: turn expected failures into one sentence and an exit code."""
     try:

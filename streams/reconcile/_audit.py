@@ -55,6 +55,8 @@ INVARIANTS: Final = ("I1", "I2", "I3", "I4", "I6")
 EVENT_STATUSES: Final = ("applied", "failed", "committed", "compensated", "compensation_failed")
 
 _TX_ID: Final = "^[A-Za-z0-9._:-]{1,128}$"
+_UNKNOWN: Final = "names unknown participant(s): "
+"""How the coordinator's rollback reason lists the participants that do not exist."""
 _NAME: Final = "^[A-Za-z0-9._-]{1,64}$"
 
 _UNION_COLUMNS: Final = (
@@ -324,6 +326,15 @@ def per_transaction(union: Any, *, as_of_ms: int, grace_ms: int, window: bool) -
         *(c for c in frame.columns if c not in own_mask),
         *(f"CASE WHEN stray > 0 THEN {own_mask[m]} ELSE {m} END AS {m}" for m in own_mask),
     )
+    # A request naming a participant the coordinator was told does not exist is rolled
+    # back at once, and the coordinator counts that step as compensated itself: no
+    # participant will ever report it. The decision's reason names them.
+    unknown = f"""CASE WHEN dec.reason LIKE '%{_UNKNOWN}%' THEN aggregate(
+            filter(sequence(0, greatest(n - 1, 0)), i -> i < n AND array_contains(
+                split(substring_index(dec.reason, '{_UNKNOWN}', -1), ', '),
+                try_element_at(req.parts, i + 1))),
+            0L, (acc, i) -> acc | shiftleft(1L, i)) ELSE 0L END"""
+    frame = frame.withColumn("m_compensated", F.expr(f"m_compensated | {unknown}"))
     frame = frame.selectExpr(
         "*",
         "dec.outcome AS outcome",

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from types import MappingProxyType
-from typing import Final, Literal
+from typing import Final, Literal, cast
 from urllib.parse import parse_qsl, urlsplit
 
 from streams._errors import ConfigurationError
@@ -281,7 +281,7 @@ def _store(text: str, what: str) -> StoreSpec:
     for name in (options.get("participants") or "").split(","):
         if name.strip() and not _NAME.fullmatch(name.strip()):
             raise ConfigurationError(f"{what}: participant name {name.strip()!r} is not allowed")
-    return StoreSpec(kind, url, options)  # type: ignore[arg-type]
+    return StoreSpec(cast(StoreKind, kind), url, options)
 
 
 def _shown(text: str) -> str:

@@ -228,6 +228,7 @@ def _finish(
     topics = config.settings.topics
     with spark_boundary("reading the dead-letter topic"):
         letters = _dead_letters(spark, config, log)
+        say(f"judging {len(letters)} dead letter(s)")
         verdict = _dlq.judge(letters, topics, lambda txs: _facts(spark, config, base, txs))
     if verdict.findings:
         dlq_rows = [
@@ -252,10 +253,12 @@ def _finish(
             "dlq": verdict.records,
         }
         records["total"] = sum(records.values())
+        say(f"classified {totals['transactions']} transactions from {records['total']} records")
         transactions = final.where("tx_id IS NOT NULL")
         findings_path = config.out / "findings"
         written = transactions if config.write_all else transactions.where("class != 'ok'")
         written.select(*_OUTPUT_COLUMNS).write.mode("overwrite").parquet(str(findings_path))
+        say(f"wrote {findings_path}")
         severity = F.expr(
             "array_position(array(" + ", ".join(f"'{c}'" for c in _audit.CLASSES) + "), class)"
         )
@@ -366,7 +369,7 @@ def _verdict(classes: Mapping[str, int], failed_checks: list[dict[str, Any]], co
     if code == 0:
         return "clean"
     parts = [
-        f"{n} {c.replace('_', ' ')}"
+        f"{c.replace('_', ' ')}: {n}"
         for c, n in classes.items()
         if n and c not in ("ok", "in_flight")
     ]

@@ -93,7 +93,9 @@ def _mongo_client(url: str) -> Any:
     return MongoClient(url, serverSelectionTimeoutMS=timeout, connectTimeoutMS=timeout)
 
 
-def _mongo_ledger_rows(url: str, database: str, collection: str, label: str) -> Iterator[tuple]:  # type: ignore[type-arg]
+def _mongo_ledger_rows(
+    url: str, database: str, collection: str, label: str
+) -> Iterator[tuple[Any, ...]]:
     client = _mongo_client(url)
     try:
         fields = {n: 1 for n in ("participant", "tx_id", "step", "status", "effect", "updated_ms")}
@@ -154,7 +156,7 @@ def _cell(value: Any, kind: str) -> Any:
 
 def _mongo_table_rows(
     url: str, database: str, collection: str, columns: list[tuple[str, str]]
-) -> Iterator[tuple]:  # type: ignore[type-arg]
+) -> Iterator[tuple[Any, ...]]:
     client = _mongo_client(url)
     try:
         for doc in client[database][collection].find({}, batch_size=5000):
@@ -207,7 +209,7 @@ def _redis_batches(client: Any, pattern: str) -> Iterator[list[tuple[str, dict[s
         yield read(keys)
 
 
-def _redis_ledger_rows(url: str, prefix: str, label: str) -> Iterator[tuple]:  # type: ignore[type-arg]
+def _redis_ledger_rows(url: str, prefix: str, label: str) -> Iterator[tuple[Any, ...]]:
     client = _redis_client(url)
     head = f"{prefix}:ledger:"
     try:
@@ -232,7 +234,7 @@ def _redis_ledger_rows(url: str, prefix: str, label: str) -> Iterator[tuple]:  #
         client.close()
 
 
-def _redis_table_rows(url: str, prefix: str, fields: list[str]) -> Iterator[tuple]:  # type: ignore[type-arg]
+def _redis_table_rows(url: str, prefix: str, fields: list[str]) -> Iterator[tuple[Any, ...]]:
     client = _redis_client(url)
     try:
         for batch in _redis_batches(client, f"{prefix}*"):

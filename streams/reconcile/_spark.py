@@ -170,7 +170,8 @@ def start_spark(config: ReconcileConfig, jars: list[Path]) -> Any:
         builder = builder.master(master)
         if jars:
             builder = builder.config("spark.jars", ",".join(str(j) for j in jars))
-        log4j = Path(tempfile.mkdtemp(prefix="saga-reconcile-")) / "log4j2.properties"
+        # One small file per level, rewritten each time: nothing piles up in /tmp.
+        log4j = Path(tempfile.gettempdir()) / f"saga-reconcile-log4j2-{level}.properties"
         log4j.write_text(_LOG4J.format(level=level), encoding="utf-8")
         builder = (
             builder.config("spark.driver.memory", config.driver_memory)
@@ -199,7 +200,7 @@ def start_spark(config: ReconcileConfig, jars: list[Path]) -> Any:
 
         for name in ("DataFrameQueryContextLogger", "SQLQueryContextLogger"):
             PySparkLogger.getLogger(name).disabled = True
-    if session.sparkContext.master.startswith("local"):
+    if (session.sparkContext.master or "").startswith("local"):
         # Local Python workers run this very interpreter: the ledger readers import this
         # package and the store drivers (PySpark's default is whatever `python3` is).
         session.sparkContext.pythonExec = sys.executable

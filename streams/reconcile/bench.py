@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -196,7 +197,9 @@ def main(
     from ._spark import check_jars, start_spark
 
     settings = KafkaSettings(bootstrap=bootstrap, prefix=f"bench{int(time.time())}")
-    out = out or Path(tempfile.mkdtemp(prefix="saga-bench-"))
+    scratch = None if out else Path(tempfile.mkdtemp(prefix="saga-bench-"))
+    out = out or scratch
+    assert out is not None
     now_ms = time.time_ns() // 1_000_000
     create_topics(settings, partitions)
     try:
@@ -242,6 +245,8 @@ def main(
     finally:
         if not keep:
             delete_topics(settings, list(settings.topics.all))
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
 
     timings = summary["timings"]
     expected = expected_classes(sagas)

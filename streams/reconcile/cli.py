@@ -76,7 +76,7 @@ Exit status: 0 clean; 1 violations, stuck sagas or a failed check;
     show_default=True,
     help="Folder for findings/ (Parquet), summary.json and replay.jsonl.",
 )
-@click.option("--master", default=None, help="Spark master URL [default: local[*]].")
+@click.option("--master", default=None, metavar="URL", help="Spark master URL [default: local[*]].")
 @click.option(
     "--jars-dir",
     type=click.Path(path_type=Path),
@@ -87,27 +87,55 @@ Exit status: 0 clean; 1 violations, stuck sagas or a failed check;
 @click.option(
     "--since",
     default=None,
+    metavar="WHEN",
     help="Audit only records since then: 30m, 2h, 1d, an ISO 8601 time or epoch ms.",
 )
 @click.option(
-    "--starting-offsets", default=None, help='Spark offsets JSON: {"saga.events": {"0": 42}}.'
+    "--starting-offsets",
+    default=None,
+    metavar="JSON",
+    help='Spark offsets JSON: {"saga.events": {"0": 42}}.',
 )
-@click.option("--ending-offsets", default=None, help="Spark offsets JSON; default: the end now.")
+@click.option(
+    "--ending-offsets",
+    default=None,
+    metavar="JSON",
+    help="Spark offsets JSON; default: the end now.",
+)
 @click.option(
     "--grace",
+    metavar="DURATION",
     default=f"{DEFAULT_GRACE_MS // 1000}s",
     show_default=True,
     help="How long after a deadline or a decision a saga may still finish on its own.",
 )
 @click.option(
-    "--now-ms", type=int, default=None, help="The audit's 'now' (epoch ms) [default: clock]."
+    "--now-ms",
+    type=int,
+    default=None,
+    metavar="MS",
+    help="The audit's 'now' (epoch ms) [default: clock].",
 )
 @click.option(
-    "--ledger", "ledgers", multiple=True, help="A participant ledger to cross-check (I4)."
+    "--ledger",
+    "ledgers",
+    multiple=True,
+    metavar="SPEC",
+    help="A ledger (KIND:URL#options) to cross-check (I4).",
 )
-@click.option("--table", "tables", multiple=True, help="NAME=SPEC: a store table for --check.")
 @click.option(
-    "--check", "checks", multiple=True, help="NAME=SQL or NAME=@FILE: a business invariant."
+    "--table",
+    "tables",
+    multiple=True,
+    metavar="NAME=SPEC",
+    help="A store table, seen by --check as the view NAME.",
+)
+@click.option(
+    "--check",
+    "checks",
+    multiple=True,
+    metavar="NAME=SQL",
+    help="A business invariant (I5): Spark SQL, or @FILE.",
 )
 @click.option(
     "--replay/--dry-run",
@@ -119,14 +147,31 @@ Exit status: 0 clean; 1 violations, stuck sagas or a failed check;
 @click.option(
     "--replay-rate",
     type=float,
+    metavar="N",
     default=None,
     help="At most this many replayed records per second, each acknowledged before the next.",
 )
 @click.option("--all", "write_all", is_flag=True, help="Write every transaction, ok ones too.")
-@click.option("--show", type=click.IntRange(0, 10_000), default=20, show_default=True)
-@click.option("--driver-memory", default="2g", show_default=True)
-@click.option("--shuffle-partitions", type=click.IntRange(1, 100_000), default=8, show_default=True)
-@click.option("--conf", "conf", multiple=True, help="key=value: any Spark setting.")
+@click.option(
+    "--show",
+    type=click.IntRange(0, 10_000),
+    default=20,
+    show_default=True,
+    metavar="N",
+    help="Findings to print (all of them are in findings/).",
+)
+@click.option("--driver-memory", default="2g", show_default=True, help="Spark driver memory.")
+@click.option(
+    "--shuffle-partitions",
+    type=click.IntRange(1, 100_000),
+    default=8,
+    show_default=True,
+    metavar="N",
+    help="Spark SQL shuffle partitions (a few per core).",
+)
+@click.option(
+    "--conf", "conf", multiple=True, metavar="KEY=VALUE", help="key=value: any Spark setting."
+)
 @click.option("--json", "as_json", is_flag=True, help="Print summary.json instead of the tables.")
 @click.option("-v", "--verbose", count=True, help="Spark warnings and more log lines.")
 def reconcile(
@@ -195,7 +240,7 @@ def reconcile(
         from ._job import run
 
         def say(line: str) -> None:
-            click.echo(f"saga reconcile: {line}", err=True)
+            click.echo(f"saga reconcile: [{time.monotonic() - started:5.1f}s] {line}", err=True)
 
         result = run(config, started=started, say=say)
     except ConfigurationError as exc:

@@ -45,8 +45,8 @@ from tests._infra import ROOT, Services, eventually
 from tests._system import SagaSystem
 from tests._workload import (
     ACCOUNTS,
-    START_BALANCE,
     DUPLICATE_ORDER,
+    START_BALANCE,
     Transfer,
     balances,
     ledger_rows,

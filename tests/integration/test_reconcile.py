@@ -15,6 +15,7 @@ One SparkSession serves the module (starting one takes about ten seconds).
 from __future__ import annotations
 
 import json
+import time
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -107,8 +108,10 @@ class Seeder:
         effect = status == "applied" or (old is not None and old.effect)
         self.ledger[(participant, tx, step)] = Entry(participant, tx, step, status, effect, at)
 
-    def decision(self, tx: str, outcome: str, at: int = OLD + 2_000) -> None:
-        record = Decision(tx, Outcome(outcome), f"decided {outcome}", at)
+    def decision(
+        self, tx: str, outcome: str, at: int = OLD + 2_000, reason: str | None = None
+    ) -> None:
+        record = Decision(tx, Outcome(outcome), reason or f"decided {outcome}", at)
         self.send(self.settings.topics.decisions, tx, encode(record))
 
     def send(self, topic: str, key: str | bytes, value: bytes, headers: Any = None) -> None:
@@ -153,7 +156,13 @@ def seed_clean(s: Seeder) -> set[str]:
     s.decision("ok-sequential", "rollback")
     s.event("ok-sequential", 1, "compensated", OLD + 2_500)
     s.event("ok-sequential", 0, "compensated", OLD + 3_000)
-    return {"ok-commit", "ok-rollback", "ok-null", "ok-replayed", "ok-sequential"}
+
+    # A step naming a participant the coordinator knows does not exist: it rolls back at
+    # once and counts that step compensated itself; nobody ever reports it.
+    s.request("ok-unknown", ("bank", "ghost"))
+    s.decision("ok-unknown", "rollback", reason="step 1 names unknown participant(s): ghost")
+    s.event("ok-unknown", 0, "compensated", OLD + 3_000)
+    return {"ok-commit", "ok-rollback", "ok-null", "ok-replayed", "ok-sequential", "ok-unknown"}
 
 
 def seed_findings(s: Seeder) -> dict[str, tuple[str, tuple[str, ...]]]:
@@ -452,12 +461,16 @@ def audit(
     tables: tuple[str, ...] = (),
     checks: tuple[str, ...] = (),
     replay: bool = False,
+    since_ms: int | None = None,
+    ending_offsets: dict[str, dict[int, int]] | None = None,
 ) -> Any:
     config = ReconcileConfig(
         settings=settings,
         out=out,
         grace_ms=GRACE,
         now_ms=NOW,
+        since_ms=since_ms,
+        ending_offsets=ending_offsets,
         ledgers=tuple(parse_ledger(s) for s in ledgers),
         tables=tuple(parse_table(t) for t in tables),
         checks=tuple(parse_check(c) for c in checks),
@@ -674,3 +687,42 @@ def test_business_checks_over_the_three_stores(
     assert wrong["rows"] == [{"ok": False, "total": 150}]
     assert result.summary["exit_code"] == 1
     assert result.summary["verdict"] == "check wrong fails"
+
+
+def test_a_time_window_and_an_offset_range(
+    spark: Any, settings: KafkaSettings, tmp_path: Path
+) -> None:
+    """--since judges only transactions whose request is in the window (one whose request
+    came before is left out, not misjudged); --ending-offsets stops the read there."""
+    t = settings.topics
+    with Producer(settings) as producer:
+        s = Seeder(settings, producer)
+        s.request("before", ("bank",))
+        s.event("before", 0, "applied")
+        producer.flush(30)
+    with Consumer(settings, client_id="test-ends") as reader:
+        ends = {
+            topic: {p: reader.watermarks(topic, p)[1] for p in range(3)}
+            for topic in (t.requests, t.events, t.decisions)
+        }
+    time.sleep(1.5)  # record timestamps are the producer's clock
+    since = time.time_ns() // 1_000_000
+    time.sleep(0.5)
+    with Producer(settings) as producer:
+        s.producer = producer
+        s.request("after", ("bank",))
+        s.event("after", 0, "applied")
+        s.decision("before", "rollback")
+        s.event("before", 0, "compensated", OLD + 3_000)
+        producer.flush(30)
+
+    def judged(out: Path) -> dict[str, str]:
+        return {tx: r["class"] for tx, r in findings(spark, out).items()}
+
+    audit(spark, settings, tmp_path / "all", [])
+    assert judged(tmp_path / "all") == {"before": "ok", "after": "stuck_no_decision"}
+    audit(spark, settings, tmp_path / "window", [], since_ms=since)
+    assert judged(tmp_path / "window") == {"after": "stuck_no_decision"}
+    result = audit(spark, settings, tmp_path / "range", [], ending_offsets=ends)
+    assert judged(tmp_path / "range") == {"before": "stuck_no_decision"}
+    assert result.summary["records"]["total"] == 2

@@ -181,7 +181,7 @@ def test_findings_exit_1_and_summary_json(
         "requests": 1,
         "sent": 0,
     }
-    assert summary["verdict"] == "1 stuck no decision"
+    assert summary["verdict"] == "stuck no decision: 1"
 
 
 def test_spark_submit(topics: KafkaSettings, services: Services, tmp_path: Path) -> None:

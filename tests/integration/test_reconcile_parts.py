@@ -1,0 +1,210 @@
+"""The reconciliation job's pure parts, without services: option parsing, the DLQ's
+verdicts, the replay plan, the JDBC address, the benchmark's mix.
+
+(They live beside the job's integration tests; they start nothing, hence ``unit``.)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from streams import (
+    ConfigurationError,
+    Decision,
+    Mode,
+    Outcome,
+    SagaAbort,
+    SagaRequest,
+    Step,
+    StepEvent,
+    StepStatus,
+    Topics,
+    encode,
+)
+from streams.reconcile import parse_check, parse_duration_ms, parse_ledger, parse_table
+from streams.reconcile._config import parse_offsets, parse_since
+from streams.reconcile._dlq import DeadLetter, TxFacts, judge
+from streams.reconcile._replay import plan_resends
+from streams.reconcile._sources import jdbc_address
+from streams.reconcile.bench import expected_classes
+
+pytestmark = pytest.mark.unit
+
+T = Topics("p")
+
+
+@pytest.mark.parametrize(
+    ("text", "ms"),
+    [("90", 90_000), ("1500ms", 1500), ("0.5s", 500), ("5m", 300_000), ("2h", 7_200_000)],
+)
+def test_durations(text: str, ms: int) -> None:
+    assert parse_duration_ms(text, "--grace") == ms
+
+
+def test_bad_duration() -> None:
+    with pytest.raises(ConfigurationError, match="is not a duration"):
+        parse_duration_ms("soon", "--grace")
+
+
+def test_since() -> None:
+    now = 1_800_000_000_000
+    assert parse_since("30m", now) == now - 1_800_000
+    assert parse_since("1700000000000", now) == 1_700_000_000_000
+    assert parse_since("2023-11-14T22:13:20Z", now) == 1_700_000_000_000
+    assert parse_since("2023-11-14T22:13:20", now) == 1_700_000_000_000  # UTC when naive
+    with pytest.raises(ConfigurationError, match="--since"):
+        parse_since("yesterday-ish", now)
+
+
+def test_offsets() -> None:
+    assert parse_offsets('{"p.events": {"0": 5, "2": 7}}', "x") == {"p.events": {0: 5, 2: 7}}
+    with pytest.raises(ConfigurationError, match="must be integers"):
+        parse_offsets('{"p.events": {"a": 5}}', "x")
+
+
+def test_store_specs() -> None:
+    ledger = parse_ledger("sql:postgresql://u:pw@h:5432/db#schema=bank&participants=a,b")
+    assert ledger.store.kind == "sql"
+    assert ledger.store.url == "postgresql://u:pw@h:5432/db"
+    assert ledger.participants == ("a", "b")
+    assert "pw" not in ledger.label
+    table = parse_table("points=redis:redis://h:6379/0#prefix=saga")
+    assert table.store.options["target"] == "points"  # a Redis table is one target
+    assert parse_ledger("mongo:mongodb://h:27017/#database=shop").participants is None
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ("sql:postgresql://u:secret@h/db#schema=x;drop", "not a plain name"),
+        ("sql:postgresql://u:secret@h/db#colour=red", "unknown option"),
+        ("mongo:postgresql://u:secret@h/db", "needs a mongodb://"),
+    ],
+)
+def test_bad_store_specs_never_show_the_password(text: str, says: str) -> None:
+    with pytest.raises(ConfigurationError, match=says) as caught:
+        parse_ledger(text)
+    assert "secret" not in str(caught.value)
+
+
+def test_check_from_a_file(tmp_path: Path) -> None:
+    sql = tmp_path / "money.sql"
+    sql.write_text("SELECT 1 AS ok;\n")
+    assert parse_check(f"money=@{sql}").sql == "SELECT 1 AS ok"
+    with pytest.raises(ConfigurationError, match="cannot read"):
+        parse_check(f"money=@{tmp_path / 'absent.sql'}")
+
+
+def test_jdbc_address() -> None:
+    assert jdbc_address("postgresql://saga:p%40ss@127.0.0.1:15432/saga?sslmode=require") == (
+        "jdbc:postgresql://127.0.0.1:15432/saga?sslmode=require",
+        {"driver": "org.postgresql.Driver", "user": "saga", "password": "p@ss"},
+    )
+
+
+def test_replay_plan_sends_decisions_first() -> None:
+    rows = [
+        {"tx_id": "a", "class": "stuck_no_decision", "replay": "request",
+         "request_at": {"part": 1, "off": 10}, "decision_at": {"part": None, "off": None}},
+        {"tx_id": "b", "class": "stuck_unfinished", "replay": "decision+request",
+         "request_at": {"part": 2, "off": 3}, "decision_at": {"part": 2, "off": 4}},
+        {"tx_id": "c", "class": "stuck_unfinished", "replay": "decision",
+         "request_at": {"part": 0, "off": 1}, "decision_at": {"part": 0, "off": 9}},
+        {"tx_id": "d", "class": "ok", "replay": None,
+         "request_at": {"part": 0, "off": 2}, "decision_at": {"part": 0, "off": 5}},
+    ]  # fmt: skip
+    plan = plan_resends(rows, requests_topic=T.requests, decisions_topic=T.decisions)
+    assert [(r.tx_id, r.kind, r.topic, r.partition, r.offset) for r in plan] == [
+        ("b", "decision", T.decisions, 2, 4),
+        ("c", "decision", T.decisions, 0, 9),
+        ("a", "request", T.requests, 1, 10),
+        ("b", "request", T.requests, 2, 3),
+    ]
+
+
+def _letter(source: str, key: str, value: bytes, offset: int = 0) -> DeadLetter:
+    headers = {
+        "saga.source.topic": source.encode(),
+        "saga.source.offset": str(offset).encode(),
+        "saga.component": b"coordinator",
+    }
+    return DeadLetter(0, offset, key.encode(), value, headers)
+
+
+def test_dead_letters() -> None:
+    first = SagaRequest("t1", "s", Mode.PARALLEL, (Step("a", "x"),), 10, 0)
+    other = SagaRequest("t1", "s", Mode.PARALLEL, (Step("b", "y"),), 10, 0)
+    event = StepEvent("t2", 0, "a", StepStatus.APPLIED, 5)
+    letters = [
+        _letter(T.requests, "junk", b"{"),  # invalid
+        _letter(T.events, "t2", encode(Decision("t2", Outcome.COMMIT, "r", 1))),  # wrong type
+        _letter(T.events, "elsewhere", encode(event)),  # keyed by another transaction
+        _letter(T.requests, "t1", encode(other), offset=7),  # a conflicting resubmission
+        _letter(T.requests, "t1", encode(SagaAbort("t1", "late", 9))),  # after the decision
+        _letter(T.events, "t2", encode(event)),  # valid: wrongly rejected
+        _letter(T.requests, "t3", encode(SagaAbort("t3", "early", 9))),  # t3 undecided
+        _letter(T.requests, "t1", encode(first), offset=3),  # the accepted request itself
+    ]
+    asked: list[set[str]] = []
+
+    def facts(txs: set[str]) -> dict[str, TxFacts]:
+        asked.append(txs)
+        return {
+            "t1": TxFacts(decided=True, first_request=first, first_request_offset=3),
+            "t2": TxFacts(decided=True, first_request=None, first_request_offset=None),
+            "t3": TxFacts(decided=False, first_request=None, first_request_offset=None),
+        }
+
+    verdict = judge(letters, T, facts)
+    assert asked == [{"t1", "t2", "t3"}]
+    assert (verdict.records, verdict.invalid, verdict.justified) == (8, 2, 3)
+    assert sorted(verdict.findings) == ["t1", "t2", "t3"]
+    assert "valid saga.request" in verdict.findings["t1"][0]
+    assert "valid saga.step" in verdict.findings["t2"][0]
+    assert "valid saga.abort" in verdict.findings["t3"][0]
+    assert verdict.violations == 3
+
+
+def test_benchmark_mix_adds_up() -> None:
+    for sagas in (1, 999, 1000, 2000, 1_000_000):
+        assert sum(expected_classes(sagas).values()) == sagas
+    assert expected_classes(1000) == {
+        "ok": 950,
+        "in_flight": 20,
+        "stuck_no_decision": 10,
+        "stuck_unfinished": 10,
+        "compensation_failed": 5,
+        "violation": 5,
+    }
+
+
+def test_public_names() -> None:
+    import streams.reconcile
+
+    assert set(streams.reconcile.__all__) == {
+        "CLASSES",
+        "DEFAULT_GRACE_MS",
+        "INVARIANTS",
+        "BusinessCheck",
+        "LedgerSource",
+        "ReconcileConfig",
+        "ReconcileError",
+        "RunResult",
+        "StoreSpec",
+        "TableSource",
+        "parse_check",
+        "parse_duration_ms",
+        "parse_ledger",
+        "parse_table",
+        "run",
+    }
+    assert streams.reconcile.CLASSES == (
+        "violation",
+        "compensation_failed",
+        "stuck_no_decision",
+        "stuck_unfinished",
+        "in_flight",
+        "ok",
+    )
