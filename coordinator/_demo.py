@@ -70,6 +70,7 @@ class DemoConfig:
     partitions: int = 4
     seed: int = 7
     logs: Path = Path(".infra/logs/demo")
+    reconcile: bool = True
 
 
 def _sa_url(url: str) -> str:
@@ -332,7 +333,30 @@ def run_demo(cfg: DemoConfig, console: Console) -> int:
                 time.sleep(0.2)
         statuses = {tx: s for tx, s in client.statuses().items() if tx in created}
     decisions = read_decisions(cfg.kafka)
-    return summarize(cfg, console, created, quantities, statuses, decisions)
+    verdict = summarize(cfg, console, created, quantities, statuses, decisions)
+    if not cfg.reconcile:
+        return verdict
+    return max(verdict, reconcile_demo(cfg, console))
+
+
+def reconcile_demo(cfg: DemoConfig, console: Console) -> int:
+    """Audit the demo's log and the three ledgers with the Spark job; print its summary."""
+    console.rule("[bold]saga reconcile over the demo's log")
+    assert cfg.mongo_url is not None and cfg.redis_url is not None
+    command = [
+        sys.executable, "-m", "coordinator", "reconcile",
+        "--bootstrap", cfg.kafka.bootstrap, "--prefix", cfg.kafka.prefix,
+        "--ledger", f"sql:{cfg.postgres_url}#schema={SCHEMA}",
+        "--ledger", f"mongo:{cfg.mongo_url}#database={SCHEMA}",
+        "--ledger", f"redis:{cfg.redis_url}#prefix={SCHEMA}",
+        "--out", str(cfg.logs / "reconcile"),
+    ]  # fmt: skip
+    code = subprocess.call(command)
+    if code == 0:
+        console.print("[bold green]reconciliation: the log and the stores agree[/]")
+    else:
+        console.print(f"[bold red]reconciliation exited {code}[/]; see {cfg.logs / 'reconcile'}")
+    return code
 
 
 def summarize(

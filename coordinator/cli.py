@@ -352,25 +352,32 @@ def watch(
     type=click.FloatRange(0, 1),
     default=0.2,
     show_default=True,
-    help="Share of sagas designed to fail (insufficient funds).",
+    help="Share of sagas designed to fail (insufficient funds or out of stock).",
 )
 @click.option(
     "--postgres-url",
     envvar="SAGA_POSTGRES_URL",
     required=True,
-    help="PostgreSQL for the ledger and shop participants [env SAGA_POSTGRES_URL].",
+    help="PostgreSQL for the ledger participant [env SAGA_POSTGRES_URL].",
 )
 @click.option(
     "--mongo-url",
     envvar="SAGA_MONGO_URL",
     required=True,
-    help="MongoDB-wire server to check [env SAGA_MONGO_URL].",
+    help="MongoDB-wire server for the inventory participant [env SAGA_MONGO_URL].",
 )
 @click.option(
     "--redis-url",
     envvar="SAGA_REDIS_URL",
     required=True,
-    help="Redis to check [env SAGA_REDIS_URL].",
+    help="Redis for the loyalty participant [env SAGA_REDIS_URL].",
+)
+@click.option(
+    "--reconcile/--no-reconcile",
+    "reconcile_after",
+    default=True,
+    show_default=True,
+    help="End by auditing the demo's log and ledgers with `saga reconcile`.",
 )
 def demo(
     bootstrap: str | None,
@@ -381,12 +388,13 @@ def demo(
     postgres_url: str,
     mongo_url: str | None,
     redis_url: str | None,
+    reconcile_after: bool,
 ) -> None:
     """Run the demo workload end to end on running services and print a summary.
 
     `make demo` starts the local services and runs this. Each run uses fresh
     topics (prefix demo-<time> unless --prefix is given) and recreates the
-    saga_demo schema.
+    saga_demo schema, database and key prefix.
     """
     from rich.console import Console
 
@@ -394,7 +402,13 @@ def demo(
 
     settings = settings_from(bootstrap, prefix or f"demo-{int(time.time())}", kafka_config)
     cfg = DemoConfig(
-        settings, postgres_url, mongo_url, redis_url, sagas=sagas, fail_share=fail_share
+        settings,
+        postgres_url,
+        mongo_url,
+        redis_url,
+        sagas=sagas,
+        fail_share=fail_share,
+        reconcile=reconcile_after,
     )
     sys.exit(run_demo(cfg, Console()))
 
