@@ -1,11 +1,31 @@
 """The MongoDB storage: documents and the step ledger, changed together as far as the server allows.
 
 pymongo is imported here only. Target collections hold the business documents
-(``_id`` = the step's key); the ledger is one collection (``saga_ledger`` by
-default) in the same database, one document per ``(participant, tx_id, step)``
-with ``_id = "<participant>:<tx_id>:<step>"`` (participant names have no ``:``,
-so the id is unambiguous) and a revision counter ``rev``. Step ``-1`` is the
-transaction-level rollback marker, as in the SQL ledger.
+(``_id`` = the step's key). The ledger is two collections in the same database:
+
+* ``saga_ledger`` (``ledger_collection``): one **step document** per
+  ``(participant, tx_id, step)``, ``_id = "<participant>:<tx_id>:<step>"``
+  (participant names have no ``:``), with the ledger entry's fields, a revision
+  counter ``rev`` and, while a change of a recorded step is unfinished, ``pending``;
+* ``saga_ledger_tx``: one **transaction document** per ``(participant, tx_id)``,
+  ``_id = "<participant>:<tx_id>"``, with ``steps`` (the steps whose step
+  document may exist: a step is listed *before* its document is created),
+  ``rolled_back`` (the transaction-level rollback marker: a rollback came before
+  any step of it was known here), ``pending`` (the intents of steps being
+  created, below) and its own ``rev``.
+
+Only ``_id``. Every operation of the work itself addresses one document by
+``_id`` and nothing else: FerretDB v1 (the local MongoDB-wire server) hands a
+filter to SQLite only when it is exactly ``{"_id": <string or ObjectId>}``; any
+other filter, ``{"_id": k, "rev": r}`` included, makes it decode the whole
+collection. So a transaction's steps are found through its transaction document,
+unfinished writes through the marker on the business document, and
+compare-and-set conditions are checked as described under *Concurrency*.
+(FerretDB v1.24's SQLite backend also misses its own ``_id`` index when it looks
+documents up, so there a read or update by ``_id`` is still a table scan,
+cheap per row but linear in the collection's size, while an insert uses the
+index. The adapter therefore creates records by insert and reads or updates a
+ledger document only when it must.)
 
 Effects are staged, not run
 ---------------------------
@@ -16,45 +36,89 @@ compare-and-set on the ``_saga`` field it read. The unit runs the staged write
 when the step's ledger entry is written (:meth:`Unit.write`), so a rejected step
 has nothing to undo (:meth:`Unit.rollback_effect` drops the staged write) and
 the write knows the ledger record it belongs to. Every write sets ``_saga`` on
-the document to a marker ``"<ledger id>#<rev>"``, unique per ledger transition.
+the document to a *marker* ``"<step id>#<rev>.<nonce>"``, unique per write; a
+delete's marker ends with ``!deleted`` (see below).
 
 Two modes (``transactions=None`` detects at :meth:`MongoStorage.setup`)
 -------------------------------------------------------------------------
 * **Transactions** (MongoDB as a replica set or a sharded cluster; ``hello``
-  names a ``setName`` and a probe transaction succeeds): every ledger write and
-  the staged write it records run in one multi-document transaction, committed
+  names a ``setName`` and a probe transaction succeeds): the ledger writes and
+  the staged write they record run in one multi-document transaction, committed
   before the next step of the batch; reads run inside it too. Custom handlers
   may write directly with ``session=native.session``.
 * **Single-document writes** (FerretDB, a standalone ``mongod``): no
-  multi-document atomicity, so each staged write ``W`` goes through an intent
-  recorded in the ledger document itself:
+  multi-document atomicity, so each staged write ``W`` goes through an *intent*
+  (the write, the entry to record, the marker, the owner and the time) recorded
+  before ``W``:
 
-  1. *intent* — the ledger document gets ``pending`` = {the write, the entry
-     to record, the marker, the owner and time} (compare-and-set on ``rev``);
-  2. *W* — one single-document write that sets ``_saga`` to the marker (or, for
-     a delete, removes the document), compare-and-set on the ``_saga`` it read;
-  3. *finalise* — the ledger document gets the entry and loses ``pending``.
+  - *A new step*: (1) the intent goes into the transaction document, which also
+    lists the step. For a transaction this storage does not know, that is an
+    *insert* of the document, which doubles as the check that the ledger knows
+    nothing of the transaction: the request is run without reading the ledger,
+    and if the insert finds the document it is run again, reading. Otherwise a
+    compare-and-set on its ``rev``. (2) ``W``. (3) The step document is
+    inserted, with the entry. The step documents of a batch are inserted
+    together (one ``insert_many``) at the end of the batch, or earlier when
+    their step or document is touched again (:class:`_Unrecorded`); until then
+    the intent and the marker stand for them. A new step without a write
+    inserts or updates the transaction document, then inserts its step document.
+  - *A recorded step changes* (a compensation, a confirmation that writes,
+    applying a waiting step): (1) ``pending`` = the intent is set on the step
+    document, (2) ``W``, (3) the entry is set and ``pending`` removed; each a
+    compare-and-set on ``rev``.
+  - *A delete* only marks the document in ``W`` (``_saga`` = its ``!deleted``
+    marker) and removes it once (3) is done. Until it is gone the step document
+    names it (``purge``), so after a crash in between whoever next loads the step
+    or reads the document removes it. A marked document reads as absent.
 
-  Whoever finds a ``pending`` intent resolves it before going on: the unit when
-  it reads the transaction's ledger (a re-delivered request or decision after a
-  crash), and any action about to touch the same document (an index on
-  ``pending.doc`` finds them). ``W`` happened iff the document carries the
-  marker (for a delete: iff the document is gone — nothing else may touch a
-  document with an unresolved intent, so nothing else can have removed it). If
-  it happened the intent is finalised (roll forward), otherwise discarded (roll
-  back) after *fencing*: the document's ``_saga`` is changed, so a late ``W``
-  from a paused worker fails its compare-and-set. An intent of another live
-  worker is left alone for ``intent_lease_ms`` (the batch fails with a
-  :class:`~streams.TransientError` and is retried); one written by this process
-  is never live when found, because this process holds the document's lock
-  while an intent is open.
+  ``W`` happened iff the business document carries the intent's marker. That
+  holds because a marker stays on its document until the ledger records its
+  write: whoever reads a document first makes sure the write its marker names is
+  recorded (reading the step document the marker names, or its transaction
+  document when the step document does not exist yet, and finishing the intent);
+  a process-wide memo of the markers known to be recorded spares that read in
+  the usual case. A delete keeps its mark until recorded for the same reason.
+  An intent found unresolved is therefore finished when the marker is there
+  (roll forward: record the entry), and otherwise discarded (roll back) after
+  *fencing*: if the document still carries the ``_saga`` the write expects,
+  ``_saga`` is changed, so a late ``W`` from a paused worker misses its
+  compare-and-set. An intent whose ``W`` never happened concerns nobody but its
+  own step: any other writer of the document changes ``_saga``, which fences it
+  too. So intents are resolved where they can matter: by the unit that reads the
+  step (a re-delivered request or decision after a crash) and by whoever reads a
+  document carrying their marker. An intent of another live worker is left alone
+  for ``intent_lease_ms`` (the batch fails with a :class:`~streams.TransientError`
+  and is retried); one written by this storage is never live when found, because
+  it holds the document's lock while an intent is open, and a step document it
+  has not inserted yet is found in :class:`_Unrecorded` by any storage of the
+  process. An intent left in the transaction document once its step document
+  exists is spent and ignored.
+
+  Round trips without transactions: a new step of a new transaction costs a read
+  of the business document, the insert of the transaction document, the write
+  and a share of one batched insert; a decision on a step this storage recorded
+  costs one update of its step document (see *Cache*).
+
+Cache. Without transactions each :class:`MongoStorage` remembers the ledger
+documents it read or wrote (up to :data:`TX_CACHE_SIZE` transactions), so a
+decision on a transaction it applied reads nothing. That is sound because the
+runtime gives a transaction's records to one worker at a time, and every ledger
+write is a compare-and-set on what was remembered: a stale memory makes the
+write fail, the batch is retried and the ledger read again. Any failure forgets
+the transactions the item touched, and :meth:`MongoStorage.in_flight_sequential`
+(which the runtime calls at start-up and after every partition assignment)
+forgets everything.
 
 Concurrency. FerretDB v1 runs an update as read-then-write, so two concurrent
 writers of one document can lose an update even with a compare-and-set filter.
 The adapter therefore serialises writes per ``(database, collection, key)``
 inside the process (a lock held from the action's read to its ledger write),
-across every :class:`MongoStorage` of the process. The runtime handles one batch
-at a time and owns a transaction's partition alone, so one process per
+across every :class:`MongoStorage` of the process. On FerretDB (detected from
+``buildInfo``) a compare-and-set is an ``_id``-only ``findAndModify`` returning
+the document as it was, checked by the adapter; a mismatch (a change made since
+the read, by someone else) is put back at once and counts as a conflict. On
+MongoDB the conditions are part of the filter, atomic. The runtime handles one
+batch at a time and owns a transaction's partition alone, so one process per
 participant is safe on FerretDB. Several processes writing the *same* documents
 (two workers of one participant, or another application) rely on the server's
 single-document atomicity: correct on MongoDB, lossy on FerretDB.
@@ -90,19 +154,21 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from decimal import Decimal
-from typing import Any, Final, Literal, NoReturn
+from typing import Any, Final, Generic, Literal, NoReturn, TypeVar
 
 from bson import json_util
 from bson.json_util import JSONMode, JSONOptions
-from pymongo import ASCENDING, MongoClient
+from pymongo import ASCENDING, MongoClient, ReturnDocument
 from pymongo import errors as mongo_errors
 from pymongo.client_session import ClientSession
 from pymongo.collection import Collection
@@ -121,7 +187,7 @@ from participants._actions import (
     Update,
     parse_action,
 )
-from participants._barrier import LedgerEntry, LedgerStatus
+from participants._barrier import LedgerEntry, LedgerStatus, Requested
 from participants._handlers import Handler, combine
 from participants._storage import Actions, Report, Storage, Unit, WorkItem, run_item
 from streams import (
@@ -137,14 +203,22 @@ log = logging.getLogger("saga.participant.mongo")
 
 Document = dict[str, Any]
 
-MARKER_STEP: Final = -1
-"""The ledger step of the transaction-level rollback marker (as in the SQL ledger)."""
 MARKER_FIELD: Final = "_saga"
-"""The field of a business document naming the last saga write (``<ledger id>#<rev>``)."""
+"""The field of a business document naming the last saga write (see :func:`_new_marker`)."""
+DELETED: Final = "!deleted"
+"""Ends the marker of a delete: the document is removed once the ledger records the step."""
+FENCED: Final = "!fenced"
+"""Ends a marker set by fencing: the write it names did not happen and never will."""
 PARTICIPANT_NAME: Final = re.compile(r"[A-Za-z0-9._-]{1,64}")
 """Participant names as the wire contract allows them (no ``:``: it separates ledger ids)."""
 DEFAULT_DATABASE: Final = "saga"
 DEFAULT_INTENT_LEASE_MS: Final = 15_000
+TX_COLLECTION_SUFFIX: Final = "_tx"
+"""The transaction documents live in the ledger collection's name plus this suffix."""
+TX_CACHE_SIZE: Final = 10_000
+"""Transactions whose ledger documents a storage remembers (see *Cache* in the module doc)."""
+SETTLED_CACHE_SIZE: Final = 100_000
+"""Business documents whose marker this process knows to be recorded in the ledger."""
 
 _TX_ID: Final = re.compile(TX_ID_PATTERN)
 _CANONICAL_INT: Final = re.compile(r"-?(0|[1-9][0-9]{0,18})")
@@ -174,6 +248,174 @@ _CONFIGURATION_CODES: Final = frozenset(
         238,  # NotImplemented (FerretDB)
     }
 )
+_DUPLICATE_KEY: Final = 11000
+
+_K = TypeVar("_K")
+_V = TypeVar("_V")
+
+
+# ---------------------------------------------------------------- compare-and-set
+
+
+class _Absent:
+    """An expected value: the field must not exist."""
+
+    def __repr__(self) -> str:
+        return "ABSENT"
+
+
+ABSENT: Final = _Absent()
+
+
+class _Cas:
+    """Single-document compare-and-set writes addressed by ``_id``.
+
+    ``expect`` maps (dotted) field names to the value they must have (``None``:
+    null or absent, :data:`ABSENT`: absent). Server-side (MongoDB, or inside a
+    transaction) the conditions join the filter. Client-side (FerretDB, whose
+    filters other than ``{"_id": ...}`` scan the collection) the write is an
+    ``_id``-only ``findAndModify`` returning the document as it was; when that
+    document does not meet ``expect`` it is put back at once and the write counts
+    as missed. Each method returns whether the write took effect.
+    """
+
+    def __init__(self, server_side: bool) -> None:
+        self.server_side = server_side
+
+    def _where(self, key: Any, expect: Mapping[str, Any]) -> Document:
+        where: Document = {"_id": key}
+        for name, value in expect.items():
+            where[name] = {"$exists": False} if value is ABSENT else value
+        return where
+
+    def update(
+        self,
+        collection: Collection[Document],
+        key: Any,
+        expect: Mapping[str, Any],
+        change: Mapping[str, Any],
+        session: ClientSession | None = None,
+    ) -> bool:
+        if self.server_side or session is not None:
+            found = collection.update_one(self._where(key, expect), change, session=session)
+            return found.matched_count == 1
+        before = collection.find_one_and_update(
+            {"_id": key}, change, return_document=ReturnDocument.BEFORE
+        )
+        return self._kept(collection, key, before, expect)
+
+    def replace(
+        self,
+        collection: Collection[Document],
+        key: Any,
+        expect: Mapping[str, Any],
+        replacement: Mapping[str, Any],
+        session: ClientSession | None = None,
+    ) -> bool:
+        if self.server_side or session is not None:
+            found = collection.replace_one(self._where(key, expect), replacement, session=session)
+            return found.matched_count == 1
+        before = collection.find_one_and_replace(
+            {"_id": key}, replacement, return_document=ReturnDocument.BEFORE
+        )
+        return self._kept(collection, key, before, expect)
+
+    def delete(
+        self,
+        collection: Collection[Document],
+        key: Any,
+        expect: Mapping[str, Any],
+        session: ClientSession | None = None,
+    ) -> bool:
+        if self.server_side or session is not None:
+            found = collection.delete_one(self._where(key, expect), session=session)
+            return found.deleted_count == 1
+        before = collection.find_one_and_delete({"_id": key})
+        if before is None:
+            return False
+        if _meets(before, expect):
+            return True
+        collection.insert_one(before)
+        log.warning("%s/%r changed concurrently; the delete was undone", collection.name, key)
+        return False
+
+    @staticmethod
+    def _kept(
+        collection: Collection[Document],
+        key: Any,
+        before: Document | None,
+        expect: Mapping[str, Any],
+    ) -> bool:
+        if before is None:
+            return False
+        if _meets(before, expect):
+            return True
+        collection.replace_one({"_id": key}, before)
+        log.warning("%s/%r changed concurrently; the write was undone", collection.name, key)
+        return False
+
+
+_SERVER_CAS: Final = _Cas(server_side=True)
+
+
+def _meets(doc: Mapping[str, Any], expect: Mapping[str, Any]) -> bool:
+    return all(_field_meets(_get(doc, name), value) for name, value in expect.items())
+
+
+def _field_meets(actual: Any, expected: Any) -> bool:
+    if expected is ABSENT:
+        return actual is ABSENT
+    if expected is None:
+        return actual is ABSENT or actual is None
+    return actual is not ABSENT and _same(actual, expected)
+
+
+def _same(a: Any, b: Any) -> bool:
+    """BSON equality as a filter sees it: numbers by value, everything else by type and value."""
+    if _is_number(a) and _is_number(b):
+        return bool(a == b)
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return type(a) is type(b) and bool(a == b)
+
+
+def _get(doc: Mapping[str, Any], path: str) -> Any:
+    value: Any = doc
+    for part in path.split("."):
+        if not isinstance(value, Mapping) or part not in value:
+            return ABSENT
+        value = value[part]
+    return value
+
+
+def _changed(doc: Mapping[str, Any], change: Mapping[str, Any]) -> Document:
+    """``doc`` after the update operators ``$set``, ``$unset`` and ``$addToSet`` of ``change``."""
+    out: Document = dict(doc)
+
+    def parent(path: str) -> tuple[Document, str]:
+        *parents, last = path.split(".")
+        node = out
+        for part in parents:
+            child = node.get(part)
+            node[part] = dict(child) if isinstance(child, Mapping) else {}
+            node = node[part]
+        return node, last
+
+    for path, value in change.get("$set", {}).items():
+        node, last = parent(path)
+        node[last] = value
+    for path in change.get("$unset", {}):
+        node, last = parent(path)
+        node.pop(last, None)
+    for path, value in change.get("$addToSet", {}).items():
+        node, last = parent(path)
+        items = list(node.get(last) or [])
+        if not any(_same(item, value) for item in items):
+            items.append(value)
+        node[last] = items
+    return out
 
 
 # ---------------------------------------------------------------- staged writes
@@ -201,9 +443,18 @@ class DocumentWrite:
     unset: Sequence[str] = ()
     guard: Mapping[str, Any] = field(default_factory=dict)
 
-    def run(self, collection: Collection[Document], marker: str, session: Any) -> bool:
-        """Run the write; whether it took effect (``False``: the document changed meanwhile)."""
-        where: Document = {"_id": self.key, MARKER_FIELD: self.expect, **self.guard}
+    def run(
+        self,
+        collection: Collection[Document],
+        marker: str,
+        session: Any,
+        cas: _Cas = _SERVER_CAS,
+    ) -> bool:
+        """Run the write; whether it took effect (``False``: the document changed meanwhile).
+
+        A ``delete`` only marks the document (``marker`` ends with ``!deleted``);
+        :func:`_purge` removes it once the ledger records the step.
+        """
         if self.kind == "insert":
             try:
                 collection.insert_one(
@@ -212,20 +463,19 @@ class DocumentWrite:
             except mongo_errors.DuplicateKeyError:
                 return False
             return True
-        if self.kind == "delete":
-            return collection.delete_one(where, session=session).deleted_count == 1
+        expect = {MARKER_FIELD: self.expect, **self.guard}
         if self.kind == "replace":
             replacement = {**self.document, MARKER_FIELD: marker}
-            return collection.replace_one(where, replacement, session=session).matched_count == 1
-        change: Document = {"$set": {**self.set, MARKER_FIELD: marker}}
-        if self.unset:
-            change["$unset"] = dict.fromkeys(self.unset, "")
-        return collection.update_one(where, change, session=session).matched_count == 1
+            return cas.replace(collection, self.key, expect, replacement, session)
+        change: Document = {"$set": {MARKER_FIELD: marker}}
+        if self.kind == "update":
+            change["$set"] = {**self.set, MARKER_FIELD: marker}
+            if self.unset:
+                change["$unset"] = dict.fromkeys(self.unset, "")
+        return cas.update(collection, self.key, expect, change, session)
 
     def happened(self, current: Document | None, marker: str) -> bool:
         """Whether this write (with ``marker``) is what ``current`` shows."""
-        if self.kind == "delete":
-            return current is None
         return current is not None and current.get(MARKER_FIELD) == marker
 
     def to_bson(self) -> Document:
@@ -254,13 +504,69 @@ class DocumentWrite:
         )
 
 
+def _purge(
+    collection: Collection[Document], key: Any, marker: str, session: Any, cas: _Cas
+) -> None:
+    """Remove a document a recorded delete marked (gone already is fine)."""
+    if not cas.delete(collection, key, {MARKER_FIELD: marker}, session):
+        log.debug("%s/%r was removed already", collection.name, key)
+
+
+def _purge_field(write: DocumentWrite, marker: str) -> Document:
+    """What a delete's step document holds until the document is removed."""
+    if write.kind != "delete":
+        return {}
+    return {"purge": {"target": write.target, "key": write.key, "marker": marker}}
+
+
 def _doc_id(target: str, key: Any) -> str:
-    """A string naming one document of the database, for the ``pending.doc`` index."""
+    """A string naming one document of the database (for locks and refusals)."""
     kind = "i" if isinstance(key, int) else "s"
     return f"{target}/{kind}:{key}"
 
 
-# ---------------------------------------------------------------- per-document locks
+def _new_marker(step_id: str, rev: int, write: DocumentWrite) -> str:
+    """``<step id>#<rev>.<nonce>`` (``!deleted`` appended for a delete): unique per write."""
+    marker = f"{step_id}#{rev}.{os.urandom(4).hex()}"
+    return marker + DELETED if write.kind == "delete" else marker
+
+
+def _marker_names(marker: Any) -> tuple[str, int] | None:
+    """The step id and rev a marker names; ``None`` for no marker, a fenced or a foreign one."""
+    if not isinstance(marker, str) or marker.endswith(FENCED):
+        return None
+    step_id, sep, rest = marker.removesuffix(DELETED).rpartition("#")
+    rev = rest.split(".", 1)[0]
+    if not sep or not rev.isdigit():
+        return None
+    return step_id, int(rev)
+
+
+def _step_id(participant: str, tx_id: str, step: int) -> str:
+    return f"{participant}:{tx_id}:{step}"
+
+
+def _tx_doc_id(participant: str, tx_id: str) -> str:
+    return f"{participant}:{tx_id}"
+
+
+def _split_step_id(step_id: str) -> tuple[str, str, int] | None:
+    participant, sep, rest = step_id.partition(":")
+    tx_id, sep2, step = rest.rpartition(":")
+    if not sep or not sep2 or not _TX_ID.fullmatch(tx_id):
+        return None
+    try:
+        return participant, tx_id, int(step)
+    except ValueError:
+        return None
+
+
+def _pending_key(step: int) -> str:
+    """The key of a step's creation intent in the transaction document's ``pending``."""
+    return f"s{step}"
+
+
+# ---------------------------------------------------------------- locks and memories
 
 
 class _DocumentLocks:
@@ -286,7 +592,126 @@ class _DocumentLocks:
         lock.release()
 
 
+class _Lru(Generic[_K, _V]):
+    """A small thread-safe least-recently-used map."""
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+        self._mutex = threading.Lock()
+        self._data: OrderedDict[_K, _V] = OrderedDict()
+
+    def get(self, key: _K) -> _V | None:
+        with self._mutex:
+            value = self._data.get(key)
+            if value is not None:
+                self._data.move_to_end(key)
+            return value
+
+    def put(self, key: _K, value: _V) -> None:
+        with self._mutex:
+            self._data[key] = value
+            self._data.move_to_end(key)
+            while len(self._data) > self._size:
+                self._data.popitem(last=False)
+
+    def pop(self, key: _K) -> None:
+        with self._mutex:
+            self._data.pop(key, None)
+
+    def clear(self) -> None:
+        with self._mutex:
+            self._data.clear()
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class _StepRecord:
+    """A step document to insert: its write took effect, with ``marker``, on document ``lock``."""
+
+    owner: MongoStorage
+    doc: Document
+    lock: tuple[str, str, str]
+    marker: str
+
+
+class _Unrecorded:
+    """Process-wide: the step documents created by a write that are not inserted yet.
+
+    A storage inserts the step documents of the new steps it applied in batches
+    (:meth:`MongoStorage.flush_records`); until then the write's intent and
+    marker make them recoverable, and whoever touches the written document first
+    inserts the record (:meth:`_MongoUnit.settle`), so a marker is never
+    overwritten before the ledger records its write. One record per document at
+    most: the next write of the document waits for it.
+    """
+
+    def __init__(self) -> None:
+        self._mutex = threading.Lock()
+        self._records: dict[tuple[str, str, str], _StepRecord] = {}
+
+    def add(self, record: _StepRecord) -> None:
+        with self._mutex:
+            self._records[record.lock] = record
+
+    def get(self, lock: tuple[str, str, str]) -> _StepRecord | None:
+        with self._mutex:
+            return self._records.get(lock)
+
+    def done(self, record: _StepRecord) -> None:
+        with self._mutex:
+            if self._records.get(record.lock) is record:
+                del self._records[record.lock]
+
+
+def _insert_records(ledger: Collection[Document], records: Sequence[_StepRecord]) -> None:
+    """Insert deferred step documents (one already there was recorded by someone else)."""
+    try:
+        ledger.insert_many([record.doc for record in records], ordered=False)
+    except mongo_errors.BulkWriteError as exc:
+        errors = exc.details.get("writeErrors") or []
+        if not errors or any(error.get("code") != _DUPLICATE_KEY for error in errors):
+            raise
+    for record in records:
+        _SETTLED.put(record.lock, record.marker)
+        _UNRECORDED.done(record)
+
+
 _LOCKS: Final = _DocumentLocks()
+_SETTLED: Final = _Lru[tuple[str, str, str], str](SETTLED_CACHE_SIZE)
+"""Document lock name -> a marker it carried whose write this process knows is recorded."""
+_UNRECORDED: Final = _Unrecorded()
+
+
+@dataclass(slots=True)
+class _TxView:
+    """What a unit knows of one transaction's ledger documents at one participant.
+
+    ``doc`` is the transaction document (``None``: absent). ``steps`` holds the
+    step documents known (``None``: absent). ``speculative``: ``doc`` was assumed
+    absent without reading (a request for a transaction this storage does not
+    know); inserting the transaction document checks the assumption.
+    """
+
+    participant: str
+    tx_id: str
+    doc: Document | None
+    steps: dict[int, Document | None] = field(default_factory=dict)
+    speculative: bool = False
+
+    @property
+    def doc_id(self) -> str:
+        return _tx_doc_id(self.participant, self.tx_id)
+
+    def step_id(self, step: int) -> str:
+        return _step_id(self.participant, self.tx_id, step)
+
+    def listed(self, step: int) -> bool:
+        return self.doc is not None and step in self.doc.get("steps", ())
+
+    def creation(self, step: int) -> Document | None:
+        """The intent creating ``step``, if the transaction document holds one."""
+        pending = (self.doc or {}).get("pending") or {}
+        intent: Document | None = pending.get(_pending_key(step))
+        return intent
 
 
 # ---------------------------------------------------------------- native session
@@ -329,16 +754,16 @@ class MongoSession:
     def read(self, target: str, key: Any) -> Document | None:
         """The document ``target/key`` (``None``: absent), locked for this step.
 
-        Resolves any unfinished write of another step on it first (see the module doc).
+        Makes sure the write whose marker it carries is recorded first (see the module doc).
         """
         collection = self.collection(target)
         self._unit.lock(target, key)
-        self._unit.settle_document(target, key)
-        return collection.find_one({"_id": key}, session=self.session)
+        doc = collection.find_one({"_id": key}, session=self.session)
+        return self._unit.settle(target, key, doc)
 
     def stage(self, write: DocumentWrite) -> None:
         """Run ``write`` together with this step's ledger entry (one write per step)."""
-        self.collection(write.target)
+        collection = self.collection(write.target)
         refused = self._unit.refused.get((write.target, _doc_id(write.target, write.key)))
         if refused is not None:
             raise BusinessRejection(refused)
@@ -347,7 +772,8 @@ class MongoSession:
         if not self._unit.holds(write.target, write.key):
             # A handler that writes without reading first still waits its turn.
             self._unit.lock(write.target, write.key)
-            self._unit.settle_document(write.target, write.key)
+            found = collection.find_one({"_id": write.key}, session=self.session)
+            self._unit.settle(write.target, write.key, found)
         self._staged = write
 
     def take_staged(self) -> DocumentWrite | None:
@@ -706,26 +1132,41 @@ class _Refused(Exception):
         self.reason = reason
 
 
+class _Speculation(Exception):
+    """The transaction a request was run for as new is known to the ledger: run it again."""
+
+
 # ---------------------------------------------------------------- the unit
 
 
 class _MongoUnit(Unit):
     """One work item's reads and writes; see the module doc for the write protocol.
 
-    ``_revs`` remembers the ``rev`` of every ledger document read (``None``: none
-    exists), so every ledger write is a compare-and-set on it (an insert when
-    absent): a worker that lost a race gets a :class:`TransientError`, never
-    overwrites the other's record.
+    The unit sees each transaction's ledger documents through a :class:`_TxView`
+    (remembered by the storage, or read). Every ledger write is a compare-and-set
+    on the ``rev`` it saw (an insert when the document is absent): a worker that
+    lost a race gets a :class:`TransientError`, never overwrites the other's record.
+    ``speculate``: a request for a transaction the storage does not remember is
+    run as new without reading the ledger (see the module doc).
     """
 
-    def __init__(self, storage: MongoStorage, refused: Mapping[tuple[str, str], str]) -> None:
+    def __init__(
+        self,
+        storage: MongoStorage,
+        refused: Mapping[tuple[str, str], str],
+        *,
+        speculate: bool = False,
+    ) -> None:
         self.storage = storage
         self.refused = refused
         self.native = MongoSession(self)
         self._ledger = storage.ledger_collection
-        self._revs: dict[tuple[str, int], int | None] = {}
+        self._txs = storage.tx_collection
+        self._cas = storage.cas
+        self._views: dict[tuple[str, str], _TxView] = {}
         self._held: list[tuple[str, str, str]] = []
         self._session: ClientSession | None = None
+        self._speculate = speculate and not storage.transactional
 
     # -- lifecycle
 
@@ -750,13 +1191,22 @@ class _MongoUnit(Unit):
             self._session = None
             self.release_locks()
 
+    def forget(self) -> None:
+        """Make the storage forget what this unit saw: after a failure it reads again."""
+        for participant, tx_id in self._views:
+            if participant == self.storage.name:
+                self.storage.tx_cache.pop(tx_id)
+
+    def _lock_name(self, target: str, key: Any) -> tuple[str, str, str]:
+        return (self.storage.lock_scope, target, _doc_id(target, key))
+
     def lock(self, target: str, key: Any) -> None:
-        name = (self.storage.lock_scope, target, _doc_id(target, key))
+        name = self._lock_name(target, key)
         _LOCKS.acquire(name)
         self._held.append(name)
 
     def holds(self, target: str, key: Any) -> bool:
-        return (self.storage.lock_scope, target, _doc_id(target, key)) in self._held
+        return self._lock_name(target, key) in self._held
 
     def unlock_last(self) -> None:
         _LOCKS.release(self._held.pop())
@@ -766,73 +1216,139 @@ class _MongoUnit(Unit):
         for name in reversed(held):
             _LOCKS.release(name)
 
-    # -- reads
+    # -- views of the ledger
 
-    def _id(self, tx_id: str, step: int) -> str:
-        return f"{self.storage.name}:{tx_id}:{step}"
+    def _remembered(self, tx_id: str) -> _TxView | None:
+        key = (self.storage.name, tx_id)
+        view = self._views.get(key)
+        if view is None and not self.storage.transactional:
+            view = self.storage.tx_cache.get(tx_id)
+            if view is not None:
+                self._views[key] = view
+        return view
 
-    def _load(self, tx_id: str, step: int) -> Document | None:
+    def _keep(self, view: _TxView) -> None:
+        self._views[(view.participant, view.tx_id)] = view
+        own = view.participant == self.storage.name
+        if own and not view.speculative and not self.storage.transactional:
+            self.storage.tx_cache.put(view.tx_id, view)
+
+    def _view(self, tx_id: str, participant: str | None = None) -> _TxView:
+        """The transaction's ledger documents as known, reading its document if need be."""
+        participant = participant or self.storage.name
+        if participant == self.storage.name:
+            view = self._remembered(tx_id)
+        else:
+            view = self._views.get((participant, tx_id))
+        if view is not None and not view.speculative:
+            return view
         session = self.transaction_session()
-        doc = self._ledger.find_one({"_id": self._id(tx_id, step)}, session=session)
-        if doc is not None and doc.get("pending") is not None:
-            self.resolve(doc)
-            doc = self._ledger.find_one({"_id": self._id(tx_id, step)}, session=session)
-        self._revs[(tx_id, step)] = None if doc is None else doc["rev"]
+        doc = self._txs.find_one({"_id": _tx_doc_id(participant, tx_id)}, session=session)
+        if view is not None:
+            if doc is not None:
+                raise _Speculation(tx_id)
+            view.speculative = False
+            return view
+        view = _TxView(participant, tx_id, doc)
+        self._keep(view)
+        return view
+
+    def _entry_view(self, tx_id: str) -> _TxView:
+        """As :meth:`_view`, but speculating that an unknown transaction is new."""
+        view = self._remembered(tx_id)
+        if view is not None:
+            return view
+        if self._speculate:
+            view = _TxView(self.storage.name, tx_id, None, speculative=True)
+            self._views[(self.storage.name, tx_id)] = view
+            return view
+        return self._view(tx_id)
+
+    def _read_step(self, view: _TxView, step: int) -> Document | None:
+        """The step document as stored (``None``: absent), without resolving anything."""
+        if step not in view.steps:
+            doc = None
+            if view.listed(step):  # a step is listed before its document is created
+                session = self.transaction_session()
+                doc = self._ledger.find_one({"_id": view.step_id(step)}, session=session)
+            view.steps[step] = doc
+        return view.steps[step]
+
+    def _step(self, view: _TxView, step: int) -> Document | None:
+        """The step document (``None``: absent) once its unfinished write is resolved."""
+        doc = self._read_step(view, step)
+        if doc is None:
+            intent = view.creation(step)
+            if intent is not None:
+                doc = self._resolve_creation(view, step, intent)
+        elif doc.get("pending") is not None:
+            doc = self._resolve_step(view, step, doc)
+        if doc is not None and doc.get("purge") is not None:
+            doc = self._purge_named(view, step, doc)
         return doc
+
+    # -- reads
 
     def entry(self, tx_id: str, step: int) -> LedgerEntry | None:
         _check_tx_id(tx_id)
-        doc = self._load(tx_id, step)
+        doc = self._step(self._entry_view(tx_id), step)
         return None if doc is None or "status" not in doc else _entry_of(doc)
 
     def entries(self, tx_id: str) -> list[LedgerEntry]:
         _check_tx_id(tx_id)
-        query = {"participant": self.storage.name, "tx_id": tx_id, "step": {"$gte": 0}}
-        session = self.transaction_session()
-        docs = list(self._ledger.find(query, session=session).sort("step", ASCENDING))
-        unresolved = [doc for doc in docs if doc.get("pending") is not None]
-        for doc in unresolved:
-            self.resolve(doc)
-        if unresolved:
-            docs = list(self._ledger.find(query, session=session).sort("step", ASCENDING))
-        for doc in docs:
-            self._revs[(tx_id, doc["step"])] = doc["rev"]
-        return [_entry_of(doc) for doc in docs if "status" in doc]
+        view = self._view(tx_id)
+        if view.doc is None:
+            return []
+        docs = [self._step(view, step) for step in sorted(view.doc.get("steps", ()))]
+        return [_entry_of(doc) for doc in docs if doc is not None and "status" in doc]
 
     def tx_rolled_back(self, tx_id: str) -> bool:
-        return self.entry(tx_id, MARKER_STEP) is not None
+        view = self._entry_view(tx_id)
+        return view.doc is not None and bool(view.doc.get("rolled_back"))
 
     def mark_tx_rolled_back(self, tx_id: str, now_ms: int) -> None:
-        marker = LedgerEntry(
-            tx_id=tx_id,
-            step=MARKER_STEP,
-            status=LedgerStatus.COMPENSATED,
-            reason="rolled back before this participant saw the request",
-            updated_ms=now_ms,
-        )
-        self.write(marker)
+        view = self._view(tx_id)
+        marker = {
+            "reason": "rolled back before this participant saw the request",
+            "updated_ms": now_ms,
+        }
+        try:
+            if view.doc is None:
+                doc = {
+                    "_id": view.doc_id,
+                    "participant": view.participant,
+                    "tx_id": tx_id,
+                    "rev": 1,
+                    "steps": [],
+                    "rolled_back": marker,
+                }
+                try:
+                    self._txs.insert_one(doc, session=self.transaction_session())
+                except mongo_errors.DuplicateKeyError as exc:
+                    raise self._tx_raced(tx_id) from exc
+                view.doc = doc
+                self._keep(view)
+            elif not view.doc.get("rolled_back"):
+                rev = int(view.doc["rev"])
+                self._update_tx(
+                    view, {"rev": rev}, {"$set": {"rolled_back": marker, "rev": rev + 1}}
+                )
+            self._commit()
+        finally:
+            self.release_locks()
 
     # -- writes
 
     def write(self, entry: LedgerEntry) -> None:
-        key = (entry.tx_id, entry.step)
-        if key not in self._revs:
-            self._load(entry.tx_id, entry.step)
-        rev = self._revs[key]
-        ledger_id = self._id(entry.tx_id, entry.step)
         staged = self.native.take_staged()
-        fields = _entry_fields(entry)
         try:
-            if staged is None:
-                self._revs[key] = self._put(ledger_id, entry, rev, fields)
-            elif self.storage.transactional:
-                marker = f"{ledger_id}#{(rev or 0) + 1}"
-                self._run_staged(staged, marker)
-                self._revs[key] = self._put(ledger_id, entry, rev, fields)
+            view = self._views.get((self.storage.name, entry.tx_id)) or self._view(entry.tx_id)
+            current = self._step(view, entry.step)
+            if self.storage.transactional:
+                self._write_in_transaction(view, entry, current, staged)
             else:
-                self._revs[key] = self._write_through_intent(ledger_id, entry, rev, fields, staged)
-            if self._session is not None and self._session.in_transaction:
-                self._session.commit_transaction()
+                self._write_through_intent(view, entry, current, staged)
+            self._commit()
         finally:
             self.release_locks()
 
@@ -843,46 +1359,74 @@ class _MongoUnit(Unit):
             self._session.abort_transaction()
         self.release_locks()
 
-    def _put(self, ledger_id: str, entry: LedgerEntry, rev: int | None, fields: Document) -> int:
-        """Write the ledger record (compare-and-set on ``rev``); the new ``rev``."""
-        session = self.transaction_session()
-        if rev is None:
-            doc = {
-                "_id": ledger_id,
-                "participant": self.storage.name,
-                "tx_id": entry.tx_id,
-                "step": entry.step,
-                "rev": 1,
-                **fields,
-            }
-            try:
-                self._ledger.insert_one(doc, session=session)
-            except mongo_errors.DuplicateKeyError as exc:
-                raise self._raced(entry) from exc
-            return 1
-        change = {"$set": {**fields, "rev": rev + 1}, "$unset": {"pending": ""}}
-        result = self._ledger.update_one({"_id": ledger_id, "rev": rev}, change, session=session)
-        if result.matched_count != 1:
-            raise self._raced(entry)
-        return rev + 1
+    def _commit(self) -> None:
+        if self._session is not None and self._session.in_transaction:
+            self._session.commit_transaction()
 
-    def _raced(self, entry: LedgerEntry) -> _Conflict:
-        return _Conflict(
-            f"participant {self.storage.name!r}: another worker recorded {entry.tx_id} step "
-            f"{entry.step} at the same time; the batch will be retried"
-        )
+    def _created(self, view: _TxView, step: int, fields: Mapping[str, Any]) -> Document:
+        return {
+            "_id": view.step_id(step),
+            "participant": view.participant,
+            "tx_id": view.tx_id,
+            "step": step,
+            "rev": 1,
+            **fields,
+        }
+
+    def _write_in_transaction(
+        self,
+        view: _TxView,
+        entry: LedgerEntry,
+        current: Document | None,
+        staged: DocumentWrite | None,
+    ) -> None:
+        fields = _entry_fields(entry)
+        if staged is not None:
+            rev = 1 if current is None else int(current["rev"]) + 1
+            marker = _new_marker(view.step_id(entry.step), rev, staged)
+            self._run_staged(staged, marker)
+            if staged.kind == "delete":
+                collection = self.storage.db[staged.target]
+                _purge(collection, staged.key, marker, self.transaction_session(), self._cas)
+        if current is None:
+            self._register(view, entry, None, self._created(view, entry.step, fields))
+        else:
+            rev = int(current["rev"])
+            change = {"$set": {**fields, "rev": rev + 1}, "$unset": {"pending": ""}}
+            self._update_step(view, entry, change)
 
     def _write_through_intent(
         self,
-        ledger_id: str,
+        view: _TxView,
         entry: LedgerEntry,
-        rev: int | None,
-        fields: Document,
-        staged: DocumentWrite,
-    ) -> int:
-        """Steps 1-3 of the module doc's protocol; the ledger record's new ``rev``."""
-        marker = f"{ledger_id}#{(rev or 0) + 1}"
-        pending = {
+        current: Document | None,
+        staged: DocumentWrite | None,
+    ) -> None:
+        """The module doc's protocol for one ledger entry and the write it records."""
+        step = entry.step
+        fields = _entry_fields(entry)
+        if current is None:
+            if staged is None:
+                self._register(view, entry, None, self._created(view, step, fields))
+                return
+            marker = _new_marker(view.step_id(step), 1, staged)
+            self._register(view, entry, self._intent(staged, marker, fields), None)
+            self._write_document(staged, marker, lambda: self._discard_creation(view, step, marker))
+            self._finalise(view, entry, None, fields, staged, marker)
+        else:
+            rev = int(current["rev"])
+            if staged is None:
+                self._update_step(view, entry, {"$set": {**fields, "rev": rev + 1}})
+                return
+            marker = _new_marker(view.step_id(step), rev + 1, staged)
+            intent = self._intent(staged, marker, fields)
+            self._update_step(view, entry, {"$set": {"pending": intent, "rev": rev + 1}})
+            discard = {"$set": {"rev": rev + 2}, "$unset": {"pending": ""}}
+            self._write_document(staged, marker, lambda: self._update_step(view, entry, discard))
+            self._finalise(view, entry, rev + 1, fields, staged, marker)
+
+    def _intent(self, staged: DocumentWrite, marker: str, fields: Document) -> Document:
+        return {
             "doc": _doc_id(staged.target, staged.key),
             "write": staged.to_bson(),
             "marker": marker,
@@ -890,38 +1434,154 @@ class _MongoUnit(Unit):
             "owner": self.storage.owner,
             "at_ms": _now_ms(),
         }
-        if rev is None:
-            doc = {
-                "_id": ledger_id,
-                "participant": self.storage.name,
-                "tx_id": entry.tx_id,
-                "step": entry.step,
+
+    def _register(
+        self,
+        view: _TxView,
+        entry: LedgerEntry,
+        intent: Document | None,
+        created: Document | None,
+    ) -> None:
+        """List a new step in the transaction document (with its creation ``intent``), then
+        insert its step document ``created`` if given; both by insert when the
+        transaction is new."""
+        step = entry.step
+        session = self.transaction_session()
+        if view.doc is None:
+            doc: Document = {
+                "_id": view.doc_id,
+                "participant": view.participant,
+                "tx_id": view.tx_id,
                 "rev": 1,
-                "pending": pending,
+                "steps": [step],
             }
+            if intent is not None:
+                doc["pending"] = {_pending_key(step): intent}
             try:
-                self._ledger.insert_one(doc)
+                self._txs.insert_one(doc, session=session)
             except mongo_errors.DuplicateKeyError as exc:
-                raise self._raced(entry) from exc
-            opened = 1
+                if view.speculative:
+                    raise _Speculation(view.tx_id) from exc
+                raise self._tx_raced(view.tx_id) from exc
+            view.doc = doc
+            view.speculative = False
+            self._keep(view)
+            if created is not None:
+                self._insert_step(created, entry, session)
         else:
-            result = self._ledger.update_one(
-                {"_id": ledger_id, "rev": rev}, {"$set": {"pending": pending, "rev": rev + 1}}
-            )
-            if result.matched_count != 1:
-                raise self._raced(entry)
-            opened = rev + 1
+            rev = int(view.doc["rev"])
+            change: Document = {"$set": {"rev": rev + 1}}
+            expect: Document = {"rev": rev}
+            if not view.listed(step):
+                change["$addToSet"] = {"steps": step}
+            if intent is not None:
+                change["$set"][f"pending.{_pending_key(step)}"] = intent
+                expect[f"pending.{_pending_key(step)}"] = ABSENT
+            self._update_tx(view, expect, change)
+            if created is not None:
+                self._insert_step(created, entry, session)
+        if created is not None:
+            view.steps[step] = created
+
+    def _insert_step(self, created: Document, entry: LedgerEntry, session: Any) -> None:
+        try:
+            self._ledger.insert_one(created, session=session)
+        except mongo_errors.DuplicateKeyError as exc:
+            raise self._raced(entry.tx_id, entry.step) from exc
+
+    def _finalise(
+        self,
+        view: _TxView,
+        entry: LedgerEntry,
+        rev: int | None,
+        fields: Document,
+        staged: DocumentWrite,
+        marker: str,
+    ) -> None:
+        """Record the entry once the write with ``marker`` took effect: create the step
+        document (``rev`` ``None``), or set the entry and drop the intent.
+
+        A new step's document is inserted with the storage's next batch of records
+        (see :class:`_Unrecorded`), a delete's at once (the document is removed after).
+        """
+        fields = {**fields, **_purge_field(staged, marker)}
+        if rev is not None:
+            change = {"$set": {**fields, "rev": rev + 1}, "$unset": {"pending": ""}}
+            self._update_step(view, entry, change)
+        else:
+            created = self._created(view, entry.step, fields)
+            view.steps[entry.step] = created
+            if staged.kind != "delete":
+                lock = self._lock_name(staged.target, staged.key)
+                self.storage.defer(_StepRecord(self.storage, created, lock, marker))
+                return
+            self._insert_step(created, entry, None)
+        self._recorded(view, entry.step, staged, marker)
+
+    def _update_step(
+        self, view: _TxView, entry: LedgerEntry | tuple[str, int], change: Document
+    ) -> Document:
+        """Compare-and-set the step document on the ``rev`` last seen; the new document."""
+        tx_id, step = (entry.tx_id, entry.step) if isinstance(entry, LedgerEntry) else entry
+        current = view.steps[step]
+        assert current is not None
+        self.storage.record_now(current["_id"])
+        ok = self._cas.update(
+            self._ledger,
+            current["_id"],
+            {"rev": current["rev"]},
+            change,
+            self.transaction_session(),
+        )
+        if not ok:
+            view.steps.pop(step, None)
+            raise self._raced(tx_id, step)
+        updated = _changed(current, change)
+        view.steps[step] = updated
+        return updated
+
+    def _update_tx(self, view: _TxView, expect: Mapping[str, Any], change: Document) -> None:
+        assert view.doc is not None
+        ok = self._cas.update(self._txs, view.doc_id, expect, change, self.transaction_session())
+        if not ok:
+            raise self._tx_raced(view.tx_id)
+        view.doc = _changed(view.doc, change)
+
+    def _discard_creation(self, view: _TxView, step: int, marker: str) -> None:
+        assert view.doc is not None
+        rev = int(view.doc["rev"])
+        key = f"pending.{_pending_key(step)}"
+        self._update_tx(
+            view,
+            {"rev": rev, f"{key}.marker": marker},
+            {"$set": {"rev": rev + 1}, "$unset": {key: ""}},
+        )
+
+    def _raced(self, tx_id: str, step: int) -> _Conflict:
+        return _Conflict(
+            f"participant {self.storage.name!r}: another worker recorded {tx_id} step "
+            f"{step} at the same time; the batch will be retried"
+        )
+
+    def _tx_raced(self, tx_id: str) -> _Conflict:
+        return _Conflict(
+            f"participant {self.storage.name!r}: another worker recorded {tx_id} at the same "
+            "time; the batch will be retried"
+        )
+
+    def _write_document(
+        self, staged: DocumentWrite, marker: str, discard: Callable[[], Any]
+    ) -> None:
         try:
             self._run_staged(staged, marker)
         except (_Refused, _Conflict):
-            self._discard(ledger_id, opened)
+            discard()
             raise
-        return self._finalise(ledger_id, opened, fields, entry)
 
     def _run_staged(self, staged: DocumentWrite, marker: str) -> None:
         collection = self.storage.db[staged.target]
         try:
-            done = staged.run(collection, marker, self.transaction_session())
+            done = staged.run(collection, marker, self.transaction_session(), self._cas)
         except mongo_errors.DocumentTooLarge as exc:
             reason = f"{staged.target}/{staged.key} would be too large a document ({exc})"
             raise _Refused(staged.target, staged.key, reason) from exc
@@ -936,70 +1596,177 @@ class _MongoUnit(Unit):
                 "a step was writing it; the batch will be retried"
             )
 
-    def _finalise(self, ledger_id: str, rev: int, fields: Document, entry: LedgerEntry) -> int:
-        change = {"$set": {**fields, "rev": rev + 1}, "$unset": {"pending": ""}}
-        if self._ledger.update_one({"_id": ledger_id, "rev": rev}, change).matched_count != 1:
-            raise self._raced(entry)
-        return rev + 1
+    def _recorded(self, view: _TxView, step: int, staged: DocumentWrite, marker: str) -> None:
+        """Step ``step`` records the write with ``marker``: remember that; after a delete,
+        remove the document (see :meth:`_purge_named`)."""
+        _SETTLED.put(self._lock_name(staged.target, staged.key), marker)
+        doc = view.steps.get(step)
+        if doc is not None and doc.get("purge") is not None:
+            self._purge_named(view, step, doc)
 
-    def _discard(self, ledger_id: str, rev: int) -> None:
-        self._ledger.update_one(
-            {"_id": ledger_id, "rev": rev}, {"$set": {"rev": rev + 1}, "$unset": {"pending": ""}}
+    def _purge_named(self, view: _TxView, step: int, doc: Document) -> Document:
+        """Remove the document a recorded delete marked, then the step's ``purge`` naming it.
+
+        A delete's step document names the document until it is removed, so that a
+        crash in between leaves the removal to whoever next loads the step.
+        """
+        purge = doc["purge"]
+        collection = self.storage.db[purge["target"]]
+        _purge(collection, purge["key"], purge["marker"], self.transaction_session(), self._cas)
+        return self._update_step(
+            view,
+            (view.tx_id, step),
+            {"$set": {"rev": int(doc["rev"]) + 1}, "$unset": {"purge": ""}},
         )
 
     # -- recovery
 
-    def settle_document(self, target: str, key: Any) -> None:
-        """Resolve unfinished writes of any step on ``target/key`` (the lock is held)."""
-        session = self.transaction_session()
-        for doc in self._ledger.find({"pending.doc": _doc_id(target, key)}, session=session):
-            self.resolve(doc)
+    def settle(self, target: str, key: Any, doc: Document | None) -> Document | None:
+        """``doc`` as read under its lock, once the write whose marker it carries is recorded.
 
-    def resolve(self, doc: Document) -> None:
-        """Finish or undo the unfinished write recorded in ledger document ``doc``."""
-        pending = doc["pending"]
-        staged = DocumentWrite.from_bson(pending["write"])
+        A document a recorded delete marked is removed here and reads as absent.
+        """
+        if doc is None:
+            return None
+        marker = doc.get(MARKER_FIELD)
+        names = _marker_names(marker)
+        if names is None:
+            return doc
+        assert isinstance(marker, str)
+        name = self._lock_name(target, key)
+        record = _UNRECORDED.get(name)
+        if record is not None:
+            self._make_durable(record)
+        if _SETTLED.get(name) != marker:
+            self._ensure_recorded(names[0], marker)
+            _SETTLED.put(name, marker)
+        if marker.endswith(DELETED):
+            collection = self.storage.db[target]
+            _purge(collection, key, marker, self.transaction_session(), self._cas)
+            return None
+        return doc
+
+    def _make_durable(self, record: _StepRecord) -> None:
+        if record.owner is self.storage:
+            self.storage.flush_records()  # this storage's whole batch, in one insert
+        else:
+            _insert_records(self._ledger, [record])
+
+    def _ensure_recorded(self, step_id: str, marker: str) -> None:
+        """Finish the intent with ``marker`` if it is unresolved (its write happened)."""
+        parts = _split_step_id(step_id)
+        if parts is None:
+            return
+        participant, tx_id, step = parts
+        view = self._view(tx_id, participant)
+        if step not in view.steps:  # read even if unlisted: the marker says it was written
+            session = self.transaction_session()
+            view.steps[step] = self._ledger.find_one({"_id": step_id}, session=session)
+        doc = view.steps[step]
+        if doc is not None:
+            pending = doc.get("pending")
+            if pending is not None and pending.get("marker") == marker:
+                self._resolve_step(view, step, doc)
+            return
+        intent = view.creation(step)
+        if intent is not None and intent.get("marker") == marker:
+            self._resolve_creation(view, step, intent)
+            return
+        log.warning("a document carries the marker %s, which no ledger record names", marker)
+
+    def _live(self, intent: Mapping[str, Any]) -> bool:
+        return intent.get("owner") != self.storage.owner and (
+            _now_ms() - int(intent.get("at_ms", 0)) < self.storage.intent_lease_ms
+        )
+
+    def _in_progress(self, view: _TxView, step: int, staged: DocumentWrite) -> _Conflict:
+        return _Conflict(
+            f"participant {self.storage.name!r}: {staged.target}/{staged.key} has a "
+            f"write of {view.tx_id} step {step} in progress by another worker; the batch "
+            "will be retried"
+        )
+
+    def _resolve_creation(self, view: _TxView, step: int, intent: Document) -> Document | None:
+        """Finish or undo the write that was to create ``step``'s document."""
+        staged = DocumentWrite.from_bson(intent["write"])
+        marker = intent["marker"]
+        session = self.transaction_session()
         self.lock(staged.target, staged.key)
         try:
-            self._resolve_locked(doc, pending, staged)
+            record = _UNRECORDED.get(self._lock_name(staged.target, staged.key))
+            if record is not None and record.marker == marker:
+                self._make_durable(record)  # written by a live storage of this process
+                view.steps[step] = record.doc
+                return record.doc
+            if self._live(intent):
+                raise self._in_progress(view, step, staged)
+            collection = self.storage.db[staged.target]
+            current = collection.find_one({"_id": staged.key}, session=session)
+            if staged.happened(current, marker):
+                created = self._created(
+                    view, step, {**intent["entry"], **_purge_field(staged, marker)}
+                )
+                try:
+                    self._ledger.insert_one(created, session=session)
+                except mongo_errors.DuplicateKeyError:
+                    # Recorded meanwhile by someone else: take theirs.
+                    view.steps.pop(step, None)
+                    view.steps[step] = self._ledger.find_one({"_id": created["_id"]})
+                    return self._step(view, step)
+                view.steps[step] = created
+                self._recorded(view, step, staged, marker)
+                log.info("finished the interrupted write of %s", view.step_id(step))
+                return view.steps[step]
+            self._fence(staged, current, marker)
+            self._discard_creation(view, step, marker)
+            view.steps[step] = None
+            log.info("undid the interrupted write of %s", view.step_id(step))
+            return None
         finally:
             self.unlock_last()
 
-    def _resolve_locked(self, doc: Document, pending: Document, staged: DocumentWrite) -> None:
-        session = self.transaction_session()
-        now = self._ledger.find_one({"_id": doc["_id"]}, session=session)
-        if now is None or now.get("pending") is None or now["rev"] != doc["rev"]:
-            return  # resolved meanwhile
-        live = pending.get("owner") != self.storage.owner and (
-            _now_ms() - int(pending.get("at_ms", 0)) < self.storage.intent_lease_ms
+    def _resolve_step(self, view: _TxView, step: int, doc: Document) -> Document:
+        """Finish or undo the write recorded as ``pending`` in step document ``doc``."""
+        pending = doc["pending"]
+        staged = DocumentWrite.from_bson(pending["write"])
+        marker = pending["marker"]
+        self.lock(staged.target, staged.key)
+        try:
+            if self._live(pending):
+                raise self._in_progress(view, step, staged)
+            collection = self.storage.db[staged.target]
+            current = collection.find_one({"_id": staged.key}, session=self.transaction_session())
+            rev = int(doc["rev"])
+            if staged.happened(current, marker):
+                fields = {**pending["entry"], **_purge_field(staged, marker)}
+                change = {"$set": {**fields, "rev": rev + 1}, "$unset": {"pending": ""}}
+                self._update_step(view, (view.tx_id, step), change)
+                self._recorded(view, step, staged, marker)
+                log.info("finished the interrupted write of %s", doc["_id"])
+                updated = view.steps[step]
+                assert updated is not None
+                return updated
+            self._fence(staged, current, marker)
+            change = {"$set": {"rev": rev + 1}, "$unset": {"pending": ""}}
+            updated = self._update_step(view, (view.tx_id, step), change)
+            log.info("undid the interrupted write of %s", doc["_id"])
+            return updated
+        finally:
+            self.unlock_last()
+
+    def _fence(self, staged: DocumentWrite, current: Document | None, marker: str) -> None:
+        """Make a write that did not happen miss for good, should a paused worker still run it."""
+        if staged.kind == "insert" or current is None:
+            return  # an insert misses once the document exists; nothing to fence on absence
+        if current.get(MARKER_FIELD) != staged.expect:
+            return  # changed since the intent was written: the write can no longer match
+        self._cas.update(
+            self.storage.db[staged.target],
+            staged.key,
+            {MARKER_FIELD: staged.expect},
+            {"$set": {MARKER_FIELD: marker + FENCED}},
+            self.transaction_session(),
         )
-        if live:
-            raise _Conflict(
-                f"participant {self.storage.name!r}: {staged.target}/{staged.key} has a "
-                f"write of {doc['tx_id']} step {doc['step']} in progress by another "
-                "worker; the batch will be retried"
-            )
-        collection = self.storage.db[staged.target]
-        current = collection.find_one({"_id": staged.key}, session=session)
-        rev = int(now["rev"])
-        if staged.happened(current, pending["marker"]):
-            change = {"$set": {**pending["entry"], "rev": rev + 1}, "$unset": {"pending": ""}}
-            self._ledger.update_one({"_id": doc["_id"], "rev": rev}, change, session=session)
-            log.info("finished the interrupted write of %s", doc["_id"])
-            return
-        if current is not None and current.get(MARKER_FIELD) == staged.expect:
-            # Fence: the write may still be in flight from a paused worker; make it miss.
-            collection.update_one(
-                {"_id": staged.key, MARKER_FIELD: current.get(MARKER_FIELD)},
-                {"$set": {MARKER_FIELD: f"{pending['marker']}!fenced"}},
-                session=session,
-            )
-        self._ledger.update_one(
-            {"_id": doc["_id"], "rev": rev},
-            {"$set": {"rev": rev + 1}, "$unset": {"pending": ""}},
-            session=session,
-        )
-        log.info("undid the interrupted write of %s", doc["_id"])
 
 
 def _check_tx_id(tx_id: str) -> None:
@@ -1041,12 +1808,15 @@ class MongoStorage(Storage):
     ``url`` is a ``mongodb://`` URL; the database is ``database``, else the URL's
     path, else ``saga``. ``targets`` are the collections steps may touch (the
     allow-list); collections are created by their first write. The ledger lives in
-    ``ledger_collection``; :meth:`setup` creates its indexes.
+    ``ledger_collection`` (its step documents) and ``ledger_collection + "_tx"``
+    (its transaction documents); :meth:`setup` creates their indexes.
 
     ``transactions``: ``None`` detects (see the module doc); ``True`` requires
     them (a :class:`ConfigurationError` when the server has none); ``False`` uses
     single-document writes even on a replica set. ``intent_lease_ms`` is how long
     an unfinished write of another worker is left alone before it is resolved.
+    :meth:`setup` also detects FerretDB, whose compare-and-set writes are checked
+    by the adapter (see *Concurrency* in the module doc).
 
     ``handlers`` as for :class:`~participants._sql.SqlStorage`; handlers receive a
     :class:`MongoSession` as ``native``. :meth:`execute` acts on every item in
@@ -1075,9 +1845,11 @@ class MongoStorage(Storage):
         for target in sorted(self.targets):
             _check_identifier(target, "target collection")
         _check_identifier(ledger_collection, "ledger collection")
-        if ledger_collection in self.targets:
+        tx_collection = f"{ledger_collection}{TX_COLLECTION_SUFFIX}"
+        clash = sorted({ledger_collection, tx_collection} & self.targets)
+        if clash:
             raise ConfigurationError(
-                f"the ledger collection {ledger_collection!r} cannot also be a target: steps "
+                f"the ledger collection {clash[0]!r} cannot also be a target: steps "
                 "would be able to rewrite the ledger"
             )
         try:
@@ -1098,11 +1870,16 @@ class MongoStorage(Storage):
         )
         self.db: Database[Document] = self.client[database]
         self.ledger_collection: Collection[Document] = self.db[ledger_collection]
+        self.tx_collection: Collection[Document] = self.db[tx_collection]
         self.lock_scope = f"{hosts}/{database}"
         self.owner = uuid.uuid4().hex
         self.intent_lease_ms = intent_lease_ms
         self._want_transactions = transactions
         self.transactional = False
+        self.ferretdb = False
+        self.cas = _SERVER_CAS
+        self.tx_cache: _Lru[str, _TxView] = _Lru(TX_CACHE_SIZE)
+        self._unrecorded: dict[str, _StepRecord] = {}
         self._ready = False
         builtin = MongoActions(self.targets)
         self.actions: Actions = combine(builtin, handlers)
@@ -1112,11 +1889,16 @@ class MongoStorage(Storage):
     def setup(self) -> None:
         """Create the ledger's indexes and decide the mode; idempotent.
 
+        The indexes serve audits (:meth:`ledger`, :meth:`in_flight_sequential`) on
+        MongoDB; the work itself addresses documents by ``_id`` only. The index on
+        ``pending.doc`` an earlier layout used is dropped.
+
         Raises :class:`TransientError` when the server is unreachable and
         :class:`ConfigurationError` when ``transactions=True`` but the server has none.
         """
         with self._boundary("set up its ledger"):
             self.client.admin.command("ping")
+            self.ferretdb = "ferretdbVersion" in self.client.admin.command("buildInfo")
             ledger = self.ledger_collection
             ledger.create_index(
                 [("participant", ASCENDING), ("tx_id", ASCENDING), ("step", ASCENDING)],
@@ -1125,7 +1907,8 @@ class MongoStorage(Storage):
             ledger.create_index(
                 [("participant", ASCENDING), ("status", ASCENDING)], name="saga_by_status"
             )
-            ledger.create_index([("pending.doc", ASCENDING)], name="saga_pending", sparse=True)
+            if "saga_pending" in {index["name"] for index in ledger.list_indexes()}:
+                ledger.drop_index("saga_pending")
             supported = self._transactions_supported()
         if self._want_transactions and not supported:
             raise ConfigurationError(
@@ -1133,6 +1916,7 @@ class MongoStorage(Storage):
                 "set, or leave transactions to be detected)"
             )
         self.transactional = supported and self._want_transactions is not False
+        self.cas = _Cas(server_side=not self.ferretdb)
         self._ready = True
 
     def _transactions_supported(self) -> bool:
@@ -1147,6 +1931,7 @@ class MongoStorage(Storage):
         return True
 
     def close(self) -> None:
+        self.flush_records(quietly=True)
         self.client.close()
 
     # -- work
@@ -1162,17 +1947,64 @@ class MongoStorage(Storage):
             self.setup()
         reports: list[Report] = []
         with self._boundary("run a batch"):
-            for item in items:
-                reports.extend(self._run(item))
+            try:
+                for item in items:
+                    reports.extend(self._run(item))
+            except BaseException as exc:
+                if not isinstance(exc, mongo_errors.ConnectionFailure):
+                    self.flush_records(quietly=True)  # else the next flush or reader does
+                raise
+            self.flush_records()
         return reports
+
+    def defer(self, record: _StepRecord) -> None:
+        """Insert ``record`` with the next batch of records (see :class:`_Unrecorded`)."""
+        self._unrecorded[record.doc["_id"]] = record
+        _UNRECORDED.add(record)
+
+    def record_now(self, step_id: str) -> None:
+        """Make sure the step document ``step_id`` is inserted before it is changed."""
+        if step_id in self._unrecorded:
+            self.flush_records()
+
+    def flush_records(self, *, quietly: bool = False) -> None:
+        """Insert the step documents deferred so far, in one ``insert_many``.
+
+        ``quietly``: a failure is logged, not raised (another error is on its way);
+        the records stay registered, so they are inserted by the next flush or by
+        whoever touches their documents first, and their intents cover a crash.
+        """
+        if not self._unrecorded:
+            return
+        records = list(self._unrecorded.values())
+        try:
+            _insert_records(self.ledger_collection, records)
+        except mongo_errors.PyMongoError as exc:
+            if not quietly:
+                raise
+            log.warning(
+                "participant %r could not record %d applied steps yet (%s); they are recorded "
+                "later, or recovered from their intents",
+                self.name,
+                len(records),
+                _detail(exc),
+            )
+            return
+        for record in records:
+            self._unrecorded.pop(record.doc["_id"], None)
 
     def _run(self, item: WorkItem) -> list[Report]:
         refused: dict[tuple[str, str], str] = {}
+        speculate = isinstance(item, Requested)
         while True:
-            unit = _MongoUnit(self, refused)
+            unit = _MongoUnit(self, refused, speculate=speculate)
             try:
                 return run_item(unit, self.actions, item)
+            except _Speculation:
+                speculate = False  # the ledger knows the transaction: run it reading the ledger
             except _Refused as exc:
+                unit.forget()
+                speculate = False  # the intent made the transaction known to the ledger
                 # Run the item again; this time the action finds the write refused and
                 # the step fails (or its compensation does) with the server's reason.
                 if (exc.target, _doc_id(exc.target, exc.key)) in refused:
@@ -1189,27 +2021,39 @@ class MongoStorage(Storage):
                     exc.reason,
                 )
                 return []
+            except BaseException:
+                unit.forget()
+                raise
             finally:
                 unit.close()
 
     # -- reading the ledger
 
     def ledger(self, tx_id: str | None = None) -> list[LedgerEntry]:
-        query: Document = {
-            "participant": self.name,
-            "step": {"$gte": 0},
-            "status": {"$exists": True},
-        }
-        if tx_id is not None:
-            query["tx_id"] = tx_id
+        """The recorded step entries as stored (unfinished writes are not resolved here)."""
         with self._boundary("read its ledger"):
-            docs = list(self.ledger_collection.find(query))
+            if tx_id is None:
+                query = {"participant": self.name, "step": {"$gte": 0}, "status": {"$exists": True}}
+                docs = list(self.ledger_collection.find(query))
+            else:
+                found = self.tx_collection.find_one({"_id": _tx_doc_id(self.name, tx_id)})
+                docs = []
+                for step in [] if found is None else found.get("steps", []):
+                    doc = self.ledger_collection.find_one({"_id": _step_id(self.name, tx_id, step)})
+                    if doc is not None and "status" in doc:
+                        docs.append(doc)
         docs.sort(key=lambda doc: (doc["tx_id"], doc["step"]))
         return [_entry_of(doc) for doc in docs]
 
     def in_flight_sequential(self) -> set[str]:
         """Sequential transactions with a step waiting for its predecessor, or applied (not
-        the last) and so possibly waiting for its successor's compensation."""
+        the last) and so possibly waiting for its successor's compensation.
+
+        The runtime calls this at start-up and after every partition assignment, so
+        the storage also forgets the ledger state it remembered (see *Cache* in the
+        module doc): transactions may have been worked on elsewhere meanwhile.
+        """
+        self.tx_cache.clear()
         query = {
             "participant": self.name,
             "step": {"$gte": 0},

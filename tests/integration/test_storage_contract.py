@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import pymongo
+import pymongo.monitoring
 import pytest
 import redis
 import sqlalchemy as sa
@@ -46,6 +47,7 @@ from test_sql_storage import (
     sqlite_database,
 )
 
+from participants import _mongo
 from participants._barrier import LedgerStatus, PredecessorApplied, SuccessorCompensated
 from participants._handlers import Handler, Reject
 from participants._mongo import DocumentWrite, MongoSession, MongoStorage, _MongoUnit
@@ -986,6 +988,47 @@ INCREMENT_BOB = requested(
     "tx-1", "increment", {"target": "accounts", "key": 2, "field": "balance", "by": 10}
 )
 
+FILTER_OF = {"find": "filter", "findAndModify": "query", "update": "updates", "delete": "deletes"}
+
+
+def counting_storage(
+    mongo: MongoHarness, monkeypatch: pytest.MonkeyPatch
+) -> tuple[Storage, list[tuple[str, str, list[Any]]]]:
+    """A storage whose document commands are recorded as ``(command, collection, _ids)``;
+    a command filtering on anything but ``_id`` fails the test."""
+    seen: list[tuple[str, str, list[Any]]] = []
+
+    class Listener(pymongo.monitoring.CommandListener):
+        def started(self, event: pymongo.monitoring.CommandStartedEvent) -> None:
+            name, command = event.command_name, event.command
+            if name == "insert":
+                ids = [doc["_id"] for doc in command["documents"]]
+            elif name in FILTER_OF:
+                found = command[FILTER_OF[name]]
+                filters = [s["q"] for s in found] if name in ("update", "delete") else [found]
+                assert all(list(f) == ["_id"] for f in filters), f"{name} filters on {filters}"
+                ids = [f["_id"] for f in filters]
+            else:
+                return
+            seen.append((name, command[name], ids))
+
+        def succeeded(self, event: pymongo.monitoring.CommandSucceededEvent) -> None:
+            pass
+
+        def failed(self, event: pymongo.monitoring.CommandFailedEvent) -> None:
+            pass
+
+    real = _mongo.MongoClient
+
+    def client(*args: Any, **kwargs: Any) -> Any:
+        return real(*args, event_listeners=[Listener()], **kwargs)
+
+    monkeypatch.setattr(_mongo, "MongoClient", client)
+    storage = mongo.make()
+    storage.setup()
+    seen.clear()
+    return storage, seen
+
 
 class TestMongo:
     """The single-document write protocol of :mod:`participants._mongo` (FerretDB here)."""
@@ -1004,11 +1047,113 @@ class TestMongo:
         mongo.storage.execute([INCREMENT_BOB])
         doc = mongo.db["saga_ledger"].find_one({"_id": "bank:tx-1:0"})
         assert doc is not None
-        assert (doc["status"], doc["rev"], "pending" in doc) == ("applied", 2, False)
+        assert (doc["status"], doc["rev"], "pending" in doc) == ("applied", 1, False)
         assert json.loads(doc["args"])["field"] == "balance"  # JSON text: no key restrictions
-        assert mongo.db["accounts"].find_one({"_id": 2})["_saga"] == "bank:tx-1:0#1"
+        assert mongo.db["accounts"].find_one({"_id": 2})["_saga"].startswith("bank:tx-1:0#1.")
+        # The transaction document lists the step; its creation intent is spent.
+        tx = mongo.db["saga_ledger_tx"].find_one({"_id": "bank:tx-1"})
+        assert tx is not None
+        assert (tx["participant"], tx["tx_id"], tx["steps"], "rolled_back" in tx) == (
+            "bank",
+            "tx-1",
+            [0],
+            False,
+        )
+        assert mongo.db["saga_ledger"].count_documents({"step": {"$exists": False}}) == 0
         names = {ix["name"] for ix in mongo.db["saga_ledger"].list_indexes()}
-        assert {"saga_by_tx", "saga_by_status", "saga_pending"} <= names
+        assert {"saga_by_tx", "saga_by_status"} <= names
+        assert "saga_pending" not in names
+
+    def test_the_hot_path_addresses_documents_by_id_only(
+        self, mongo: MongoHarness, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """A new step: read, intent, write, its record batched; a decision: one update."""
+        storage, seen = counting_storage(mongo, monkeypatch)
+
+        def bump(tx_id: str, target: str, key: Any, field: str) -> Any:
+            return requested(
+                tx_id, "increment", {"target": target, "key": key, "field": field, "by": 1}
+            )
+
+        steps = [
+            bump("tx-1", "accounts", 2, "balance"),
+            bump("tx-2", "orders", "o-1", "qty"),
+            bump("tx-3", "accounts", 2, "balance"),
+        ]
+        assert [r.status for r in storage.execute(steps)] == [StepStatus.APPLIED] * 3
+        assert seen == [
+            ("find", "accounts", [2]),
+            ("insert", "saga_ledger_tx", ["bank:tx-1"]),
+            ("findAndModify", "accounts", [2]),
+            ("find", "orders", ["o-1"]),
+            ("insert", "saga_ledger_tx", ["bank:tx-2"]),
+            ("findAndModify", "orders", ["o-1"]),
+            ("find", "accounts", [2]),
+            # accounts/2 carries tx-1's marker: the batch's records go in before it changes.
+            ("insert", "saga_ledger", ["bank:tx-1:0", "bank:tx-2:0"]),
+            ("insert", "saga_ledger_tx", ["bank:tx-3"]),
+            ("findAndModify", "accounts", [2]),
+            ("insert", "saga_ledger", ["bank:tx-3:0"]),
+        ]
+        seen.clear()
+        decisions = [commit("tx-1"), commit("tx-2"), commit("tx-3")]
+        assert [r.status for r in storage.execute(decisions)] == [StepStatus.COMMITTED] * 3
+        assert seen == [
+            ("findAndModify", "saga_ledger", ["bank:tx-1:0"]),
+            ("findAndModify", "saga_ledger", ["bank:tx-2:0"]),
+            ("findAndModify", "saga_ledger", ["bank:tx-3:0"]),
+        ]
+        seen.clear()
+        # A decision in the batch of its request: the record goes in before it changes.
+        both = [bump("tx-4", "orders", "o-1", "qty"), commit("tx-4")]
+        assert [r.status for r in storage.execute(both)] == [
+            StepStatus.APPLIED,
+            StepStatus.COMMITTED,
+        ]
+        assert seen[-2:] == [
+            ("insert", "saga_ledger", ["bank:tx-4:0"]),
+            ("findAndModify", "saga_ledger", ["bank:tx-4:0"]),
+        ]
+        assert mongo.record("accounts", 2) == {"owner": "bob", "balance": 52}
+        assert mongo.record("orders", "o-1") == {"item": "book", "qty": 3, "price": Decimal("9.99")}
+        assert [e.status for e in storage.ledger()] == [LedgerStatus.COMMITTED] * 4
+
+    def test_a_write_that_finds_the_document_changed_is_put_back_and_retried(
+        self, mongo: MongoHarness
+    ) -> None:
+        """A change made between a step's read and its write makes the write miss (on
+        FerretDB: the write is undone at once), and the batch is retried."""
+        meddled: list[int] = []
+
+        def meddle(session: MongoSession, args: Mapping[str, Any]) -> Any:
+            doc = session.read("accounts", 2)
+            assert doc is not None
+            if not meddled:  # another writer, between this step's read and its write
+                meddled.append(1)
+                mongo.db["accounts"].update_one({"_id": 2}, {"$set": {"balance": 55}})
+            balance = doc["balance"]
+            session.stage(
+                DocumentWrite(
+                    "accounts",
+                    2,
+                    "update",
+                    doc.get("_saga"),
+                    set={"balance": balance + 1},
+                    guard={"balance": balance},
+                )
+            )
+            return {"balance": balance}
+
+        storage = mongo.make(handlers={"meddle": Handler(meddle, lambda *_: None)})
+        step = requested("tx-1", "meddle", {})
+        with pytest.raises(TransientError, match="changed while a step was writing it"):
+            storage.execute([step])
+        assert mongo.raw("accounts", 2) == {"owner": "bob", "balance": 55, "credit": None}
+        assert storage.ledger("tx-1") == []
+        assert storage.execute([step]) == [report("tx-1", StepStatus.APPLIED)]
+        assert mongo.raw("accounts", 2) == {"owner": "bob", "balance": 56, "credit": None}
+        [entry] = storage.ledger("tx-1")
+        assert entry.before == {"balance": 55}
 
     def test_crash_after_the_write_before_the_ledger_applies_once(
         self, mongo: MongoHarness, monkeypatch: pytest.MonkeyPatch
@@ -1060,10 +1205,15 @@ class TestMongo:
         crash_once(monkeypatch, _MongoUnit, "_finalise")
         with pytest.raises(Crash):
             mongo.storage.execute([delete])
-        assert mongo.raw("accounts", 1) is None
-        # Gone, and nothing else may touch it before the intent is resolved: the
-        # delete happened. The re-delivery reports it applied, with the old document.
+        # A delete marks the document, and removes it once the ledger has the step:
+        # the mark proves the delete happened. The re-delivery reports it applied,
+        # with the old document, and removes it.
+        marked = mongo.db["accounts"].find_one({"_id": 1})
+        assert marked is not None
+        assert marked["_saga"].startswith("bank:tx-1:0#1.")
+        assert marked["_saga"].endswith("!deleted")
         assert mongo.storage.execute([delete]) == [report("tx-1", StepStatus.APPLIED)]
+        assert mongo.raw("accounts", 1) is None
         [entry] = mongo.storage.ledger("tx-1")
         assert entry.before == {"owner": "alice", "balance": 100, "credit": 10.5}
         assert mongo.storage.execute([rollback("tx-1")]) == [report("tx-1", StepStatus.COMPENSATED)]
@@ -1099,6 +1249,133 @@ class TestMongo:
         assert entry.status is LedgerStatus.APPLIED
         assert restarted.execute([INCREMENT_BOB]) == [report("tx-1", StepStatus.APPLIED)]
         assert mongo.record("accounts", 2) == {"owner": "bob", "balance": 65}
+
+    def test_a_document_an_interrupted_delete_marked_reads_as_absent(
+        self, mongo: MongoHarness, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        delete = requested("tx-1", "delete", {"target": "accounts", "key": 1})
+        crash_once(monkeypatch, _MongoUnit, "_finalise")
+        with pytest.raises(Crash):
+            mongo.storage.execute([delete])
+        restarted = mongo.make(intent_lease_ms=0)
+        insert = requested(
+            "tx-2", "insert", {"target": "accounts", "key": 1, "value": {"owner": "zed"}}
+        )
+        # The insert finds the mark, records the delete, removes the document, inserts.
+        assert restarted.execute([insert]) == [report("tx-2", StepStatus.APPLIED)]
+        assert mongo.record("accounts", 1) == {"owner": "zed"}
+        [entry] = restarted.ledger("tx-1")
+        assert (entry.status, entry.before) == (
+            LedgerStatus.APPLIED,
+            {"owner": "alice", "balance": 100, "credit": 10.5},
+        )
+        # Undoing the delete now finds the key taken: the compensation fails, visibly.
+        [got] = restarted.execute([rollback("tx-1")])
+        assert got.status is StepStatus.COMPENSATION_FAILED
+        assert mongo.record("accounts", 1) == {"owner": "zed"}
+
+    def test_a_delete_recorded_but_not_yet_removed_is_removed_by_its_next_decision(
+        self, mongo: MongoHarness, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        delete = requested("tx-1", "delete", {"target": "accounts", "key": 1})
+        crash_once(monkeypatch, _mongo, "_purge")
+        with pytest.raises(Crash):
+            mongo.storage.execute([delete])
+        [entry] = mongo.storage.ledger("tx-1")
+        assert entry.status is LedgerStatus.APPLIED
+        marked = mongo.db["accounts"].find_one({"_id": 1})
+        assert marked is not None and marked["_saga"].endswith("!deleted")
+        # Nothing reads accounts/1 again; the decision loads the step, which names it.
+        restarted = mongo.make()
+        assert restarted.execute([commit("tx-1")]) == [report("tx-1", StepStatus.COMMITTED)]
+        assert mongo.db["accounts"].find_one({"_id": 1}) is None
+        step = mongo.db["saga_ledger"].find_one({"_id": "bank:tx-1:0"})
+        assert step is not None and "purge" not in step
+
+    def test_applied_steps_whose_records_were_lost_are_recovered_from_their_intents(
+        self, mongo: MongoHarness, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """The step documents of new steps are inserted in batches; a crash may lose one."""
+        steps = [
+            requested(
+                "tx-1", "increment", {"target": "accounts", "key": 1, "field": "balance", "by": 1}
+            ),
+            requested(
+                "tx-2", "increment", {"target": "accounts", "key": 2, "field": "balance", "by": 2}
+            ),
+            requested(
+                "tx-3", "increment", {"target": "orders", "key": "o-1", "field": "qty", "by": 3}
+            ),
+        ]
+
+        def lost(*args: Any, **kwargs: Any) -> None:
+            raise Crash("the process dies before the batch of records is inserted")
+
+        monkeypatch.setattr(_mongo, "_insert_records", lost)
+        with pytest.raises(Crash):
+            mongo.storage.execute(steps)
+        monkeypatch.undo()
+        assert mongo.storage.ledger() == []  # only the intents record the writes
+        assert (mongo.raw("accounts", 1) or {})["balance"] == 101
+        # A new process: nothing in memory.
+        monkeypatch.setattr(_mongo, "_UNRECORDED", _mongo._Unrecorded())
+        restarted = mongo.make(intent_lease_ms=0)
+        # A decision finds its step through the transaction document...
+        assert restarted.execute([commit("tx-1")]) == [report("tx-1", StepStatus.COMMITTED)]
+        # ...a re-delivered request through its own step...
+        assert restarted.execute([steps[1]]) == [report("tx-2", StepStatus.APPLIED)]
+        # ...and the next write of a document through the marker the document carries.
+        other = requested(
+            "tx-4", "increment", {"target": "orders", "key": "o-1", "field": "qty", "by": 10}
+        )
+        assert restarted.execute([other]) == [report("tx-4", StepStatus.APPLIED)]
+        statuses = {e.tx_id: e.status for e in restarted.ledger()}
+        assert statuses == {
+            "tx-1": LedgerStatus.COMMITTED,
+            "tx-2": LedgerStatus.APPLIED,
+            "tx-3": LedgerStatus.APPLIED,
+            "tx-4": LedgerStatus.APPLIED,
+        }
+        assert mongo.record("accounts", 1) == {
+            "owner": "alice",
+            "balance": 101,
+            "credit": Decimal("10.50"),
+        }
+        assert mongo.record("accounts", 2) == {"owner": "bob", "balance": 52}
+        assert mongo.record("orders", "o-1") == {
+            "item": "book",
+            "qty": 14,
+            "price": Decimal("9.99"),
+        }
+
+    def test_a_stale_memory_of_the_ledger_is_caught_by_the_compare_and_set(
+        self, mongo: MongoHarness
+    ) -> None:
+        first, second = mongo.storage, mongo.make()
+        steps = [
+            INCREMENT_BOB,
+            requested(
+                "tx-2", "increment", {"target": "accounts", "key": 1, "field": "balance", "by": 1}
+            ),
+        ]
+        assert len(first.execute(steps)) == 2
+        # Another worker of the participant decides both while the first one remembers them
+        # as applied (a partition moved, then moved back).
+        assert len(second.execute([commit("tx-1"), commit("tx-2")])) == 2
+        with pytest.raises(TransientError, match="at the same time"):
+            first.execute([rollback("tx-1")])
+        # The conflict made it forget: the retry reads the commit, and changes nothing.
+        assert first.execute([rollback("tx-1")]) == []
+        assert mongo.record("accounts", 2) == {"owner": "bob", "balance": 60}
+        # What the runtime calls after a partition assignment also forgets.
+        first.in_flight_sequential()
+        assert first.execute([rollback("tx-2")]) == []
+        assert mongo.record("accounts", 1) == {
+            "owner": "alice",
+            "balance": 101,
+            "credit": Decimal("10.50"),
+        }
+        assert {e.status for e in first.ledger()} == {LedgerStatus.COMMITTED}
 
     def test_concurrent_steps_on_one_document_lose_no_update(self, mongo: MongoHarness) -> None:
         """FerretDB updates are read-then-write; the per-document lock serialises them."""
