@@ -73,16 +73,38 @@ maven_fetch() { # pom-dir out-dir stamp-text extra-args...
   rm -rf "$out" && mv "$out.tmp" "$out" && echo "$stamp" >"$out/.stamp"
 }
 
+# FerretDB v1.24's SQLite backend looks documents up by an _id expression that
+# differs from the one its unique index is built on, so every lookup by _id scans
+# the table. The build patches that one expression in a private copy of the
+# module (under $D, never in this repository) so lookups use the index.
+FERRETDB_ID_FROM="IDColumn = DefaultColumn + \"->'\$._id'\""
+FERRETDB_ID_TO="IDColumn = DefaultColumn + \"->'_id'\""
+
 provision_ferretdb() {
   local bin=$D/bin/saga-ferretdb stamp
-  stamp=$(cat infra/ferretdb/go.mod infra/ferretdb/go.sum infra/ferretdb/main.go | sha256sum | cut -c1-16)
+  stamp=$( (cat infra/ferretdb/go.mod infra/ferretdb/go.sum infra/ferretdb/main.go; echo "$FERRETDB_ID_TO") | sha256sum | cut -c1-16)
   if [ -x "$bin" ] && [ -f "$D/bin/.ferretdb-stamp" ] && [ "$(cat "$D/bin/.ferretdb-stamp")" = "$stamp" ]; then
     return 0
   fi
   command -v go >/dev/null || die "Go is missing: install Go 1.22 or newer, then retry."
   say "building FerretDB (go install, a minute or two the first time)"
   mkdir -p "$D/bin"
-  if ! (cd infra/ferretdb && GOBIN="$D/bin.tmp" GOFLAGS=-mod=mod go install . ) >"$LOGS/go-ferretdb.log" 2>&1; then
+  local build=$D/ferretdb-build src=$D/ferretdb-build/ferretdb-module
+  if ! (
+    set -e
+    rm -rf "$build" && mkdir -p "$build"
+    cp infra/ferretdb/go.mod infra/ferretdb/go.sum infra/ferretdb/main.go "$build/"
+    cd "$build"
+    GOFLAGS=-mod=mod go mod download github.com/FerretDB/FerretDB
+    cp -r "$(GOFLAGS=-mod=mod go list -m -f '{{.Dir}}' github.com/FerretDB/FerretDB)" "$src"
+    chmod -R u+w "$src"
+    meta=$src/internal/backends/sqlite/metadata/metadata.go
+    grep -qF "$FERRETDB_ID_FROM" "$meta"
+    sed -i "s|$(printf '%s' "$FERRETDB_ID_FROM" | sed 's/[$.*[\]/\\&/g')|$FERRETDB_ID_TO|" "$meta"
+    grep -qF "$FERRETDB_ID_TO" "$meta"
+    go mod edit -replace "github.com/FerretDB/FerretDB=$src"
+    GOBIN="$D/bin.tmp" GOFLAGS=-mod=mod go install .
+  ) >"$LOGS/go-ferretdb.log" 2>&1; then
     die "could not build FerretDB; see $LOGS/go-ferretdb.log"
   fi
   mv "$D/bin.tmp/ferretdb" "$bin" && rmdir "$D/bin.tmp" && echo "$stamp" >"$D/bin/.ferretdb-stamp"
