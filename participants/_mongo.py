@@ -179,13 +179,11 @@ from participants._actions import (
     IDENTIFIER,
     INT64_MAX,
     INT64_MIN,
-    Delete,
+    BuiltinAction,
+    BuiltinActions,
     Increment,
-    Insert,
     Key,
-    Put,
-    Update,
-    parse_action,
+    RecordOps,
 )
 from participants._barrier import LedgerEntry, LedgerStatus, Requested
 from participants._handlers import Handler, combine
@@ -790,7 +788,7 @@ def _session(native: Any) -> MongoSession:
 # ---------------------------------------------------------------- built-in actions
 
 
-class MongoActions(Actions):
+class MongoActions(BuiltinActions):
     """The built-in actions on documents (``native`` must be a :class:`MongoSession`).
 
     ``put`` sets the given fields and keeps the others; its compensation puts the
@@ -801,40 +799,8 @@ class MongoActions(Actions):
     :class:`DocumentWrite` staged for the ledger write.
     """
 
-    def __init__(self, targets: Iterable[str]) -> None:
-        self.targets = frozenset(targets)
-
-    def apply(self, native: Any, action: str, args: Mapping[str, Any]) -> Any:
-        session = _session(native)
-        parsed = parse_action(action, args, self.targets)
-        record = _Record(session, parsed.target, parsed.key)
-        if isinstance(parsed, Insert):
-            return record.insert(parsed.value)
-        if isinstance(parsed, Put):
-            return record.put(parsed.value)
-        if isinstance(parsed, Update):
-            return record.update(parsed.set)
-        if isinstance(parsed, Delete):
-            return record.delete()
-        return record.increment(parsed)
-
-    def compensate(self, native: Any, action: str, args: Mapping[str, Any], before: Any) -> None:
-        session = _session(native)
-        parsed = parse_action(action, args, self.targets)
-        record = _Record(session, parsed.target, parsed.key)
-        if isinstance(parsed, Insert):
-            record.remove()
-        elif isinstance(parsed, Put):
-            record.restore_put(before)
-        elif isinstance(parsed, Update):
-            record.restore_fields(before)
-        elif isinstance(parsed, Delete):
-            record.reinsert(before)
-        else:
-            record.increment_back(parsed, before)
-
-    def confirm(self, native: Any, action: str, args: Mapping[str, Any]) -> None:
-        """Nothing to do: a built-in action holds nothing beyond its write."""
+    def record(self, native: Any, action: BuiltinAction) -> RecordOps:
+        return _Record(_session(native), action.target, action.key)
 
 
 def canonical_key(key: Key) -> int | str:
