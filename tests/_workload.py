@@ -28,14 +28,16 @@ from __future__ import annotations
 
 import random
 from collections import Counter, defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import sqlalchemy as sa
 
 from coordinator import SagaClient
 from streams import Decision, Outcome, SagaRequest, SagaState, SagaStatus, Step
-from tests._infra import eventually
+from tests._infra import Services, eventually
 from tests._system import SagaSystem, bank_schema, engine_for
 
 ACCOUNTS = ("acc0", "acc1", "acc2", "acc3", "acc4")
@@ -283,3 +285,26 @@ def check_invariants(
             if t.fails == "shop":
                 assert entries[2][1:] in (("failed", False), ("compensated", False)), entries
     return states
+
+
+SESSION_TIMEOUT_MS = 6000  # the broker's group.min.session.timeout.ms
+
+
+@contextmanager
+def seeded_system(services: Services, schema: str, tmp: Path) -> Iterator[SagaSystem]:
+    """A SagaSystem with the transfer tables seeded, 4 partitions and a short session
+    timeout (so a killed process's partitions move quickly); topics removed after."""
+    s = SagaSystem(
+        services,
+        tmp,
+        schema,
+        partitions=4,
+        extra_env={"SAGA_KAFKA_SESSION_TIMEOUT_MS": str(SESSION_TIMEOUT_MS)},
+    )
+    seed(s)
+    s.create_topics()
+    try:
+        yield s
+    finally:
+        s.stop_all()
+        s.delete_topics()

@@ -26,38 +26,25 @@ from streams._kafka import Consumer
 from tests._infra import Services, eventually
 from tests._system import Proc, SagaSystem
 from tests._workload import (
+    SESSION_TIMEOUT_MS,
     check_invariants,
     final_count,
     ledger_rows,
     make_transfers,
-    seed,
+    seeded_system,
     submit_all,
     wait_all_final,
 )
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(150)]
 
-SESSION_TIMEOUT_MS = 6000  # the broker's group.min.session.timeout.ms
 TAKEOVER_S = SESSION_TIMEOUT_MS / 1000 + 60  # session expiry + rebalance + restore + slack
 
 
 @pytest.fixture
 def system(services: Services, pg_schema: tuple[str, str], tmp_path: Path) -> Iterator[SagaSystem]:
-    _, schema = pg_schema
-    s = SagaSystem(
-        services,
-        tmp_path,
-        schema,
-        partitions=4,
-        extra_env={"SAGA_KAFKA_SESSION_TIMEOUT_MS": str(SESSION_TIMEOUT_MS)},
-    )
-    seed(s)
-    s.create_topics()
-    try:
+    with seeded_system(services, pg_schema[1], tmp_path) as s:
         yield s
-    finally:
-        s.stop_all()
-        s.delete_topics()
 
 
 def wait_killed(proc: Proc, what: str) -> None:

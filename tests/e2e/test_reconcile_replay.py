@@ -52,14 +52,13 @@ from tests._workload import (
     ledger_rows,
     make_transfers,
     orders,
-    seed,
+    seeded_system,
     submit_all,
     wait_all_final,
 )
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
-SESSION_TIMEOUT_MS = 6000
 GRACE_S = 2
 TIMEOUT_S = 3.0  # the sagas' deadline
 
@@ -82,21 +81,8 @@ def spark(services: Services, tmp_path_factory: pytest.TempPathFactory) -> Itera
 
 @pytest.fixture
 def system(services: Services, pg_schema: tuple[str, str], tmp_path: Path) -> Iterator[SagaSystem]:
-    _, schema = pg_schema
-    s = SagaSystem(
-        services,
-        tmp_path,
-        schema,
-        partitions=4,
-        extra_env={"SAGA_KAFKA_SESSION_TIMEOUT_MS": str(SESSION_TIMEOUT_MS)},
-    )
-    seed(s)
-    s.create_topics()
-    try:
+    with seeded_system(services, pg_schema[1], tmp_path) as s:
         yield s
-    finally:
-        s.stop_all()
-        s.delete_topics()
 
 
 # ---------------------------------------------------------------- making sagas stuck
