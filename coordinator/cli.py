@@ -66,8 +66,15 @@ def main(verbose: int) -> None:
     from streams import _faults
 
     _faults.configure(os.environ.get("SAGA_FAULTS"))
+    # Test-only: the chaos suite's negative controls (streams/_faults.py); never set in production.
+    _faults.configure_unsafe(os.environ.get("SAGA_UNSAFE_TEST_SWITCHES"))
     level = logging.WARNING - 10 * min(verbose, 2)
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if os.environ.get("SAGA_UNSAFE_TEST_SWITCHES"):
+        logging.getLogger("saga").warning(
+            "unsafe test switches on (%s): guarantees are broken on purpose",
+            os.environ["SAGA_UNSAFE_TEST_SWITCHES"],
+        )
 
 
 # ---------------------------------------------------------------- topics

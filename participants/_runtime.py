@@ -164,6 +164,8 @@ class ParticipantRuntime(Stoppable):
             for tx in self.storage.in_flight_sequential():
                 self._sequential.setdefault(tx, now)
         items = unique(self._work_items(messages, now))
+        if faults.unsafe("auto-commit"):  # TEST-ONLY negative control: offsets before the work
+            self._commit({(m.topic, m.partition): m.offset + 1 for m in messages})
         reports = self._execute(items) if items else []
         faults.hit("participant.after_local_commit")
         for r in reports:

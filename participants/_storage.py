@@ -32,6 +32,7 @@ from participants._barrier import (
     plan,
 )
 from streams import BusinessRejection, Outcome, StepStatus
+from streams import _faults as faults
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,6 +160,8 @@ def _run_signal(
     rolled_back = (
         isinstance(signal, Requested) and entry is None and unit.tx_rolled_back(signal.tx_id)
     )
+    if isinstance(signal, Requested) and faults.unsafe("barrier-off"):
+        entry, rolled_back = None, False  # TEST-ONLY negative control: ignore the ledger
     p = plan(entry, rolled_back, signal)
     target = p.entry
     if target is not None and target.action is not None:

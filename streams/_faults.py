@@ -9,6 +9,17 @@ Points: ``participant.after_local_commit`` (storage committed, events not sent),
 ``participant.after_events`` (events acknowledged, offsets not committed),
 ``coordinator.after_read`` (records read, nothing decided),
 ``coordinator.before_commit`` (decisions produced, transaction not committed).
+
+Unsafe test switches (``SAGA_UNSAFE_TEST_SWITCHES``, read only by the command
+line, like ``SAGA_FAULTS``) break a guarantee on purpose, so that the chaos
+suite can show its checker catches the breakage (its negative controls). Never
+set them outside that suite:
+
+* ``barrier-off``: a participant ignores its ledger for requests: a repeated
+  request is applied again and a request after its rollback is applied;
+* ``auto-commit``: a participant commits its input offsets as soon as it has
+  read a batch, before the batch's storage work and events (what
+  ``enable.auto.commit`` effectively does), so a crash in between loses them.
 """
 
 from __future__ import annotations
@@ -27,7 +38,10 @@ POINTS = frozenset(
     }
 )
 
+UNSAFE_SWITCHES = frozenset({"barrier-off", "auto-commit"})
+
 _armed: dict[str, int] = {}
+_unsafe: set[str] = set()
 
 
 def configure(spec: str | None) -> None:
@@ -57,3 +71,25 @@ def hit(name: str) -> None:
     if left <= 1:
         os.kill(os.getpid(), signal.SIGKILL)
     _armed[name] = left - 1
+
+
+def configure_unsafe(spec: str | None) -> None:
+    """Turn on the unsafe test switches named in ``"a,b"``; ``None`` or empty turns all off."""
+    _unsafe.clear()
+    if not spec:
+        return
+    for part in spec.split(","):
+        name = part.strip()
+        if not name:
+            continue
+        if name not in UNSAFE_SWITCHES:
+            raise ConfigurationError(
+                f"unknown switch {name!r} in SAGA_UNSAFE_TEST_SWITCHES; "
+                f"known: {', '.join(sorted(UNSAFE_SWITCHES))}"
+            )
+        _unsafe.add(name)
+
+
+def unsafe(name: str) -> bool:
+    """Whether the unsafe test switch ``name`` is on (never, outside the chaos suite)."""
+    return name in _unsafe
