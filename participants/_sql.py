@@ -56,6 +56,7 @@ from decimal import Decimal, InvalidOperation
 from typing import Any, Final, NoReturn
 
 from sqlalchemy import (
+    ARRAY,
     JSON,
     BigInteger,
     Boolean,
@@ -74,12 +75,14 @@ from sqlalchemy import (
     Table,
     Text,
     and_,
+    bindparam,
     create_engine,
     delete,
     event,
     func,
     insert,
     inspect,
+    literal,
     select,
     update,
 )
@@ -171,15 +174,18 @@ class SqlSession:
     connection itself.
     """
 
-    def __init__(self, connection: Connection, tables: Mapping[str, Table]) -> None:
+    def __init__(
+        self, connection: Connection, tables: Mapping[str, Table], *, savepoints: bool = True
+    ) -> None:
         self._connection = connection
         self._tables = tables
+        self._savepoints = savepoints
         self._effect: NestedTransaction | None = None
 
     @property
     def connection(self) -> Connection:
         """The batch's connection; using it starts this step's effect scope."""
-        if self._effect is None:
+        if self._effect is None and self._savepoints:
             self._effect = self._connection.begin_nested()
         return self._connection
 
@@ -246,10 +252,14 @@ class SqlActions(BuiltinActions):
     compensation converts them back by the column's type.
 
     ``put`` sets the given columns and leaves the others as they are (or at their
-    defaults for a new row). ``increment`` locks the row, checks the bounds, then
-    runs ``SET field = field + by`` with the bounds in its ``WHERE`` as well; its
-    compensation is ``field - by`` without bounds, so it commutes with other
-    increments in between.
+    defaults for a new row). ``increment`` runs ``SET field = field + by`` with
+    the bounds in its ``WHERE``; only when that changes no row does a locked read
+    find out why (absent, no value, out of bounds). Its compensation is
+    ``field - by`` without bounds, so it commutes with other increments in between.
+
+    Every built-in action and compensation decides to reject *before* it writes:
+    a rejected built-in step has changed nothing, which is what lets a batch of
+    built-in steps run without savepoints (see :meth:`SqlStorage.execute`).
     """
 
     def record(self, native: Any, action: BuiltinAction) -> RecordOps:
@@ -365,6 +375,17 @@ class _Record:
         by = _coerce(column, action.by, f"the increment of {self.where}")
         low = None if action.min is None else _coerce(column, action.min, "the minimum")
         high = None if action.max is None else _coerce(column, action.max, "the maximum")
+        # One guarded statement does the common case; the bounds hold even where a
+        # storage cannot lock (SQLite). Only when it changes nothing does a locked
+        # read find out why, so the rejection names the reason.
+        guards = [self._match(), column.is_not(None)]
+        if low is not None:
+            guards.append(column + by >= low)
+        if high is not None:
+            guards.append(column + by <= high)
+        statement = update(self.table).where(and_(*guards)).values({column.name: column + by})
+        if self.session.execute(statement).rowcount == 1:
+            return
         current = self._existing()[column.name]
         if current is None:
             raise BusinessRejection(f"{self.where} has no value in {column.name}")
@@ -377,16 +398,7 @@ class _Record:
             raise BusinessRejection(
                 f"{self.where} {column.name} would be {result}, above the maximum {high}"
             )
-        # The row is locked, so the guard cannot fail now; it stays in the statement
-        # so that the bounds hold even where a storage cannot lock (SQLite).
-        guards = [self._match()]
-        if low is not None:
-            guards.append(column + by >= low)
-        if high is not None:
-            guards.append(column + by <= high)
-        statement = update(self.table).where(and_(*guards)).values({column.name: column + by})
-        if self.session.execute(statement).rowcount != 1:
-            raise BusinessRejection(f"{self.where} {column.name} is out of bounds")
+        raise BusinessRejection(f"{self.where} {column.name} is out of bounds")
 
     # -- compensations
 
@@ -563,6 +575,45 @@ class _DriverErrorsTranslated(Actions):
             self.inner.confirm(native, action, args)
 
 
+class _NeedsSavepoints(Exception):
+    """A batch running without savepoints met a database error; run it carefully."""
+
+
+class _SavepointsNeeded(Actions):
+    """The built-in actions of a batch without savepoints.
+
+    A database error inside an action (a duplicate key from a concurrent insert,
+    a numeric overflow, ...) has aborted the whole PostgreSQL transaction, so it
+    cannot become a rejection here: it stops the batch, which runs again with
+    savepoints, where :class:`_DriverErrorsTranslated` rejects just that step.
+    """
+
+    def __init__(self, inner: Actions) -> None:
+        self.inner = inner
+
+    def apply(self, native: Any, action: str, args: Mapping[str, Any]) -> Any:
+        with _savepoints_needed():
+            return self.inner.apply(native, action, args)
+
+    def compensate(self, native: Any, action: str, args: Mapping[str, Any], before: Any) -> None:
+        with _savepoints_needed():
+            self.inner.compensate(native, action, args, before)
+
+    def confirm(self, native: Any, action: str, args: Mapping[str, Any]) -> None:
+        with _savepoints_needed():
+            self.inner.confirm(native, action, args)
+
+
+@contextmanager
+def _savepoints_needed() -> Iterator[None]:
+    try:
+        yield
+    except (sa_exc.IntegrityError, sa_exc.DataError) as exc:
+        if exc.connection_invalidated:
+            raise
+        raise _NeedsSavepoints from exc
+
+
 @contextmanager
 def _rejected_by_database(what: str) -> Iterator[None]:
     try:
@@ -592,49 +643,142 @@ def _is_conflict(exc: sa_exc.DBAPIError) -> bool:
 # ---------------------------------------------------------------- the unit
 
 
-class _SqlUnit(Unit):
-    """One work item's reads and writes of the ledger, inside the item's savepoint.
+class _BatchLedger:
+    """The batch's view of this participant's ledger: read once, written once.
 
-    A ledger row that exists is locked when read (``FOR UPDATE``). One that does
-    not exist cannot be locked, so two workers may both read "absent"; the unit
-    remembers what it read and *inserts* such an entry, so the slower worker's
-    insert collides with the primary key instead of overwriting the other's
-    entry, and its whole batch (its duplicate effect included) rolls back.
+    :meth:`load` reads (and locks, ``FOR UPDATE``) every entry of the batch's
+    transactions in one statement; items then read and write this view, and
+    :meth:`flush` writes what changed in two statements before the commit. A
+    checkpoint lets a careful batch drop the writes of an item it rolls back.
+
+    An entry that did not exist cannot be locked, so two workers may both read
+    "absent"; such an entry is *inserted*, so the slower worker's insert collides
+    with the primary key instead of overwriting the other's entry, and its whole
+    batch (its duplicate effect included) rolls back as a transient error.
     """
 
-    def __init__(self, storage: SqlStorage, connection: Connection, session: SqlSession) -> None:
-        self.native = session
-        self._session = session
+    def __init__(self, storage: SqlStorage, connection: Connection) -> None:
         self._storage = storage
-        self._ledger = storage.ledger_table
+        self._table = storage.ledger_table
         self._connection = connection
+        self._entries: dict[tuple[str, int], LedgerEntry | None] = {}
         self._existed: dict[tuple[str, int], bool] = {}
+        self._loaded: set[str] = set()
+        self._dirty: dict[tuple[str, int], LedgerEntry] = {}
+        self._journal: list[tuple[tuple[str, int], LedgerEntry | None, LedgerEntry | None]] = []
 
-    def _step(self, tx_id: str, step: int) -> ColumnElement[bool]:
-        c = self._ledger.c
-        return and_(c.participant == self._storage.name, c.tx_id == tx_id, c.step == step)
+    def load(self, tx_ids: Iterable[str]) -> None:
+        wanted = sorted(set(tx_ids) - self._loaded)
+        c = self._table.c
+        for chunk in (wanted[i : i + 1000] for i in range(0, len(wanted), 1000)):
+            query = (
+                select(self._table)
+                .where(c.participant == self._storage.name, c.tx_id.in_(chunk))
+                .order_by(c.tx_id, c.step)
+                .with_for_update()
+            )
+            for row in self._connection.execute(query).mappings():
+                key = (row["tx_id"], row["step"])
+                self._entries[key] = _entry_of(row)
+                self._existed[key] = True
+            self._loaded.update(chunk)
 
     def entry(self, tx_id: str, step: int) -> LedgerEntry | None:
-        query = select(self._ledger).where(self._step(tx_id, step)).with_for_update()
-        row = self._connection.execute(query).mappings().first()
-        self._existed[(tx_id, step)] = row is not None
-        return None if row is None else _entry_of(row)
-
-    def entries(self, tx_id: str) -> list[LedgerEntry]:
-        c = self._ledger.c
+        key = (tx_id, step)
+        if key in self._entries:
+            return self._entries[key]
+        if tx_id in self._loaded:
+            return None
+        c = self._table.c
         query = (
-            select(self._ledger)
-            .where(c.participant == self._storage.name, c.tx_id == tx_id, c.step >= 0)
-            .order_by(c.step)
+            select(self._table)
+            .where(c.participant == self._storage.name, c.tx_id == tx_id, c.step == step)
             .with_for_update()
         )
-        found = [_entry_of(row) for row in self._connection.execute(query).mappings()]
-        for entry in found:
-            self._existed[(tx_id, entry.step)] = True
+        row = self._connection.execute(query).mappings().first()
+        found = None if row is None else _entry_of(row)
+        self._entries[key] = found
+        self._existed[key] = found is not None
         return found
 
+    def entries(self, tx_id: str) -> list[LedgerEntry]:
+        """The transaction's step entries (not the marker), in step order."""
+        self.load([tx_id])
+        found = [e for (tx, step), e in self._entries.items() if tx == tx_id and step >= 0 and e]
+        return sorted(found, key=lambda e: e.step)
+
+    def write(self, entry: LedgerEntry) -> None:
+        key = (entry.tx_id, entry.step)
+        if key not in self._entries:
+            self.entry(entry.tx_id, entry.step)
+        self._journal.append((key, self._entries.get(key), self._dirty.get(key)))
+        self._entries[key] = entry
+        self._dirty[key] = entry
+
+    def checkpoint(self) -> int:
+        return len(self._journal)
+
+    def undo_to(self, mark: int) -> None:
+        """Forget the writes since ``mark`` (their item's savepoint was rolled back)."""
+        while len(self._journal) > mark:
+            key, entry, dirty = self._journal.pop()
+            self._entries[key] = entry
+            if dirty is None:
+                self._dirty.pop(key, None)
+            else:
+                self._dirty[key] = dirty
+
+    def flush(self) -> None:
+        """Write the changed entries: new ones inserted, known ones updated."""
+        name = self._storage.name
+        inserts = [_row_of(name, e) for key, e in self._dirty.items() if not self._existed.get(key)]
+        updates = [
+            {f"v_{column}": value for column, value in _row_of(name, e).items()}
+            for key, e in self._dirty.items()
+            if self._existed.get(key)
+        ]
+        if inserts:
+            try:
+                self._connection.execute(insert(self._table), inserts)
+            except sa_exc.IntegrityError as exc:
+                raise TransientError(
+                    f"participant {name!r}: another worker recorded a step of this batch "
+                    f"({_detail(exc)}) at the same time; the batch will be retried"
+                ) from exc
+        if updates:
+            c = self._table.c
+            statement = (
+                update(self._table)
+                .where(
+                    c.participant == name,
+                    c.tx_id == bindparam("v_tx_id"),
+                    c.step == bindparam("v_step"),
+                )
+                .values({column: bindparam(f"v_{column}") for column in _LEDGER_COLUMNS[3:]})
+            )
+            self._connection.execute(statement, updates)
+        for key in self._dirty:
+            self._existed[key] = True
+        self._dirty.clear()
+        self._journal.clear()
+
+
+class _SqlUnit(Unit):
+    """One work item's reads and writes of the ledger (through the batch's view)."""
+
+    def __init__(self, ledger: _BatchLedger, session: SqlSession) -> None:
+        self.native = session
+        self._session = session
+        self._ledger = ledger
+
+    def entry(self, tx_id: str, step: int) -> LedgerEntry | None:
+        return self._ledger.entry(tx_id, step)
+
+    def entries(self, tx_id: str) -> list[LedgerEntry]:
+        return self._ledger.entries(tx_id)
+
     def tx_rolled_back(self, tx_id: str) -> bool:
-        return self.entry(tx_id, MARKER_STEP) is not None
+        return self._ledger.entry(tx_id, MARKER_STEP) is not None
 
     def mark_tx_rolled_back(self, tx_id: str, now_ms: int) -> None:
         marker = LedgerEntry(
@@ -650,23 +794,7 @@ class _SqlUnit(Unit):
         # The effect (if any) is done: close its scope so that a later rollback_effect
         # in this unit (a decision covering several steps) cannot reach back into it.
         self._session.keep_effect()
-        key = (entry.tx_id, entry.step)
-        if key not in self._existed:
-            self.entry(entry.tx_id, entry.step)
-        values = _row_of(self._storage.name, entry)
-        if self._existed[key]:
-            self._connection.execute(
-                update(self._ledger).where(self._step(entry.tx_id, entry.step)).values(values)
-            )
-            return
-        try:
-            self._connection.execute(insert(self._ledger).values(values))
-        except sa_exc.IntegrityError as exc:
-            raise TransientError(
-                f"participant {self._storage.name!r}: another worker recorded "
-                f"{entry.tx_id} step {entry.step} at the same time; the batch will be retried"
-            ) from exc
-        self._existed[key] = True
+        self._ledger.write(entry)
 
     def rollback_effect(self) -> None:
         self._session.undo_effect()
@@ -773,6 +901,9 @@ class SqlStorage(Storage):
         self._lock_transactions = self._engine.dialect.name == "postgresql"
         builtin = SqlActions(self.targets)
         self.actions: Actions = _DriverErrorsTranslated(combine(builtin, handlers))
+        # Without handlers every action is built in, and batches may skip savepoints.
+        self._builtin_only = not handlers
+        self._fast_actions: Actions = _SavepointsNeeded(builtin)
 
     # -- lifecycle
 
@@ -802,29 +933,58 @@ class SqlStorage(Storage):
     # -- work
 
     def execute(self, items: Sequence[WorkItem]) -> list[Report]:
-        """Run the batch in one database transaction, each item in its own savepoint.
+        """Run the batch in one database transaction; return the reports once it committed.
 
-        Returns the reports once the transaction committed. Raises
-        :class:`TransientError` when the database is unavailable or the batch lost
-        a conflict: nothing of the batch took effect (or, when the connection broke
-        during the commit itself, all of it did), and retrying is safe either way
-        because the retry finds the ledger entries and re-reports them.
+        With built-in actions only, the batch runs without savepoints (a rejected
+        built-in step has changed nothing, see :class:`SqlActions`); should an
+        action meet a database error anyway (which aborts a PostgreSQL
+        transaction), the batch is rolled back and run again *carefully*: each
+        item in its own savepoint and each effect in another, as custom handlers
+        always run. The ledger entries of the batch's transactions are read in
+        one statement and the changed ones written in two, before the commit.
+
+        Raises :class:`TransientError` when the database is unavailable or the batch
+        lost a conflict: nothing of the batch took effect (or, when the connection
+        broke during the commit itself, all of it did), and retrying is safe either
+        way because the retry finds the ledger entries and re-reports them.
         """
         if not self._ready:
             self.setup()
+        if self._builtin_only:
+            try:
+                return self._batch(items, careful=False)
+            except _NeedsSavepoints:
+                pass
+        return self._batch(items, careful=True)
+
+    def _batch(self, items: Sequence[WorkItem], *, careful: bool) -> list[Report]:
         reports: list[Report] = []
+        actions = self.actions if careful else self._fast_actions
         with self._boundary("run a batch"), self._engine.begin() as connection:
-            if self._lock_transactions:
-                for statement in _tx_locks(self.name, {item.tx_id for item in items}):
-                    connection.execute(statement)
+            tx_ids = {item.tx_id for item in items}
+            if self._lock_transactions and tx_ids:
+                connection.execute(_tx_locks(self.name, tx_ids))
+            ledger = _BatchLedger(self, connection)
+            ledger.load(tx_ids)
             for item in items:
-                reports.extend(self._run(connection, item))
+                if careful:
+                    reports.extend(self._run_carefully(connection, ledger, item))
+                    continue
+                session = SqlSession(connection, self._tables, savepoints=False)
+                try:
+                    reports.extend(run_item(_SqlUnit(ledger, session), actions, item))
+                except BusinessRejection as exc:
+                    raise _NeedsSavepoints from exc
+            ledger.flush()
         return reports
 
-    def _run(self, connection: Connection, item: WorkItem) -> list[Report]:
+    def _run_carefully(
+        self, connection: Connection, ledger: _BatchLedger, item: WorkItem
+    ) -> list[Report]:
         session = SqlSession(connection, self._tables)
-        unit = _SqlUnit(self, connection, session)
+        unit = _SqlUnit(ledger, session)
         savepoint = connection.begin_nested()
+        mark = ledger.checkpoint()
         try:
             reports = run_item(unit, self.actions, item)
         except BusinessRejection as exc:
@@ -833,6 +993,7 @@ class SqlStorage(Storage):
             # and a replayed commit decision tries the confirmation again.
             session.undo_effect()
             _close_savepoint(connection, savepoint, keep=False)
+            ledger.undo_to(mark)
             log.error(
                 "participant %r: confirming %s was rejected and is left for a replayed "
                 "decision: %s",
@@ -955,8 +1116,8 @@ class SqlStorage(Storage):
         ) from exc
 
 
-def _tx_locks(participant: str, tx_ids: Iterable[str]) -> list[Executable]:
-    """PostgreSQL: statements that take, until commit, the locks on these transactions here.
+def _tx_locks(participant: str, tx_ids: Iterable[str]) -> Executable:
+    """PostgreSQL: one statement that takes, until commit, the locks on these transactions.
 
     Transactions hash into :data:`TX_LOCK_BUCKETS` locks per participant, which
     bounds the lock table entries a batch uses; two transactions sharing a lock
@@ -965,7 +1126,12 @@ def _tx_locks(participant: str, tx_ids: Iterable[str]) -> list[Executable]:
     """
     owner = _int32(zlib.crc32(participant.encode()))
     buckets = sorted({zlib.crc32(tx_id.encode()) % TX_LOCK_BUCKETS for tx_id in tx_ids})
-    return [select(func.pg_advisory_xact_lock(owner, bucket)) for bucket in buckets]
+    ordered = (
+        select(func.unnest(literal(buckets, ARRAY(Integer))).label("bucket"))
+        .order_by("bucket")
+        .subquery()
+    )
+    return select(func.count(func.pg_advisory_xact_lock(owner, ordered.c.bucket)))
 
 
 def _int32(value: int) -> int:

@@ -360,6 +360,39 @@ class TestSqlTypesAndColumns:
             assert harness.snapshot() == before
 
 
+def test_a_database_error_rejects_only_its_own_step(database: Database) -> None:
+    """A batch of built-in steps runs without savepoints; a step the database refuses
+    (NOT NULL here) makes the batch run again with them, and only that step fails."""
+    with sql_harness(database) as harness:
+        bump = {"target": "accounts", "key": 1, "field": "balance", "by": 5}
+        refused = {"target": "accounts", "key": 7, "value": {"balance": 1}}  # owner missing
+        got = harness.storage.execute(
+            [
+                requested("tx-1", "increment", bump),
+                requested("tx-2", "insert", refused),
+                requested("tx-3", "increment", bump),
+            ]
+        )
+        assert [(r.tx_id, r.status) for r in got] == [
+            ("tx-1", StepStatus.APPLIED),
+            ("tx-2", StepStatus.FAILED),
+            ("tx-3", StepStatus.APPLIED),
+        ]
+        assert got[1].reason and "refused by the database" in got[1].reason
+        assert harness.record("accounts", 1) == {
+            "owner": "alice",
+            "balance": 110,
+            "credit": Decimal("10.50"),
+        }
+        assert harness.record("accounts", 7) is None
+        statuses = {(e.tx_id, e.status) for e in harness.storage.ledger()}
+        assert statuses == {
+            ("tx-1", LedgerStatus.APPLIED),
+            ("tx-2", LedgerStatus.FAILED),
+            ("tx-3", LedgerStatus.APPLIED),
+        }
+
+
 def reserve(session: SqlSession, args: Mapping[str, Any]) -> Any:
     orders = session.table("orders")
     found = session.execute(sa.select(orders.c.qty).where(orders.c.id == args["order"])).first()
@@ -542,7 +575,7 @@ def test_request_racing_its_rollback_on_another_worker_is_never_applied(
 def test_ledger_entry_written_meanwhile_is_a_transient_error(database: Database) -> None:
     """The backstop: an entry read as absent but written by someone else before our insert."""
     from participants._barrier import LedgerEntry
-    from participants._sql import _SqlUnit
+    from participants._sql import _BatchLedger
 
     with sql_harness(database) as harness:
         storage = harness.storage
@@ -550,8 +583,9 @@ def test_ledger_entry_written_meanwhile_is_a_transient_error(database: Database)
         storage.execute([])  # set up
         entry = LedgerEntry("tx-1", 0, LedgerStatus.APPLIED, "delete", {"target": "accounts"})
         with database.engine.connect() as connection:
-            unit = _SqlUnit(storage, connection, SqlSession(connection, {}))
-            assert unit.entry("tx-1", 0) is None
+            ledger = _BatchLedger(storage, connection)
+            ledger.load(["tx-1"])
+            assert ledger.entry("tx-1", 0) is None
             connection.commit()  # let the other writer in (SQLite has one writer at a time)
             other = harness.make()
             other.setup()
@@ -572,8 +606,9 @@ def test_ledger_entry_written_meanwhile_is_a_transient_error(database: Database)
                         updated_ms=0,
                     )
                 )
-            with pytest.raises(TransientError, match="another worker recorded tx-1 step 0"):
-                unit.write(entry)
+            ledger.write(entry)
+            with pytest.raises(TransientError, match="another worker recorded a step of this"):
+                ledger.flush()
 
 
 class TestConfiguration:
