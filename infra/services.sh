@@ -130,7 +130,9 @@ pid_of() { [ -f "$PIDS/$1.pid" ] && cat "$PIDS/$1.pid" || true; }
 
 running() {
   local pid; pid=$(pid_of "$1")
-  [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null
+  [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null || return 1
+  # A killed server whose parent has not reaped it yet is a zombie: not running.
+  [ "$(awk '{print $3}' "/proc/$pid/stat" 2>/dev/null)" != Z ]
 }
 
 port_open() { (exec 3<>"/dev/tcp/$SAGA_HOST/$1") 2>/dev/null; }
@@ -201,8 +203,12 @@ start_redis() {
 
 start_mongo() {
   mkdir -p "$D/ferretdb-data"
+  # synchronous(normal) in WAL mode: a commit survives kill -9 of the server (the WAL is
+  # in the OS's cache) and may be lost only if the machine itself crashes -- the same
+  # durability as Redis's appendfsync everysec here -- and FerretDB's writes cost
+  # about a quarter less (measured: 394 -> 508 steps/s applied by the Mongo adapter).
   nohup "$D/bin/saga-ferretdb" --listen-addr "$SAGA_HOST:$MONGO_PORT" \
-    --sqlite-url "file:$D/ferretdb-data/" >"$LOGS/mongo.log" 2>&1 &
+    --sqlite-url "file:$D/ferretdb-data/?_pragma=synchronous(normal)" >"$LOGS/mongo.log" 2>&1 &
   echo $! >"$PIDS/mongo.pid"
   wait_ready mongo port_open "$MONGO_PORT"
 }
@@ -267,13 +273,13 @@ up() {
 stop_one() {
   local s=$1 pid; pid=$(pid_of "$s")
   [ -n "$pid" ] || return 0
-  if kill -0 "$pid" 2>/dev/null; then
+  if running "$s"; then
     say "stopping $s (pid $pid)"
     # PostgreSQL's SIGTERM waits for clients to leave; SIGINT is its fast shutdown.
     local sig=TERM; [ "$s" = postgres ] && sig=INT
     kill -"$sig" "$pid" 2>/dev/null || true
     local deadline=$((SECONDS + 30))
-    while kill -0 "$pid" 2>/dev/null; do
+    while running "$s"; do
       if [ $SECONDS -ge $deadline ]; then kill -KILL "$pid" 2>/dev/null || true; break; fi
       sleep 0.2
     done
