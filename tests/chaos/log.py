@@ -1,0 +1,373 @@
+"""The run's view of the log: what it sends, what it follows live, and a full read at the end.
+
+* :class:`Sender` produces everything the run writes itself (requests, aborts,
+  duplicates, poison) through one idempotent producer and records each record's
+  fate from its delivery report: acknowledged (with partition and offset) or not.
+* :class:`DecisionTail` follows ``<prefix>.decisions`` (``read_committed``) from the
+  start: the original bytes and position of each transaction's first decision
+  (the duplicates and the barrier trio need them).
+* :func:`read_log` reads requests, events, decisions, the DLQ and the status topic
+  to their end, for the checker.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from streams import (
+    Decision,
+    InvalidRecord,
+    SagaAbort,
+    SagaRequest,
+    SagaStatus,
+    StepEvent,
+    decode_as,
+)
+from streams._errors import SagaError
+from streams._kafka import Consumer, KafkaSettings, Message, Producer
+
+INJECTED_HEADER = "chaos.injected"
+"""Header on the records the run repeats on purpose (value ``duplicate``)."""
+REPLAYED_HEADER = "saga.replayed.by"
+"""Header the reconciliation job puts on the records it re-publishes."""
+
+
+@dataclass
+class Delivery:
+    """One record the run produced, and what Kafka said about it."""
+
+    topic: str
+    key: bytes | None
+    value: bytes | None
+    label: str
+    acked: bool | None = None  # None: no report yet; False: not delivered
+    partition: int = -1
+    offset: int = -1
+    error: str | None = None
+
+
+class Sender:
+    """One producer for the run's own records; every delivery report is kept."""
+
+    def __init__(self, settings: KafkaSettings) -> None:
+        self.settings = settings
+        self.topics = settings.topics
+        self._producer = Producer(settings, client_id="chaos.runner")
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._poller = threading.Thread(target=self._poll, name="sender-poll", daemon=True)
+        self._poller.start()
+
+    def _poll(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._producer.poll(0.1)
+            except SagaError:
+                time.sleep(0.1)
+
+    def send(
+        self,
+        topic: str,
+        key: str | bytes | None,
+        value: bytes | None,
+        *,
+        label: str,
+        injected: str | None = None,
+        on_done: Callable[[Delivery], None] | None = None,
+    ) -> Delivery:
+        keyed = key.encode() if isinstance(key, str) else key
+        record = Delivery(topic, keyed, value, label)
+
+        def delivered(error: object, message: Message) -> None:
+            with self._lock:
+                if error is None:
+                    record.acked = True
+                    record.partition, record.offset = message.partition, message.offset
+                else:
+                    record.acked = False
+                    record.error = str(error)
+            if on_done is not None:
+                on_done(record)
+
+        headers = [(INJECTED_HEADER, injected.encode())] if injected else None
+        self._producer.produce(topic, key, value, headers=headers, on_delivery=delivered)
+        return record
+
+    def flush(self, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                self._producer.flush(min(5.0, max(0.1, deadline - time.monotonic())))
+                return
+            except SagaError:
+                continue
+
+    def close(self) -> None:
+        self.flush(60)
+        self._stop.set()
+        self._poller.join(5)
+        self._producer.close()
+
+
+@dataclass
+class DecisionSeen:
+    tx_id: str
+    outcome: str
+    value: bytes
+    partition: int
+    offset: int
+
+
+class DecisionTail:
+    """Follows the decisions topic from its start; keeps each transaction's first decision."""
+
+    def __init__(self, settings: KafkaSettings, partitions: int) -> None:
+        self.settings = settings
+        self.partitions = partitions
+        self.first: dict[str, DecisionSeen] = {}
+        self.listeners: list[Callable[[DecisionSeen], None]] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="decision-tail", daemon=True)
+
+    def start(self) -> DecisionTail:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        topic = self.settings.topics.decisions
+        consumer = Consumer(self.settings, group_id=None, client_id="chaos.decisions")
+        try:
+            consumer.assign([(topic, p, 0) for p in range(self.partitions)])
+            while not self._stop.is_set():
+                try:
+                    batch = consumer.poll_batch(500, 0.2)
+                except SagaError:
+                    time.sleep(0.5)
+                    continue
+                for m in batch:
+                    self._take(m)
+        finally:
+            consumer.close()
+
+    def _take(self, m: Message) -> None:
+        if m.header(INJECTED_HEADER) is not None or m.header(REPLAYED_HEADER) is not None:
+            return
+        try:
+            record = decode_as(m.value, Decision)
+        except InvalidRecord:
+            return
+        assert isinstance(record, Decision)
+        if m.key is None or m.key.decode(errors="replace") != record.tx_id:
+            return
+        assert m.value is not None
+        seen = DecisionSeen(record.tx_id, str(record.outcome), m.value, m.partition, m.offset)
+        with self._lock:
+            if record.tx_id in self.first:
+                return
+            self.first[record.tx_id] = seen
+            listeners = list(self.listeners)
+        for listener in listeners:
+            listener(seen)
+
+    def get(self, tx_id: str) -> DecisionSeen | None:
+        with self._lock:
+            return self.first.get(tx_id)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+
+class StatusTail:
+    """Follows the status topic from its start: each transaction's latest state, and when
+    it was first seen final (``time.monotonic()``)."""
+
+    def __init__(self, settings: KafkaSettings, partitions: int) -> None:
+        self.settings = settings
+        self.partitions = partitions
+        self.state: dict[str, str] = {}
+        self.final_at: dict[str, float] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="status-tail", daemon=True)
+
+    def start(self) -> StatusTail:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        topic = self.settings.topics.status
+        consumer = Consumer(self.settings, group_id=None, client_id="chaos.status")
+        try:
+            consumer.assign([(topic, p, 0) for p in range(self.partitions)])
+            while not self._stop.is_set():
+                try:
+                    batch = consumer.poll_batch(2000, 0.2)
+                except SagaError:
+                    time.sleep(0.5)
+                    continue
+                now = time.monotonic()
+                with self._lock:
+                    for m in batch:
+                        try:
+                            status = decode_as(m.value, SagaStatus)
+                        except InvalidRecord:
+                            continue
+                        assert isinstance(status, SagaStatus)
+                        self.state[status.tx_id] = str(status.state)
+                        if status.state.final:
+                            self.final_at.setdefault(status.tx_id, now)
+        finally:
+            consumer.close()
+
+    def finals(self) -> dict[str, float]:
+        with self._lock:
+            return dict(self.final_at)
+
+    def states(self) -> dict[str, str]:
+        with self._lock:
+            return dict(self.state)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+
+# ---------------------------------------------------------------- reading it all
+
+
+def read_messages(
+    settings: KafkaSettings, topic: str, *, timeout: float = 300
+) -> Iterator[Message]:
+    """Every record of ``topic`` (``read_committed``) up to its end as of now."""
+    consumer = Consumer(settings, group_id=None, client_id="chaos.reader")
+    try:
+        ends: dict[int, int] = {}
+        for p in range(consumer.list_partitions(topic)):
+            low, high = consumer.watermarks(topic, p)
+            if high > low:
+                ends[p] = high
+        if not ends:
+            return
+        consumer.assign([(topic, p, 0) for p in ends])
+        deadline = time.monotonic() + timeout
+        while ends:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"reading {topic} did not reach its end within {timeout:g}s")
+            for m in consumer.poll_batch(5000, 0.2):
+                if m.partition in ends:
+                    yield m
+                    if m.offset + 1 >= ends[m.partition]:
+                        ends.pop(m.partition, None)
+            # Transaction markers take offsets too: the position says when a partition is done.
+            if ends:
+                positions = consumer.position([(topic, p) for p in ends])
+                for (_, p), pos in positions.items():
+                    if pos is not None and pos >= ends.get(p, 0):
+                        ends.pop(p, None)
+    finally:
+        consumer.close()
+
+
+@dataclass(frozen=True)
+class DecisionRecord:
+    outcome: str
+    replayed: bool
+    injected: bool
+    value: bytes
+
+
+@dataclass(frozen=True)
+class DeadLetter:
+    source: tuple[str, int, int]
+    key: bytes | None
+    value: bytes | None
+    error: str
+
+
+@dataclass
+class LogView:
+    """What the log holds, per transaction (valid records only) and in the DLQ."""
+
+    requests: dict[str, SagaRequest] = field(default_factory=dict)
+    aborts: set[str] = field(default_factory=set)
+    decisions: dict[str, list[DecisionRecord]] = field(default_factory=lambda: defaultdict(list))
+    events: dict[tuple[str, int], set[str]] = field(default_factory=lambda: defaultdict(set))
+    dlq: list[DeadLetter] = field(default_factory=list)
+    statuses: dict[str, SagaStatus] = field(default_factory=dict)
+    records: dict[str, int] = field(default_factory=dict)
+
+
+def _keyed(m: Message, tx_id: str) -> bool:
+    return m.key is not None and m.key.decode(errors="replace") == tx_id
+
+
+def read_log(settings: KafkaSettings) -> LogView:
+    """Read the whole log of ``settings.prefix`` as it is now."""
+    t = settings.topics
+    view = LogView()
+    n = 0
+    for m in read_messages(settings, t.requests):
+        n += 1
+        try:
+            record = decode_as(m.value, SagaRequest, SagaAbort)
+        except InvalidRecord:
+            continue
+        if not _keyed(m, record.tx_id):
+            continue
+        if isinstance(record, SagaRequest):
+            view.requests.setdefault(record.tx_id, record)
+        else:
+            view.aborts.add(record.tx_id)
+    view.records["requests"] = n
+    n = 0
+    for m in read_messages(settings, t.events):
+        n += 1
+        try:
+            event = decode_as(m.value, StepEvent)
+        except InvalidRecord:
+            continue
+        assert isinstance(event, StepEvent)
+        if _keyed(m, event.tx_id):
+            view.events[(event.tx_id, event.step)].add(str(event.status))
+    view.records["events"] = n
+    n = 0
+    for m in read_messages(settings, t.decisions):
+        n += 1
+        try:
+            decision = decode_as(m.value, Decision)
+        except InvalidRecord:
+            continue
+        assert isinstance(decision, Decision) and m.value is not None
+        if _keyed(m, decision.tx_id):
+            view.decisions[decision.tx_id].append(
+                DecisionRecord(
+                    str(decision.outcome),
+                    m.header(REPLAYED_HEADER) is not None,
+                    m.header(INJECTED_HEADER) is not None,
+                    m.value,
+                )
+            )
+    view.records["decisions"] = n
+    for m in read_messages(settings, t.dlq):
+        source = (
+            (m.header("saga.source.topic") or b"").decode(errors="replace"),
+            int(m.header("saga.source.partition") or b"-1"),
+            int(m.header("saga.source.offset") or b"-1"),
+        )
+        error = (m.header("saga.error") or b"").decode(errors="replace")
+        view.dlq.append(DeadLetter(source, m.key, m.value, error))
+    view.records["dlq"] = len(view.dlq)
+    for m in read_messages(settings, t.status):
+        try:
+            status = decode_as(m.value, SagaStatus)
+        except InvalidRecord:
+            continue
+        assert isinstance(status, SagaStatus)
+        view.statuses[status.tx_id] = status
+    return view

@@ -1,0 +1,834 @@
+"""The chaos runner: a profile of faults over the transfer workload, judged and reported.
+
+A run has four parts:
+
+1. **baseline** — a coordinator pair and the participants (two PostgreSQL and two
+   Redis workers, one Mongo worker) take a paced load without faults: the
+   throughput without faults;
+2. **rounds** — the same load while faults are injected one after another (every
+   process and service fault of :mod:`tests.chaos.faults`), with the record
+   faults (the barrier trio per storage, duplicated requests, decisions and
+   compensations, poison records on every input topic) and, in some rounds,
+   ``saga reconcile --replay`` twice at once, one of them killed with SIGKILL
+   half-way through its replay; after each fault the clock runs until every saga
+   submitted before it is final (time to quiesce);
+3. **judgement** — once every saga is final and every consumer group has read its
+   inputs (or the recovery window has passed), the processes stop and the
+   checker (:mod:`tests.chaos.checker`) reads the log, the stores and the
+   ledgers; ``saga reconcile`` audits the same log and ledgers, and must agree;
+4. **negative controls** — two small systems whose participants run with an
+   unsafe test switch (``barrier-off``; ``auto-commit`` with kills right after
+   the local commit): the checker must find violations in each.
+
+The report (a table on the terminal and JSON) has the counts, their sum as
+``violations``, ``negative_controls_detected``, faults by type, kills by
+component, quiesce times, throughput with and without faults, and the seed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from tests._infra import ROOT, Services
+from tests.chaos import faults as F
+from tests.chaos.checker import COUNTS, Verdict
+from tests.chaos.cluster import Slot
+from tests.chaos.services import ServiceControl
+from tests.chaos.system import System
+from tests.chaos.workload import PARTICIPANTS, STORES, Transfer, plan
+
+DEFAULT_REPORT = ROOT / "reports" / "chaos.json"
+REPLAY_KILL_AFTER = 3  # replayed records before the SIGKILL
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    baseline_sagas: int
+    rounds: int
+    round_sagas: int  # at least this many per round (the load goes on while faults run)
+    round_max: int  # at most this many per round
+    rate: float  # sagas submitted per second
+    replay_every: int  # the replay faults run in rounds 0, n, 2n, ...
+    recovery_window_s: float
+    nc_sagas: int
+    min_sagas: int = 0
+    min_kills: int = 1
+    partitions: int = 4
+    duplicate_share: float = 0.03
+
+
+PROFILES = {
+    "short": Profile(
+        "short",
+        baseline_sagas=120,
+        rounds=1,
+        round_sagas=300,
+        round_max=1200,
+        rate=8,
+        replay_every=1,
+        recovery_window_s=240,
+        nc_sagas=60,
+    ),
+    "long": Profile(
+        "long",
+        baseline_sagas=1000,
+        rounds=20,
+        round_sagas=950,
+        round_max=1600,
+        rate=12,
+        replay_every=4,
+        recovery_window_s=300,
+        nc_sagas=80,
+        min_sagas=20_000,
+        min_kills=20,
+    ),
+}
+
+COMPONENTS = (
+    "coordinator",
+    "participant.sql",
+    "participant.mongo",
+    "participant.redis",
+    "kafka",
+    "postgres",
+    "redis",
+    "mongo",
+)
+"""The components the long profile must kill at least ``min_kills`` times each."""
+
+FAULT_TYPES = (
+    "participant.after_local_commit",
+    "participant.after_events",
+    "coordinator.after_read",
+    "coordinator.before_commit",
+    "coordinator.sigstop",
+    "participant.sigstop",
+    *(f"barrier.{what}.{store}" for what in ("null_compensation", "hanging") for store in STORES),
+    *(
+        f"barrier.{what}.{store}"
+        for what in ("duplicate_request", "duplicate_decision", "duplicate_compensation")
+        for store in STORES
+    ),
+    "kill.kafka",
+    "kill.postgres",
+    "kill.redis",
+    "kill.mongo",
+    "reconcile.replay.killed",
+    "reconcile.replay.concurrent",
+    "poison.requests",
+    "poison.events",
+    "poison.decisions",
+)
+"""Every fault type; each profile injects each at least once."""
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 2)
+
+
+class Runner:
+    def __init__(
+        self,
+        services: Services,
+        profile: Profile,
+        *,
+        seed: int,
+        workdir: Path,
+        say: Callable[[str], None],
+        keep: bool = False,
+    ) -> None:
+        self.services = services
+        self.profile = profile
+        self.seed = seed
+        self.workdir = workdir
+        self.say = say
+        self.keep = keep
+        self.rnd = random.Random(seed)
+        self.book = F.FaultBook(time.monotonic())
+        self.control = ServiceControl(services)
+        self.replays: list[dict[str, Any]] = []
+        self.nc_systems: list[System] = []
+
+    def log(self, text: str) -> None:
+        self.say(f"[{self.book.now():7.1f}s] {text}")
+
+    # ------------------------------------------------------------ the main system
+
+    def run(self) -> dict[str, Any]:
+        p = self.profile
+        self.control.check_all()
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        started = time.monotonic()
+        main = System(
+            self.services,
+            label="main",
+            workdir=self.workdir,
+            seed=self.seed,
+            stores=STORES,
+            partitions=p.partitions,
+            book=self.book,
+        )
+        warm = plan(10, seed=self.seed, tag="warm", start=0, reject_share=0)
+        baseline = plan(p.baseline_sagas, seed=self.seed, tag="base", start=0)
+        rounds = [
+            plan(p.round_max, seed=self.seed, tag=f"r{r:02d}", start=0) for r in range(p.rounds)
+        ]
+        trios = [self._trio_transfers(r) for r in range(p.rounds)]
+        everything = (
+            warm + baseline + [t for rt in rounds for t in rt] + [t for tt in trios for t in tt]
+        )
+        self.log(f"main system {main.prefix}: seeding {len(everything)} transfers' accounts")
+        main.create(everything)
+        verdicts: dict[str, Verdict] = {}
+        reports: dict[str, Any] = {}
+        negative: dict[str, Any] = {}
+        try:
+            main.start()
+            self.log("processes started; warming up")
+            for t in warm:
+                main.submit(t)
+            main.wait_quiet([t.tx_id for t in warm], 180)
+
+            self.log(f"baseline: {len(baseline)} sagas at {p.rate}/s, no faults")
+            t0 = time.monotonic()
+            self._pace(main, baseline, p.rate, stop=None, minimum=len(baseline))
+            main.wait_quiet([t.tx_id for t in baseline], p.recovery_window_s)
+            finals = main.status.finals()
+            base_end = max((finals.get(t.tx_id, time.monotonic()) for t in baseline), default=t0)
+            baseline_tp = len(baseline) / max(0.001, base_end - t0)
+
+            main.dup_decision_share = p.duplicate_share
+            f0 = time.monotonic()
+            fault_sagas = 0
+            for r in range(p.rounds):
+                fault_sagas += self._round(main, r, rounds[r], trios[r])
+            self.log("last round done; waiting for every saga to finish")
+            waited = main.wait_quiet(main.submitted_ids(), p.recovery_window_s)
+            finals = main.status.finals()
+            fault_ids = [tx for tx in main.submitted_ids() if not tx.startswith(("warm", "base"))]
+            f_end = max((finals[tx] for tx in fault_ids if tx in finals), default=time.monotonic())
+            fault_tp = fault_sagas / max(0.001, f_end - f0)
+            self.log(
+                "quiescent" if waited is not None else "NOT quiescent after the recovery window"
+            )
+            main.stop()
+            self.log("checking the main system")
+            verdicts["main"] = main.check()
+
+            negative = self._negative_controls(verdicts)
+            audits = self._audits(main, verdicts, negative)
+            reports = self._report(
+                main,
+                verdicts,
+                audits,
+                negative,
+                baseline_tp=baseline_tp,
+                fault_tp=fault_tp,
+                wall_s=time.monotonic() - started,
+                quiesced=waited is not None,
+            )
+        finally:
+            main.stop()
+            for system in [main, *self.nc_systems]:
+                system.stop()
+                if self.keep:
+                    continue
+                try:
+                    system.destroy()
+                except Exception as exc:  # cleanup must not hide the result
+                    self.log(f"cleanup of {system.prefix} failed: {exc}")
+        return reports
+
+    def _trio_transfers(self, r: int) -> list[Transfer]:
+        """Three transfers whose rollback comes before their request: every store is the
+        source of one and the destination of another."""
+        out = []
+        for i, (src, dst) in enumerate((("sql", "mongo"), ("mongo", "redis"), ("redis", "sql"))):
+            base = plan(1, seed=self.seed, tag=f"t{r:02d}{i}", start=0, reject_share=0)[0]
+            out.append(
+                Transfer(
+                    tx_id=f"trio-{r:02d}-{i}",
+                    index=base.index,
+                    src=src,
+                    dst=dst,
+                    src_key=f"ts{r}x{i}",
+                    dst_key=f"td{r}x{i}",
+                    amount=base.amount,
+                    kind="ok",
+                    mode="sequential" if i == 1 else "parallel",
+                )
+            )
+        return out
+
+    def _pace(
+        self,
+        system: System,
+        transfers: list[Transfer],
+        rate: float,
+        *,
+        stop: threading.Event | None,
+        minimum: int,
+        duplicate_share: float = 0.0,
+    ) -> int:
+        """Submit at ``rate`` until ``stop`` is set and ``minimum`` were sent (or all were)."""
+        interval = 1.0 / rate
+        next_at = time.monotonic()
+        sent = 0
+        for t in transfers:
+            if sent >= minimum and (stop is None or stop.is_set()):
+                break
+            pause = next_at - time.monotonic()
+            if pause > 0:
+                time.sleep(pause)
+            next_at = max(next_at + interval, time.monotonic() - 1)
+            system.submit(t, duplicate_share=duplicate_share)
+            sent += 1
+        return sent
+
+    # ------------------------------------------------------------ one round of faults
+
+    def _round(self, main: System, r: int, transfers: list[Transfer], trio: list[Transfer]) -> int:
+        p = self.profile
+        self.log(f"round {r + 1}/{p.rounds}")
+        faults_done = threading.Event()
+        counted: list[int] = []
+        threads = []
+
+        def load() -> None:
+            counted.append(
+                self._pace(
+                    main,
+                    transfers,
+                    p.rate,
+                    stop=faults_done,
+                    minimum=p.round_sagas,
+                    duplicate_share=p.duplicate_share,
+                )
+            )
+
+        def trios() -> None:
+            time.sleep(self.rnd.uniform(2, 6))
+            for t in trio:
+                note = main.trio(t)
+                self.log(f"barrier trio {t.tx_id} ({t.src} -> {t.dst}): {note}")
+
+        def poisons() -> None:
+            for k in range(3):
+                time.sleep(self.rnd.uniform(3, 15))
+                n = main.inject_poison(f"r{r}p{k}")
+                self.log(f"{n} poison records on requests, events and decisions")
+
+        threads = [threading.Thread(target=f, daemon=True) for f in (load, trios, poisons)]
+        replay: threading.Thread | None = None
+        if r % p.replay_every == 0:
+            replay = threading.Thread(target=self._replay_pair, args=(main, r), daemon=True)
+            threads.append(replay)
+        for t in threads:
+            t.start()
+
+        for spec in self._round_faults(r):
+            if spec[0] == "kill" and spec[1] == "kafka" and replay is not None:
+                replay.join(600)  # the replays need the broker; they are done first
+            time.sleep(self.rnd.uniform(0.5, 2.0))
+            rec = self._inject(main, spec)
+            took = rec.recovered_s - rec.started_s
+            note = f" ({rec.note})" if rec.note else ""
+            self.log(f"{rec.kind} on {rec.target}: recovered after {took:.1f}s{note}")
+            main.after_fault(rec.kind)
+        faults_done.set()
+        for t in threads:
+            t.join(900)
+        ids = [t.tx_id for t in transfers[: counted[0] if counted else 0]]
+        main.wait_quiet(ids, p.recovery_window_s)
+        main.duplicates_after(ids, 0.01)
+        return len(ids) + len(trio)
+
+    def _round_faults(self, r: int) -> list[tuple[Any, ...]]:
+        points = ("participant.after_local_commit", "participant.after_events")
+        specs: list[tuple[Any, ...]] = [
+            ("point", store, points[(r + i) % 2]) for i, store in enumerate(STORES)
+        ]
+        if self.profile.rounds == 1:
+            specs += [("point", "coordinator", "coordinator.after_read")]
+            specs += [("point", "coordinator", "coordinator.before_commit")]
+        else:
+            c = ("coordinator.after_read", "coordinator.before_commit")[r % 2]
+            specs += [("point", "coordinator", c)]
+        specs += [("coordinator.sigstop", r % 2 == 0), ("participant.sigstop",)]
+        specs += [("kill", "postgres"), ("kill", "redis"), ("kill", "mongo")]
+        self.rnd.shuffle(specs)
+        return [*specs, ("kill", "kafka")]
+
+    def _pick(self, main: System, kind: str) -> Slot:
+        return self.rnd.choice(main.cluster.of_kind(kind))
+
+    def _inject(self, main: System, spec: tuple[Any, ...]) -> F.FaultRecord:
+        cluster, book, rnd = main.cluster, self.book, self.rnd
+        if spec[0] == "point":
+            return F.fault_point(cluster, book, rnd, self._pick(main, spec[1]), spec[2])
+        if spec[0] == "coordinator.sigstop":
+            return F.coordinator_sigstop(
+                cluster, book, rnd, self._pick(main, "coordinator"), same_id=spec[1]
+            )
+        if spec[0] == "participant.sigstop":
+            slots = [s for s in cluster.slots.values() if s.kind in ("sql", "redis")]
+            return F.participant_sigstop(cluster, book, rnd, rnd.choice(slots))
+        return F.kill_service(self.control, book, rnd, spec[1])
+
+    # ------------------------------------------------------------ saga reconcile --replay
+
+    def _replay_pair(self, main: System, r: int) -> None:
+        """Two ``saga reconcile --replay`` at once over the running system; the first is
+        killed with SIGKILL once it has replayed a few records."""
+        time.sleep(self.rnd.uniform(4, 8))
+        far = int(time.time() * 1000) + 10 * 86_400_000  # every saga in flight looks stuck
+        procs = []
+        for i in range(2):
+            out = main.workdir / f"replay-r{r}-{i}"
+            args = [
+                sys.executable, "-m", "streams.reconcile", "--replay",
+                "--grace", "0s", "--now-ms", str(far), "--out", str(out),
+                "--driver-memory", "1g", "--shuffle-partitions", "2", "--master", "local[1]",
+            ]  # fmt: skip
+            if i == 0:
+                args += ["--replay-rate", "5"]
+            env = dict(os.environ)
+            env.update(
+                SAGA_KAFKA_BOOTSTRAP=self.services.kafka_bootstrap,
+                SAGA_TOPIC_PREFIX=main.prefix,
+                SAGA_SPARK_JARS=str(self.services.spark_jars_dir),
+            )
+            procs.append(
+                subprocess.Popen(
+                    args,
+                    cwd=ROOT,
+                    env=env,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                    start_new_session=True,
+                )
+            )
+        self.book.fault("reconcile.replay.concurrent")
+        victim, other = procs
+        outcome = {"round": r, "killed": None, "other_exit": None}
+        progress: list[str] = []
+
+        def follow(proc: subprocess.Popen[str], sink: list[str]) -> None:
+            assert proc.stderr is not None
+            for line in proc.stderr:
+                sink.append(line.rstrip())
+
+        other_lines: list[str] = []
+        readers = [
+            threading.Thread(target=follow, args=(victim, progress), daemon=True),
+            threading.Thread(target=follow, args=(other, other_lines), daemon=True),
+        ]
+        for t in readers:
+            t.start()
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and victim.poll() is None:
+            done = [
+                int(x.rsplit("replayed ", 1)[1].split("/")[0]) for x in progress if "replayed " in x
+            ]
+            total = [
+                int(x.rsplit("replayed ", 1)[1].split("/")[1]) for x in progress if "replayed " in x
+            ]
+            if done and done[-1] >= min(REPLAY_KILL_AFTER, total[-1]):
+                os.killpg(victim.pid, signal.SIGKILL)
+                victim.wait(30)
+                outcome["killed"] = f"after replaying {done[-1]} of {total[-1]} record(s)"
+                self.book.kill("reconcile")
+                self.book.fault("reconcile.replay.killed")
+                break
+            time.sleep(0.05)
+        if victim.poll() is None:
+            os.killpg(victim.pid, signal.SIGKILL)
+            victim.wait(30)
+            outcome["killed"] = "killed at the time limit"
+            self.book.kill("reconcile")
+        elif outcome["killed"] is None:
+            last = progress[-1] if progress else ""
+            outcome["killed"] = f"not killed: it exited with {victim.returncode} first ({last})"
+        try:
+            other.wait(600)
+        except subprocess.TimeoutExpired:
+            os.killpg(other.pid, signal.SIGKILL)
+            other.wait(30)
+        outcome["other_exit"] = other.returncode
+        outcome["other_last"] = other_lines[-1] if other_lines else ""
+        self.replays.append(outcome)
+        self.log(f"replays: first {outcome['killed']}; second exited {other.returncode}")
+
+    # ------------------------------------------------------------ negative controls
+
+    def _negative_controls(self, verdicts: dict[str, Verdict]) -> dict[str, Any]:
+        """Two small systems with an unsafe switch each; the checker must catch both."""
+        results: dict[str, Any] = {}
+        threads = []
+        for switch in ("barrier-off", "auto-commit"):
+            t = threading.Thread(
+                target=self._negative, args=(switch, verdicts, results), daemon=True
+            )
+            threads.append(t)
+            t.start()
+        for t in threads:
+            t.join(900)
+        return results
+
+    def _negative(self, switch: str, verdicts: dict[str, Verdict], results: dict[str, Any]) -> None:
+        p = self.profile
+        stores = ("sql", "redis")
+        book = F.FaultBook(self.book.t0)
+        system = System(
+            self.services,
+            label=f"nc-{switch}",
+            workdir=self.workdir,
+            seed=self.seed,
+            stores=stores,
+            partitions=2,
+            book=book,
+            coordinators=1,
+            workers={"sql": 1, "redis": 1},
+            unsafe=switch,
+        )
+        transfers = plan(p.nc_sagas, seed=self.seed, tag=f"nc{switch[:2]}", stores=stores)
+        trio = [
+            Transfer(f"nctrio-{i}", 10_000 + i, src, dst, f"ts{i}", f"td{i}", 10 + i, "ok",
+                     "parallel")
+            for i, (src, dst) in enumerate((("sql", "redis"), ("redis", "sql")))
+        ]  # fmt: skip
+        self.nc_systems.append(system)
+        system.create(transfers + trio)
+        results[switch] = {"prefix": system.prefix}
+        try:
+            system.start()
+            rnd = random.Random(f"{self.seed}:{switch}")
+            first = transfers[:10]
+            for t in first:
+                system.submit(t)
+            system.wait_quiet([t.tx_id for t in first], 120)
+            if switch == "barrier-off":
+                # Idempotency and hanging prevention, with the barrier off.
+                for t in first:
+                    system.duplicate_request(t.tx_id, "duplicate.request.after_final")
+                for t in trio:
+                    system.trio(t, timeout=60)
+                points = [("sql-0", "participant.after_events")]
+            else:
+                points = [
+                    ("sql-0", "participant.after_local_commit"),
+                    ("redis-0", "participant.after_local_commit"),
+                ]
+            crashes = [
+                threading.Thread(
+                    target=F.fault_point,
+                    args=(system.cluster, book, rnd, system.cluster.slots[slot], point),
+                    daemon=True,
+                )
+                for slot, point in points
+            ]
+            for c in crashes:
+                c.start()
+            self._pace(system, transfers[10:], 4, stop=None, minimum=len(transfers))
+            for c in crashes:
+                c.join(300)
+            ids = system.submitted_ids()
+            system.wait_quiet(ids, 45)
+            system.stop()
+            verdict = system.check()
+            verdicts[switch] = verdict
+            results[switch].update(
+                detected=verdict.violations > 0,
+                violations=verdict.violations,
+                counts=verdict.counts,
+                examples=verdict.examples,
+                faults=dict(book.faults),
+                sagas=len(ids),
+            )
+            self.log(f"negative control {switch}: {verdict.violations} violation(s) found")
+        except Exception as exc:
+            results[switch].update(detected=False, error=f"{type(exc).__name__}: {exc}")
+            self.log(f"negative control {switch} could not run: {exc}")
+        finally:
+            system.stop()
+            results[switch]["_system"] = system
+
+    # ------------------------------------------------------------ the reconciliation job
+
+    def _audits(
+        self, main: System, verdicts: dict[str, Verdict], negative: dict[str, Any]
+    ) -> dict[str, Any]:
+        """``saga reconcile`` (no replay) over each system's log and ledgers, in one Spark."""
+        from streams.reconcile import ReconcileConfig, parse_check, parse_ledger, parse_table, run
+        from streams.reconcile._spark import check_jars, start_spark
+
+        self.log("saga reconcile over the main system and the negative controls")
+        systems = [("main", main)] + [
+            (name, res["_system"])
+            for name, res in negative.items()
+            if isinstance(res.get("_system"), System)
+        ]
+        audits: dict[str, Any] = {}
+        spark = None
+        try:
+            first = ReconcileConfig(
+                settings=main.settings,
+                out=self.workdir / "reconcile-unused",
+                master="local[2]",
+                driver_memory="1g",
+                shuffle_partitions=4,
+            )
+            spark = start_spark(first, check_jars(self.services.spark_jars_dir))
+            for name, system in systems:
+                s = self.services
+                tok = system.token
+                ledgers = [
+                    f"sql:{s.postgres_url}#schema={tok}&participants={PARTICIPANTS['sql']}",
+                    f"redis:{s.redis_url}#prefix={tok}&participants={PARTICIPANTS['redis']}",
+                ]
+                tables = [
+                    f"pg=sql:{s.postgres_url}#schema={tok}&table=accounts",
+                    f"rd=redis:{s.redis_url}#prefix={tok}&target=accounts",
+                ]
+                if "mongo" in system.stores_used:
+                    ledgers.append(
+                        f"mongo:{s.mongo_url}#database={tok}&participants={PARTICIPANTS['mongo']}"
+                    )
+                    tables.append(f"mg=mongo:{s.mongo_url}#database={tok}&collection=accounts")
+                views = [t.split("=", 1)[0] for t in tables]
+                total = sum(sum(a.values()) for a in system.openings.values())
+                sums = " + ".join(
+                    f"(SELECT coalesce(sum(CAST(balance AS BIGINT)), 0) FROM {v})" for v in views
+                )
+                union = " UNION ALL ".join(
+                    f"SELECT CAST(balance AS BIGINT) AS b FROM {v}" for v in views
+                )
+                checks = [
+                    f"money=SELECT {sums} = {total} AS ok, {sums} AS total",
+                    f"non_negative=SELECT count(*) = 0 AS ok FROM ({union}) WHERE b < 0",
+                ]
+                config = ReconcileConfig(
+                    settings=system.settings,
+                    out=self.workdir / f"reconcile-{name}",
+                    now_ms=int(time.time() * 1000) + 10 * 86_400_000,
+                    grace_ms=0,
+                    ledgers=tuple(parse_ledger(x) for x in ledgers),
+                    tables=tuple(parse_table(x) for x in tables),
+                    checks=tuple(parse_check(x) for x in checks),
+                    shuffle_partitions=4,
+                )
+                summary: dict[str, Any] = run(config, spark=spark, say=lambda _: None).summary
+                checker_clean = verdicts[name].violations == 0 if name in verdicts else None
+                clean = summary["exit_code"] == 0
+                audits[name] = {
+                    "exit_code": summary["exit_code"],
+                    "verdict": summary["verdict"],
+                    "classes": summary["classes"],
+                    "invariants": summary["invariants"],
+                    "checks": {c["name"]: c["holds"] for c in summary["checks"]},
+                    "dlq": summary["dlq"],
+                    "agrees": checker_clean == clean,
+                }
+                self.log(f"reconcile {name}: {summary['verdict']} (exit {summary['exit_code']})")
+        except Exception as exc:
+            self.log(f"saga reconcile could not run: {type(exc).__name__}: {exc}")
+            for name, _ in systems:
+                audits.setdefault(name, {"error": f"{type(exc).__name__}: {exc}", "agrees": False})
+        finally:
+            if spark is not None:
+                spark.stop()
+        return audits
+
+    # ------------------------------------------------------------ the report
+
+    def _report(
+        self,
+        main: System,
+        verdicts: dict[str, Verdict],
+        audits: dict[str, Any],
+        negative: dict[str, Any],
+        *,
+        baseline_tp: float,
+        fault_tp: float,
+        wall_s: float,
+        quiesced: bool,
+    ) -> dict[str, Any]:
+        p = self.profile
+        v = verdicts["main"]
+        counts = dict(v.counts)
+        counts["reconcile_disagrees"] = 0 if audits.get("main", {}).get("agrees") else 1
+        faults = Counter(self.book.faults)
+        faults.update(main.records.counts)
+        quiesce = [q.seconds for q in main.quiesce if q.seconds is not None]
+        never = sum(1 for q in main.quiesce if q.seconds is None)
+        for name, res in negative.items():
+            res.pop("_system", None)
+            audit = audits.get(name, {})
+            res["reconcile"] = audit
+            res["detected"] = bool(res.get("detected"))
+        missing_types = [f for f in FAULT_TYPES if not faults.get(f)]
+        kills = {c: self.book.kills.get(c, 0) for c in (*COMPONENTS, "reconcile")}
+        sagas = len(main.submitted_ids())
+        report: dict[str, Any] = {
+            "profile": p.name,
+            "seed": self.seed,
+            "prefix": main.prefix,
+            "wall_s": round(wall_s, 1),
+            "sagas": {
+                "submitted": sagas,
+                "outcomes_in_log": v.outcomes,
+                "as_the_client_saw_them": v.history,
+                "designed_to_fail": sum(
+                    1 for s in main.submissions.values() if s.transfer.kind != "ok"
+                ),
+                "barrier_trio": len(main.trio_ids),
+            },
+            "faults": dict(sorted(faults.items())),
+            "kills": kills,
+            "counts": counts,
+            "violations": sum(counts.values()),
+            "negative_controls": negative,
+            "negative_controls_detected": bool(negative)
+            and all(r.get("detected") for r in negative.values()),
+            "quiesce_after_fault_s": {
+                "p50": percentile(quiesce, 0.50),
+                "p99": percentile(quiesce, 0.99),
+                "max": max(quiesce, default=None),
+                "faults": len(quiesce),
+                "never": never,
+            },
+            "throughput_sagas_per_s": {
+                "without_faults": round(baseline_tp, 2),
+                "with_faults": round(fault_tp, 2),
+                "offered": p.rate,
+            },
+            "quiescent_at_end": quiesced,
+            "reconcile": audits.get("main", {}),
+            "replays": self.replays,
+            "zombies": self.book.zombies,
+            "unexpected_exits": main.cluster.unexpected_exits(),
+            "money": v.money,
+            "poison": v.poison,
+            "examples": v.examples,
+            "missing_fault_types": missing_types,
+            "fault_log": [
+                {
+                    "kind": r.kind,
+                    "target": r.target,
+                    "at_s": r.started_s,
+                    "recovered_s": r.recovered_s,
+                    "note": r.note,
+                }
+                for r in self.book.records
+            ],
+            "requirements": {
+                "every_fault_type": not missing_types,
+                "min_sagas": sagas >= p.min_sagas,
+                "min_kills": all(kills[c] >= p.min_kills for c in COMPONENTS),
+            },
+        }
+        report["passed"] = (
+            report["violations"] == 0
+            and report["negative_controls_detected"]
+            and all(report["requirements"].values())
+        )
+        return report
+
+
+def render(console: Console, report: dict[str, Any], path: Path) -> None:
+    """The report as tables on the terminal."""
+    table = Table(title=f"chaos — profile {report['profile']}, seed {report['seed']}",
+                  title_justify="left")  # fmt: skip
+    table.add_column("what")
+    table.add_column("value", justify="right")
+    sagas = report["sagas"]
+    table.add_row("sagas submitted", str(sagas["submitted"]))
+    table.add_row(
+        "  outcomes (log)", ", ".join(f"{k} {v}" for k, v in sagas["outcomes_in_log"].items())
+    )
+    table.add_row(
+        "  as the client saw them",
+        ", ".join(f"{k} {v}" for k, v in sagas["as_the_client_saw_them"].items()),
+    )
+    for name in (*COUNTS, "reconcile_disagrees"):
+        n = report["counts"].get(name, 0)
+        table.add_row(name, str(n), style="bold red" if n else "")
+    table.add_row(
+        "violations",
+        str(report["violations"]),
+        style="bold red" if report["violations"] else "bold green",
+    )
+    for name, res in report["negative_controls"].items():
+        table.add_row(
+            f"negative control {name}",
+            f"{'detected' if res.get('detected') else 'NOT detected'} "
+            f"({res.get('violations', 0)} violation(s))",
+            style="" if res.get("detected") else "bold red",
+        )
+    table.add_row("negative_controls_detected", str(report["negative_controls_detected"]))
+    q = report["quiesce_after_fault_s"]
+    table.add_row("quiesce after a fault p50 / p99", f"{q['p50']} s / {q['p99']} s")
+    tp = report["throughput_sagas_per_s"]
+    table.add_row(
+        "throughput without / with faults",
+        f"{tp['without_faults']} / {tp['with_faults']} sagas/s (offered {tp['offered']}/s)",
+    )
+    table.add_row("kills", ", ".join(f"{k} {v}" for k, v in report["kills"].items()))
+    table.add_row("reconcile (main)", str(report["reconcile"].get("verdict", "not run")))
+    table.add_row("wall time", f"{report['wall_s']} s")
+    table.add_row(
+        "passed", str(report["passed"]), style="bold green" if report["passed"] else "bold red"
+    )
+    console.print(table)
+    faults = Table(title="faults injected", title_justify="left")
+    faults.add_column("fault")
+    faults.add_column("count", justify="right")
+    for kind, n in report["faults"].items():
+        faults.add_row(kind, str(n))
+    console.print(faults)
+    if report["unexpected_exits"]:
+        console.print(f"{len(report['unexpected_exits'])} unexpected process exit(s); see the JSON")
+    console.print(f"report: {path}")
+
+
+def run_profile(
+    services: Services,
+    profile: Profile,
+    *,
+    seed: int | None = None,
+    report_path: Path = DEFAULT_REPORT,
+    workdir: Path | None = None,
+    keep: bool = False,
+    console: Console | None = None,
+) -> dict[str, Any]:
+    """Run ``profile`` end to end; write the JSON report and print the tables."""
+    console = console or Console()
+    seed = seed if seed is not None else random.SystemRandom().randrange(1, 2**31)
+    workdir = workdir or (ROOT / "reports" / "chaos-runs" / f"{profile.name}-{seed}")
+    runner = Runner(services, profile, seed=seed, workdir=workdir, say=console.print, keep=keep)
+    report = runner.run()
+    report["workdir"] = str(workdir)
+    report_path.parent.mkdir(parents=True, exist_ok=True)
+    report_path.write_text(json.dumps(report, indent=2, default=str) + "\n", encoding="utf-8")
+    render(console, report, report_path)
+    return report
