@@ -12,11 +12,13 @@ INFRA  := infra/services.sh
 # Exports the running services' addresses (SAGA_KAFKA_BOOTSTRAP, ...) into a recipe.
 WITH_ENV := eval "$$($(INFRA) env)" &&
 
-.PHONY: help venv lint unit test demo reconcile-bench infra-up infra-down infra-status clean
+.PHONY: help venv lint unit test demo bench bench-short reconcile-bench infra-up infra-down infra-status clean
 
 help:
 	@echo "make test          install everything, start the local services, lint, run the test suite"
 	@echo "make demo          install everything, start the local services, run the demo workload"
+	@echo "make bench         throughput, latency and CPU per saga against the direct-write and log baselines (about 5 min; BENCH_ARGS=...)"
+	@echo "make bench-short   the same with 10 s phases, for a quick check"
 	@echo "make infra-up      provision and start Kafka, PostgreSQL, Redis, FerretDB"
 	@echo "make infra-status  which services are up, and their addresses as shell exports"
 	@echo "make infra-down    stop the services started by infra-up"
@@ -55,6 +57,18 @@ test: venv lint infra-up
 
 demo: venv infra-up
 	@$(WITH_ENV) $(VENV)/bin/saga demo
+
+# End-to-end sagas/s, latencies and CPU per saga, with the direct-write and log-bound
+# baselines measured in the same run; writes reports/bench.json. Options: BENCH_ARGS
+# (see `saga bench --help`), e.g. BENCH_ARGS="--phases main,direct --duration 30".
+BENCH_ARGS ?=
+BENCH_SHORT := --warmup 3 --duration 10 --latency-duration 10 --rollback-duration 10 \
+	--baseline-duration 10 --report reports/bench-short.json
+bench: venv infra-up
+	@$(WITH_ENV) $(VENV)/bin/saga bench $(BENCH_ARGS)
+
+bench-short: venv infra-up
+	@$(WITH_ENV) $(VENV)/bin/saga bench $(BENCH_SHORT) $(BENCH_ARGS)
 
 # The reconciliation job's throughput on a generated log (SAGAS=1000000 by default).
 SAGAS ?= 1000000

@@ -945,35 +945,40 @@ def _sample_records(
     are no records; the share of offsets that hold records, per topic, is measured
     over the offsets the sample spans.
     """
+    shorts = [s for s in ("requests", "events", "decisions", "status") if counts.get(s)]
+    topic_of = {f"{settings.prefix}.{s}": s for s in shorts}
+    got: dict[str, list[tuple[bytes | None, bytes | None]]] = {s: [] for s in shorts}
+    spans: dict[tuple[str, int], list[int]] = {}  # [first offset, last offset, records]
     consumer = Consumer(settings, group_id=None, client_id="saga.bench.sample")
-    mixed: list[tuple[bytes | None, bytes | None]] = []
-    record_share: dict[str, float] = {}
     try:
-        total = sum(counts.values()) or 1
-        for short in ("requests", "events", "decisions", "status"):
-            if not counts.get(short):
-                continue
-            topic = f"{settings.prefix}.{short}"
-            ends = {p: consumer.watermarks(topic, p)[1] for p in range(partitions)}
-            consumer.assign([(topic, p, 0) for p in range(partitions)])
-            got: list[tuple[bytes | None, bytes | None]] = []
-            spans: dict[int, list[int]] = {}  # partition -> [first offset, last offset, records]
-            deadline = time.monotonic() + 20
-            while len(got) < per_topic and time.monotonic() < deadline:
-                for m in consumer.poll_batch(per_topic, 0.2):
-                    got.append((m.key, m.value))
-                    span = spans.setdefault(m.partition, [m.offset, m.offset, 0])
-                    span[1], span[2] = m.offset, span[2] + 1
-                positions = consumer.position([(topic, p) for p in ends])
-                if all((positions.get((topic, p)) or 0) >= end for p, end in ends.items()):
-                    break
-            covered = sum(last - first + 1 for first, last, _ in spans.values())
-            record_share[short] = sum(n for *_, n in spans.values()) / covered if covered else 1.0
-            if got:
-                share = max(1, round(10_000 * counts[short] / total))
-                mixed.extend(got[i % len(got)] for i in range(share))
+        ends = {(t, p): consumer.watermarks(t, p)[1] for t in topic_of for p in range(partitions)}
+        consumer.assign([(t, p, 0) for t, p in ends])  # one assignment: one metadata wait
+        todo = set(ends)
+        deadline = time.monotonic() + 30
+        while todo and time.monotonic() < deadline:
+            for m in consumer.poll_batch(5000, 0.2):
+                short = topic_of[m.topic]
+                if len(got[short]) < per_topic:
+                    got[short].append((m.key, m.value))
+                span = spans.setdefault(m.partition_key, [m.offset, m.offset, 0])
+                span[1], span[2] = m.offset, span[2] + 1
+            for tp, pos in consumer.position(list(todo)).items():
+                if (pos or 0) >= ends[tp] or len(got[topic_of[tp[0]]]) >= per_topic:
+                    todo.discard(tp)
+            consumer.pause([tp for tp in ends if tp not in todo])
     finally:
         consumer.close()
+    record_share: dict[str, float] = {}
+    mixed: list[tuple[bytes | None, bytes | None]] = []
+    total = sum(counts.values()) or 1
+    for topic, short in topic_of.items():
+        mine = [s for (t, _), s in spans.items() if t == topic]
+        covered = sum(last - first + 1 for first, last, _ in mine)
+        record_share[short] = sum(n for *_, n in mine) / covered if covered else 1.0
+        sample = got[short]
+        if sample:
+            share = max(1, round(10_000 * counts[short] / total))
+            mixed.extend(sample[i % len(sample)] for i in range(share))
     random.Random(1).shuffle(mixed)
     return mixed, record_share
 
