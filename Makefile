@@ -12,7 +12,7 @@ INFRA  := infra/services.sh
 # Exports the running services' addresses (SAGA_KAFKA_BOOTSTRAP, ...) into a recipe.
 WITH_ENV := eval "$$($(INFRA) env)" &&
 
-.PHONY: help venv lint unit test demo bench bench-short reconcile-bench infra-up infra-down infra-status clean
+.PHONY: help venv lint unit test demo bench bench-short reconcile-bench chaos chaos-short infra-up infra-down infra-status clean
 
 help:
 	@echo "make test          install everything, start the local services, lint, run the test suite"
@@ -25,6 +25,8 @@ help:
 	@echo "make lint          ruff and mypy"
 	@echo "make unit          the unit tests only (no services)"
 	@echo "make reconcile-bench  the reconciliation job's throughput on a generated log"
+	@echo "make chaos-short   fault injection, short profile (CI): every fault type once, a few minutes"
+	@echo "make chaos         fault injection, long profile: 20,000 sagas, 20 kills of each component"
 
 $(VENV)/.installed: pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -74,6 +76,15 @@ bench-short: venv infra-up
 SAGAS ?= 1000000
 reconcile-bench: venv infra-up
 	@$(WITH_ENV) $(PY) -m streams.reconcile.bench --sagas $(SAGAS)
+
+# Fault injection (tests/chaos): kills and restarts the services infra-up started, so it
+# runs after the other tests. CHAOS_SEED=N replays a run; the report goes to CHAOS_REPORT
+# (default reports/chaos.json).
+chaos-short: venv infra-up
+	@$(WITH_ENV) $(VENV)/bin/pytest -m chaos -q -s tests/chaos/test_chaos.py::test_short_profile
+
+chaos: venv infra-up
+	@$(WITH_ENV) $(VENV)/bin/pytest -m chaos -q -s tests/chaos/test_chaos.py::test_long_profile
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -164,6 +164,9 @@ def check(inp: CheckInput) -> Verdict:
             expected[t.dst][t.dst_key] = expected[t.dst].get(t.dst_key, 0) + t.amount
 
         # How often each step of this saga is in effect, on the accounts it alone uses.
+        # (A saga without a decision is unfinished; what it changed shows in the money.)
+        if outcome is None:
+            continue
         e = 1 if outcome == "commit" else 0
         steps = [(0, t.src, t.src_key, -1)]
         if t.dst_own:
@@ -176,9 +179,7 @@ def check(inp: CheckInput) -> Verdict:
                 continue  # None: not a whole number of steps; money_not_conserved says it
             entry = inp.ledgers.get((PARTICIPANTS[store], tx, step))
             never_applied = tx in inp.trio or (entry is not None and not entry.effect)
-            where = (
-                f"{tx} step {step} ({store} {key}): in effect {n}x after {outcome or 'no decision'}"
-            )
+            where = f"{tx} step {step} ({store} {key}): in effect {n}x after {outcome}"
             if n > e:
                 if outcome == "rollback" and never_applied:
                     tally.add("applied_after_rollback", where)

@@ -138,6 +138,7 @@ class Slot:
     proc: Proc | None = None
     held: bool = False
     generation: int = 0
+    restart_at: float = 0.0  # after an exit nobody caused: when to start it again
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -293,8 +294,16 @@ class Cluster:
                 with slot.lock:
                     if slot.held or slot.proc is None or slot.proc.alive:
                         continue
-                    self.note_exit(slot.proc, caused=False)
-                    self.spawn(slot)
+                    now = time.monotonic()
+                    if not slot.restart_at:
+                        self.note_exit(slot.proc, caused=False)
+                        # A process that dies at once (a configuration error) is not
+                        # restarted in a tight loop.
+                        quick = now - slot.proc.started < 10
+                        slot.restart_at = now + (5 if quick else 0.5)
+                    if now >= slot.restart_at:
+                        slot.restart_at = 0.0
+                        self.spawn(slot)
 
     def unexpected_exits(self) -> list[dict[str, Any]]:
         with self._exits_lock:

@@ -107,6 +107,8 @@ class Sender:
                 continue
 
     def close(self) -> None:
+        if self._stop.is_set():
+            return
         self.flush(60)
         self._stop.set()
         self._poller.join(5)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+import re
 import threading
 import time
 import uuid
@@ -86,7 +87,8 @@ class System:
     ) -> None:
         self.services = services
         self.label = label
-        self.token = f"chaos{label[:3]}{uuid.uuid4().hex[:8]}"
+        # A plain name: an SQL schema, a Mongo database, a Redis prefix and a topic prefix.
+        self.token = f"chaos{re.sub('[^a-z0-9]', '', label)[:4]}{uuid.uuid4().hex[:8]}"
         self.prefix = self.token
         self.settings = KafkaSettings(bootstrap=services.kafka_bootstrap, prefix=self.prefix)
         self.topics = self.settings.topics

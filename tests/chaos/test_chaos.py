@@ -1,0 +1,68 @@
+"""The chaos profiles as tests: ``make chaos-short`` (CI) and ``make chaos`` (long).
+
+Each runs :func:`tests.chaos.runner.run_profile` against the local services
+(which it kills and restarts: they must be the ones ``infra/services.sh`` started,
+see ``SAGA_INFRA_DIR``), prints the report table and writes the JSON report
+(``CHAOS_REPORT``, default ``reports/chaos.json``). ``CHAOS_SEED`` replays a run.
+
+They pass when every count is 0 (no saga lost, no step applied twice, no split
+decision, no write by a null compensation, no step applied after its rollback,
+money conserved and never negative, every poison record in the DLQ exactly once
+and no valid record there, every saga finished, and ``saga reconcile`` agreeing),
+when both negative controls were detected, and when every fault type of the
+profile was injected (the long profile: at least 20,000 sagas and 20 kills of
+each component). Nothing here asserts on timing.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests._infra import Services
+from tests.chaos.runner import COMPONENTS, DEFAULT_REPORT, PROFILES, run_profile
+
+
+def _run(services: Services, infra_mode: str, name: str) -> dict[str, Any]:
+    if infra_mode != "local":
+        pytest.fail(
+            f"the chaos suite kills and restarts the local services of infra/services.sh; "
+            f"SAGA_INFRA={infra_mode} services cannot be killed that way",
+            pytrace=False,
+        )
+    seed = int(os.environ["CHAOS_SEED"]) if os.environ.get("CHAOS_SEED") else None
+    report_path = Path(os.environ.get("CHAOS_REPORT") or DEFAULT_REPORT)
+    return run_profile(services, PROFILES[name], seed=seed, report_path=report_path)
+
+
+def _check(report: dict[str, Any]) -> None:
+    bad = {name: n for name, n in report["counts"].items() if n}
+    assert report["violations"] == 0, (bad, report["examples"])
+    for name, control in report["negative_controls"].items():
+        assert control["detected"], f"negative control {name} was not detected: {control}"
+    assert report["negative_controls_detected"]
+    assert not report["missing_fault_types"], report["missing_fault_types"]
+    assert report["requirements"]["min_sagas"], report["sagas"]
+    assert report["requirements"]["min_kills"], report["kills"]
+    assert report["passed"]
+
+
+@pytest.mark.chaos
+@pytest.mark.timeout(1800)
+def test_short_profile(services: Services, infra_mode: str) -> None:
+    """Every fault type at least once; every count 0; both negative controls caught."""
+    _check(_run(services, infra_mode, "short"))
+
+
+@pytest.mark.chaos
+@pytest.mark.slow
+@pytest.mark.timeout(4 * 3600)
+def test_long_profile(services: Services, infra_mode: str) -> None:
+    """At least 20,000 sagas and 20 kills of each component; every count 0."""
+    report = _run(services, infra_mode, "long")
+    assert report["sagas"]["submitted"] >= 20_000
+    assert all(report["kills"][c] >= 20 for c in COMPONENTS), report["kills"]
+    _check(report)
