@@ -477,7 +477,8 @@ def demo(
     type=click.IntRange(1, 1_000_000),
     default=1000,
     show_default=True,
-    help="Sagas kept in flight by the closed-loop phases.",
+    help="Sagas kept in flight by the closed-loop phases; the open loop sheds (does not "
+    "send) the sagas due while this many are in flight.",
 )
 @click.option(
     "--fail-share",
