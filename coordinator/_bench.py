@@ -1664,45 +1664,53 @@ def _latency_cell(key: str, q: str) -> Callable[[Mapping[str, Any]], str]:
 
 def _agree_text(r: Mapping[str, Any]) -> str:
     if r["stores_agree"] is None:
-        return "n/a (unfinished)"
+        return "n/a"
     return "yes" if r["stores_agree"] else "[red]NO[/]"
 
 
 def _mode_text(r: Mapping[str, Any]) -> str:
     if r["window"]:
-        return f"{r['mode']} loop, window {r['window']}"
-    return f"{r['mode']} loop at {r['offered_rate']:g}/s"
+        return f"closed, {r['window']:,}"
+    return f"open, {r['offered_rate']:g}/s"
+
+
+def _cpu_cell(r: Mapping[str, Any], name: str) -> str:
+    per_saga, cores = r["cpu_s_per_saga"].get(name), r["cpu_cores_used"].get(name)
+    if per_saga is None or cores is None:
+        return "n/a"
+    return f"{1000 * per_saga:.2f} ({cores:.2f})"
 
 
 def print_summary(console: Console, report: Mapping[str, Any]) -> None:
+    """The figures of every phase (one column each), then the baselines and the ratios.
+
+    Kept within 80 columns, so that it reads in a plain terminal and in a log file.
+    """
     phases: Mapping[str, Any] = report["phases"]
-    table = Table(title="saga bench")
+    table = Table(title="saga bench: the measured window of each phase")
     table.add_column("figure")
     for name in phases:
         table.add_column(name, justify="right")
     rows: list[tuple[str, Callable[[Mapping[str, Any]], str]]] = [
-        ("mode", _mode_text),
+        ("loop, in flight or rate", _mode_text),
         ("failure share", lambda r: f"{r['fail_share']:.0%}"),
-        ("measured window", lambda r: f"{r['duration_s']:g} s"),
+        ("window", lambda r: f"{r['duration_s']:.1f} s"),
+        ("sent (per s)", lambda r: f"{r['sent_in_window']:,} ({r['send_rate']:,.0f})"),
+        ("shed (overloaded)", lambda r: f"{r['shed']:,}"),
+        ("completed", lambda r: f"{r['completed_in_window']:,}"),
         (
-            "sagas sent in window (rate)",
-            lambda r: f"{r['sent_in_window']:,} ({r['send_rate']:,.0f}/s)",
-        ),
-        ("shed (open loop, overloaded)", lambda r: f"{r['shed']:,}"),
-        ("completed in window", lambda r: f"{r['completed_in_window']:,}"),
-        (
-            "  committed / rolled back",
-            lambda r: f"{r['committed_in_window']:,} / {r['rolled_back_in_window']:,}",
+            "  committed/rolled back",
+            lambda r: f"{r['committed_in_window']:,}/{r['rolled_back_in_window']:,}",
         ),
         ("[bold]sagas/s[/]", lambda r: f"[bold]{r['sagas_per_s']:,.1f}[/]"),
     ]
     for kind in ("decision", "completion"):
         for q in ("p50", "p95", "p99", "max"):
-            rows.append((f"{kind} latency {q}", _latency_cell(f"{kind}_latency_ms", q)))
+            rows.append((f"{kind} {q}", _latency_cell(f"{kind}_latency_ms", q)))
     rows += [
-        ("records per saga (log offsets)", lambda r: _num(r["records_per_saga"])),
-        ("  without transaction markers", lambda r: _num(r["records_per_saga_without_markers"])),
-        ("unfinished / failed", lambda r: f"{r['unfinished']} / {r['failed']}"),
+        ("log records per saga", lambda r: _num(r["records_per_saga"])),
+        ("  without tx markers", lambda r: _num(r["records_per_saga_without_markers"])),
+        ("unfinished/failed", lambda r: f"{r['unfinished']}/{r['failed']}"),
         ("stores agree", _agree_text),
     ]
     for label, get in rows:
@@ -1711,20 +1719,14 @@ def print_summary(console: Console, report: Mapping[str, Any]) -> None:
     for r in phases.values():
         cpu_names += [n for n in r["cpu_s_per_saga"] if n not in cpu_names]
     table.add_section()
+    table.add_row("[bold]CPU ms/saga (cores)[/]", *("" for _ in phases))
     for n in cpu_names:
-        table.add_row(
-            f"CPU ms/saga {n}",
-            *(
-                "n/a"
-                if r["cpu_s_per_saga"].get(n) is None
-                else f"{1000 * r['cpu_s_per_saga'][n]:.3f} ({r['cpu_cores_used'][n]:.2f} cores)"
-                for r in phases.values()
-            ),
-        )
+        table.add_row(f"  {n}", *(_cpu_cell(r, n) for r in phases.values()))
     table.add_row(
-        "CPU ms/saga total",
+        "  total",
         *(
-            f"{1000 * sum(v for v in r['cpu_s_per_saga'].values() if v is not None):.3f}"
+            f"{1000 * sum(v for v in r['cpu_s_per_saga'].values() if v is not None):.2f} "
+            f"({sum(v for v in r['cpu_cores_used'].values() if v is not None):.2f})"
             for r in phases.values()
         ),
     )
