@@ -308,16 +308,26 @@ def _stat_fields(pid: int) -> list[str] | None:
 
 
 def _children(pid: int) -> list[int]:
+    """The live children of ``pid`` (from /proc/<pid>/task/*/children, else a scan of /proc)."""
     found: list[int] = []
     try:
         tasks = list(Path(f"/proc/{pid}/task").iterdir())
     except OSError:
         return found
+    listed = False
     for task in tasks:
         try:
             found.extend(int(c) for c in (task / "children").read_text().split())
+            listed = True
         except (OSError, ValueError):
             continue
+    if listed:
+        return found
+    for entry in Path("/proc").iterdir():  # kernels without CONFIG_PROC_CHILDREN
+        if entry.name.isdigit():
+            fields = _stat_fields(int(entry.name))
+            if fields is not None and fields[1] == str(pid):
+                found.append(int(entry.name))
     return found
 
 
