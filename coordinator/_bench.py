@@ -1105,7 +1105,6 @@ class DirectResult:
     sagas_per_s: float = 0.0
     cpu_s: dict[str, float | None] = field(default_factory=dict)
     cpu_s_per_saga: dict[str, float | None] = field(default_factory=dict)
-    stores_agree: bool | None = None
 
     def as_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
