@@ -28,6 +28,7 @@ component, quiesce times, throughput with and without faults, and the seed.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import signal
@@ -822,10 +823,19 @@ def run_profile(
     console: Console | None = None,
 ) -> dict[str, Any]:
     """Run ``profile`` end to end; write the JSON report and print the tables."""
-    console = console or Console()
+    if console is None:
+        console = Console()
+        if not console.is_terminal:
+            console = Console(width=120)
+    # The run's own Kafka clients see every broker kill; their complaints are expected.
+    logging.getLogger("saga.kafka").setLevel(logging.CRITICAL)
     seed = seed if seed is not None else random.SystemRandom().randrange(1, 2**31)
     workdir = workdir or (ROOT / "reports" / "chaos-runs" / f"{profile.name}-{seed}")
-    runner = Runner(services, profile, seed=seed, workdir=workdir, say=console.print, keep=keep)
+
+    def say(line: str) -> None:
+        console.print(line, soft_wrap=True, highlight=False)
+
+    runner = Runner(services, profile, seed=seed, workdir=workdir, say=say, keep=keep)
     report = runner.run()
     report["workdir"] = str(workdir)
     report_path.parent.mkdir(parents=True, exist_ok=True)

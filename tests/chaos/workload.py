@@ -12,10 +12,10 @@ A transfer saga debits one store and credits another::
 Accounts are laid out so that the checker can tell how often each step took
 effect without trusting the log:
 
-* every transfer debits an account of its own, ``s<index>`` (opening balance
+* every transfer debits an account of its own, ``s<tag>x<index>`` (opening balance
   :data:`OWN_OPENING`), in its source store: ``(opening - balance) / amount`` is
   the number of times the debit is in effect;
-* half the transfers credit an account of their own, ``d<index>`` (opening 0),
+* half the transfers credit an account of their own, ``d<tag>x<index>`` (opening 0),
   the other half one of a few shared *hot* accounts per store (opening
   :data:`HOT_OPENING`), so concurrent sagas contend for the same records.
 
@@ -122,7 +122,7 @@ def plan(
         if kind == "missing":
             dst_key = MISSING_ACCOUNT
         elif rnd.random() < 0.5:
-            dst_key = f"d{index}"
+            dst_key = f"d{tag}x{index}"
         else:
             dst_key = f"h{rnd.randrange(HOT_ACCOUNTS)}"
         mode = "sequential" if rnd.random() < sequential_share else "parallel"
@@ -132,7 +132,7 @@ def plan(
                 index=index,
                 src=src,
                 dst=dst,
-                src_key=f"s{index}",
+                src_key=f"s{tag}x{index}",
                 dst_key=dst_key,
                 amount=amount,
                 kind=kind,
