@@ -225,7 +225,12 @@ class ParticipantRuntime(Stoppable):
             if last is not None:
                 offsets[(self.topics.events, p)] = last + 1
         if offsets:
-            self._consumer.commit(offsets)
+            try:
+                self._consumer.commit(offsets)
+            except TransientError as exc:
+                # A rebalance or a broker restart: these records are read again (here or by
+                # the partitions' new owner) and the ledger makes the repeat harmless.
+                log.warning("offsets not committed, the records will be read again: %s", exc)
 
     # ------------------------------------------------------------ records -> work
 

@@ -39,6 +39,9 @@ Python. librdkafka's own default (CRC32) would not.
 from __future__ import annotations
 
 import logging
+import os
+import sys
+import threading
 import time
 import uuid
 import warnings
@@ -135,6 +138,8 @@ _AUTH_CODES: Final = frozenset(
 )
 
 _TXN_ATTEMPTS: Final = 5
+_WEDGED_AFTER_S: Final = 30.0
+"""How long past its own timeout a transactional call may run before the client is wedged."""
 _BUFFER_FULL_TIMEOUT_S: Final = 30.0
 
 
@@ -684,6 +689,32 @@ class TransactionalProducer(_ProducerBase):
         super().__init__(
             settings, config, transactional_id=transactional_id, collect_failures=False
         )
+        # (what, monotonic deadline) while a transactional call runs: see _watch.
+        self._busy: tuple[str, float] | None = None
+        threading.Thread(target=self._watch, name="saga-txn-watchdog", daemon=True).start()
+
+    def _watch(self) -> None:
+        """Exit the process when a transactional call outlives its timeout by far.
+
+        librdkafka does not always honour the timeout of its transactional calls:
+        after a broker restart ``send_offsets_to_transaction`` can block for good
+        (librdkafka issues #5456 and #5511; found by the chaos suite). The call
+        cannot be interrupted and the client cannot be used again, so the process
+        exits with status 1, as on a fatal error: the restarted instance fences
+        this one's ``transactional.id`` and aborts its open transaction.
+        """
+        while not self._closed:
+            busy = self._busy
+            if busy is not None and time.monotonic() > busy[1]:
+                message = (
+                    f"{busy[0]} has not returned {_WEDGED_AFTER_S:.0f}s after its timeout: "
+                    "the Kafka client is wedged (librdkafka issue #5456); exiting so that a "
+                    "restarted process takes over"
+                )
+                _log.critical("%s", message)
+                print(f"saga: {message}", file=sys.stderr, flush=True)
+                os._exit(1)
+            time.sleep(1.0)
 
     @property
     def transactional_id(self) -> str:
@@ -694,6 +725,15 @@ class TransactionalProducer(_ProducerBase):
     def _call(self, doing: str, operation: Callable[[float], _T], timeout: float) -> _T:
         """Run ``operation(remaining seconds)``, retrying retriable errors within ``timeout``."""
         deadline = time.monotonic() + timeout
+        self._busy = (doing, deadline + _WEDGED_AFTER_S)
+        try:
+            return self._attempts(doing, operation, timeout, deadline)
+        finally:
+            self._busy = None
+
+    def _attempts(
+        self, doing: str, operation: Callable[[float], _T], timeout: float, deadline: float
+    ) -> _T:
         attempt = 1
         while True:
             remaining = max(deadline - time.monotonic(), 0.1)
