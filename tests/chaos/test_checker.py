@@ -1,0 +1,198 @@
+"""The chaos checker on hand-made histories: each kind of breakage lands in its own count.
+
+Pure logic (no services): a clean history must give all zeros, and each broken
+variant exactly the counts that describe it, so a checker that never fails (or
+one that blames the wrong thing) fails here.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import replace
+from typing import Any
+
+import pytest
+
+from streams import Mode, SagaRequest, SagaState, SagaStatus, Step
+from tests.chaos.checker import COUNTS, CheckInput, check
+from tests.chaos.log import DeadLetter, DecisionRecord, Delivery, LogView
+from tests.chaos.stores import LedgerRow
+from tests.chaos.workload import HOT_OPENING, OWN_OPENING, Transfer, openings
+
+pytestmark = pytest.mark.unit
+
+OK = Transfer("t-ok", 0, "sql", "redis", "s0", "d0", 30, "ok", "parallel")
+FUNDS = Transfer("t-funds", 1, "redis", "mongo", "s1", "h2", OWN_OPENING + 5, "funds", "parallel")
+TRIO = Transfer("t-trio", 2, "mongo", "sql", "ts2", "td2", 7, "ok", "sequential")
+POISON = Delivery("p.requests", b"k", b"{oops", "request: invalid JSON", True, 1, 42)
+
+
+def _status(tx: str, state: SagaState) -> SagaStatus:
+    return SagaStatus(tx, "transfer", state, (), None, 0, 0, 0)
+
+
+def _request(t: Transfer) -> SagaRequest:
+    return SagaRequest(t.tx_id, "transfer", Mode(t.mode), (Step("x", "y", {}),), 10, 0)
+
+
+def clean() -> CheckInput:
+    """OK commits, FUNDS rolls back (its debit was rejected), TRIO rolls back before its
+    request; every saga finished; the poison record is in the DLQ once."""
+    transfers = [OK, FUNDS, TRIO]
+    opening = openings(transfers)
+    balances = {s: dict(a) for s, a in opening.items()}
+    balances["sql"]["s0"] -= 30
+    balances["redis"]["d0"] += 30
+    outcome = {"t-ok": "commit", "t-funds": "rollback", "t-trio": "rollback"}
+    log = LogView()
+    log.decisions = defaultdict(list)
+    log.events = defaultdict(set)
+    for t in transfers:
+        log.requests[t.tx_id] = _request(t)
+        log.decisions[t.tx_id].append(DecisionRecord(outcome[t.tx_id], False, False, b"d"))
+        final = "committed" if outcome[t.tx_id] == "commit" else "compensated"
+        for step in (0, 1):
+            log.events[(t.tx_id, step)] = {"applied", final}
+        state = SagaState.COMMITTED if outcome[t.tx_id] == "commit" else SagaState.ROLLED_BACK
+        log.statuses[t.tx_id] = _status(t.tx_id, state)
+    log.dlq = [DeadLetter(("p.requests", 1, 42), b"k", b"{oops", "is not valid JSON")]
+    ledgers = {
+        ("bank-sql", "t-ok", 0): LedgerRow("committed", True),
+        ("bank-redis", "t-ok", 1): LedgerRow("committed", True),
+        ("bank-redis", "t-funds", 0): LedgerRow("compensated", False),
+        ("bank-mongo", "t-funds", 1): LedgerRow("compensated", True),
+        ("bank-mongo", "t-trio", 0): LedgerRow("compensated", False),
+        ("bank-sql", "t-trio", 1): LedgerRow("compensated", False),
+    }
+    return CheckInput(
+        transfers=transfers,
+        acked={t.tx_id: True for t in transfers},
+        trio={"t-trio"},
+        openings=opening,
+        balances=balances,
+        ledgers=ledgers,
+        log=log,
+        poison=[POISON],
+    )
+
+
+def nonzero(inp: CheckInput) -> dict[str, int]:
+    return {k: v for k, v in check(inp).counts.items() if v}
+
+
+def test_a_clean_history_has_no_violation() -> None:
+    verdict = check(clean())
+    assert verdict.counts == dict.fromkeys(COUNTS, 0), verdict.examples
+    assert verdict.outcomes == {"commit": 1, "rollback": 2}
+    assert verdict.history == {"ok": 1, "failed": 2}
+    assert verdict.money["opening_total"] == verdict.money["final_total"]
+    assert verdict.poison["in_dlq_once"] == 1
+
+
+def test_a_debit_applied_twice() -> None:
+    inp = clean()
+    inp.balances["sql"]["s0"] -= 30
+    assert nonzero(inp) == {"steps_applied_twice": 1, "money_not_conserved": 1}
+
+
+def test_a_compensation_applied_twice() -> None:
+    inp = clean()
+    # FUNDS' credit to the hot account was applied and compensated twice.
+    inp.balances["mongo"]["h2"] -= FUNDS.amount
+    assert nonzero(inp) == {"money_not_conserved": 1}  # hot accounts: money only
+    inp = clean()
+    inp.balances["sql"]["s0"] += 30  # OK's debit undone once too often... after a commit
+    assert nonzero(inp) == {"lost_sagas": 1, "money_not_conserved": 1}
+
+
+def test_a_step_applied_after_its_rollback() -> None:
+    inp = clean()
+    inp.balances["sql"]["td2"] += TRIO.amount  # the credit of the rolled-back trio saga
+    assert nonzero(inp) == {"applied_after_rollback": 1, "money_not_conserved": 1}
+
+
+def test_a_null_compensation_that_writes() -> None:
+    inp = clean()
+    inp.balances["mongo"]["ts2"] += TRIO.amount  # "undid" a debit that never happened
+    assert nonzero(inp) == {"null_compensation_writes": 1, "money_not_conserved": 1}
+    inp = clean()
+    inp.balances["sql"]["td2"] -= TRIO.amount  # the same on the credit: below zero too
+    assert nonzero(inp) == {
+        "null_compensation_writes": 1,
+        "money_not_conserved": 1,
+        "negative_balances": 1,
+    }
+
+
+def test_two_decisions() -> None:
+    inp = clean()
+    inp.log.decisions["t-ok"].append(DecisionRecord("rollback", False, False, b"x"))
+    assert nonzero(inp) == {"two_decisions": 1}
+    inp = clean()
+    inp.log.decisions["t-ok"].append(DecisionRecord("commit", False, False, b"y"))
+    assert nonzero(inp) == {"two_decisions": 1}  # the coordinator decided twice
+    inp = clean()
+    inp.log.decisions["t-ok"].append(DecisionRecord("commit", True, False, b"d"))
+    inp.log.decisions["t-ok"].append(DecisionRecord("commit", False, True, b"d"))
+    assert nonzero(inp) == {}  # a replay and an injected duplicate are copies
+
+
+def test_lost_and_unfinished_sagas() -> None:
+    inp = clean()
+    del inp.log.requests["t-ok"]
+    inp.log.decisions.pop("t-ok")
+    inp.log.statuses.pop("t-ok")
+    inp.balances["sql"]["s0"] += 30
+    inp.balances["redis"]["d0"] -= 30
+    assert nonzero(inp) == {"lost_sagas": 1, "unfinished_sagas": 1}
+    unacked = clean()
+    del unacked.log.requests["t-ok"]
+    unacked.acked = {**unacked.acked, "t-ok": None}  # never acknowledged: not lost
+    unacked.log.decisions.pop("t-ok")
+    unacked.balances["sql"]["s0"] += 30
+    unacked.balances["redis"]["d0"] -= 30
+    assert nonzero(unacked) == {}
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        ({"decisions": []}, {"unfinished_sagas": 1}),
+        ({"events": {"committed", "applied"}}, {}),
+        ({"events": {"applied"}}, {"unfinished_sagas": 1}),
+        ({"status": SagaState.COMMITTING}, {"unfinished_sagas": 1}),
+    ],
+)
+def test_unfinished_variants(change: dict[str, Any], expected: dict[str, int]) -> None:
+    inp = clean()
+    if "decisions" in change:
+        inp.log.decisions["t-ok"] = change["decisions"]
+        # the saga moved money without a decision
+        expected = {**expected, "money_not_conserved": 2}
+    if "events" in change:
+        inp.log.events[("t-ok", 1)] = change["events"]
+    if "status" in change:
+        inp.log.statuses["t-ok"] = _status("t-ok", change["status"])
+    assert nonzero(inp) == expected
+
+
+def test_dead_letters() -> None:
+    inp = clean()
+    inp.log.dlq = []
+    assert nonzero(inp) == {"poison_not_in_dlq_once": 1}
+    inp = clean()
+    inp.log.dlq = inp.log.dlq * 2
+    assert nonzero(inp) == {"poison_not_in_dlq_once": 1}
+    inp = clean()
+    inp.log.dlq = [replace(inp.log.dlq[0], value=b"changed")]
+    assert nonzero(inp) == {"poison_not_in_dlq_once": 1}
+    inp = clean()
+    inp.log.dlq.append(DeadLetter(("p.events", 0, 7), b"t-ok", b"{}", "rejected"))
+    assert nonzero(inp) == {"valid_records_in_dlq": 1}
+
+
+def test_an_account_created_from_nothing() -> None:
+    inp = clean()
+    inp.balances["mongo"]["nobody"] = 5
+    assert nonzero(inp) == {"money_not_conserved": 1}
+    assert HOT_OPENING > OWN_OPENING  # hot accounts never go near zero
