@@ -927,6 +927,12 @@ class Consumer:
     def poll_batch(self, max_messages: int = 500, timeout: float = 1.0) -> list[Message]:
         """Up to ``max_messages`` records, waiting at most ``timeout`` seconds; may be empty.
 
+        Natural batching: it returns what has arrived as soon as there is
+        anything, and waits (up to ``timeout``) only while nothing has. So a
+        busy process gets large batches (what arrived while it worked on the
+        last one) and an idle one handles a record without delay. (librdkafka's
+        batch consume alone waits for ``max_messages`` or the whole timeout.)
+
         Rebalance callbacks run inside this call. Partition-end events are
         skipped; other per-partition errors are logged (librdkafka keeps
         retrying those partitions by itself).
@@ -937,7 +943,11 @@ class Consumer:
             TransientError: the client failed as a whole.
         """
         try:
-            raw = self._client.consume(max_messages, timeout)
+            raw = self._client.consume(max_messages, 0)
+            if not raw and timeout > 0:
+                raw = self._client.consume(1, timeout)
+                if raw and max_messages > 1:
+                    raw += self._client.consume(max_messages - 1, 0)
         except ck.KafkaException as exc:
             raise _translate(_error_of(exc), "consuming", text=str(exc)) from exc
         messages: list[Message] = []
