@@ -27,6 +27,7 @@ component, quiesce times, throughput with and without faults, and the seed.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import logging
 import os
@@ -65,7 +66,7 @@ class Profile:
     round_sagas: int  # at least this many per round (the load goes on while faults run)
     round_max: int  # at most this many per round
     rate: float  # sagas submitted per second
-    replay_every: int  # the replay faults run in rounds 0, n, 2n, ...
+    replay_every: int  # two replays at once in rounds 0, n, 2n, ... (one killed in every round)
     recovery_window_s: float
     nc_sagas: int
     min_sagas: int = 0
@@ -84,7 +85,7 @@ PROFILES = {
         rate=8,
         replay_every=1,
         recovery_window_s=240,
-        nc_sagas=60,
+        nc_sagas=80,
     ),
     "long": Profile(
         "long",
@@ -110,6 +111,7 @@ COMPONENTS = (
     "postgres",
     "redis",
     "mongo",
+    "reconcile",
 )
 """The components the long profile must kill at least ``min_kills`` times each."""
 
@@ -137,6 +139,12 @@ FAULT_TYPES = (
     "poison.decisions",
 )
 """Every fault type; each profile injects each at least once."""
+
+
+def _follow(proc: subprocess.Popen[str], sink: list[str]) -> None:
+    assert proc.stderr is not None
+    for line in proc.stderr:
+        sink.append(line.rstrip())
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -235,8 +243,10 @@ class Runner:
             self.log("checking the main system")
             verdicts["main"] = main.check()
 
+            # Spark starts while the negative controls run (it takes a while on 2 cores).
+            spark = concurrent.futures.ThreadPoolExecutor(1).submit(self._spark, main)
             negative = self._negative_controls(verdicts)
-            audits = self._audits(main, verdicts, negative)
+            audits = self._audits(main, verdicts, negative, spark)
             reports = self._report(
                 main,
                 verdicts,
@@ -339,15 +349,16 @@ class Runner:
                 self.log(f"{n} poison records on requests, events and decisions")
 
         threads = [threading.Thread(target=f, daemon=True) for f in (load, trios, poisons)]
-        replay: threading.Thread | None = None
-        if r % p.replay_every == 0:
-            replay = threading.Thread(target=self._replay_pair, args=(main, r), daemon=True)
-            threads.append(replay)
+        replay = threading.Thread(
+            target=self._replays, args=(main, r), kwargs={"pair": r % p.replay_every == 0},
+            daemon=True,
+        )  # fmt: skip
+        threads.append(replay)
         for t in threads:
             t.start()
 
         for spec in self._round_faults(r):
-            if spec[0] == "kill" and spec[1] == "kafka" and replay is not None:
+            if spec[0] == "kill" and spec[1] == "kafka":
                 replay.join(600)  # the replays need the broker; they are done first
             time.sleep(self.rnd.uniform(0.5, 2.0))
             rec = self._inject(main, spec)
@@ -377,7 +388,9 @@ class Runner:
         specs += [("coordinator.sigstop", r % 2 == 0), ("participant.sigstop",)]
         specs += [("kill", "postgres"), ("kill", "redis"), ("kill", "mongo")]
         self.rnd.shuffle(specs)
-        return [*specs, ("kill", "kafka")]
+        # Kafka goes down in the second half: the replay job (which needs it) is done by then.
+        at = self.rnd.randint(len(specs) // 2 + 1, len(specs))
+        return [*specs[:at], ("kill", "kafka"), *specs[at:]]
 
     def _pick(self, main: System, kind: str) -> Slot:
         return self.rnd.choice(main.cluster.of_kind(kind))
@@ -397,88 +410,92 @@ class Runner:
 
     # ------------------------------------------------------------ saga reconcile --replay
 
-    def _replay_pair(self, main: System, r: int) -> None:
-        """Two ``saga reconcile --replay`` at once over the running system; the first is
-        killed with SIGKILL once it has replayed a few records."""
-        time.sleep(self.rnd.uniform(4, 8))
+    def _replays(self, main: System, r: int, *, pair: bool) -> None:
+        """``saga reconcile --replay`` over the running system, killed with SIGKILL once it
+        has replayed a few records; with ``pair``, a second one runs at the same time and
+        is let finish."""
+        time.sleep(self.rnd.uniform(3, 6))
         far = int(time.time() * 1000) + 10 * 86_400_000  # every saga in flight looks stuck
-        procs = []
-        for i in range(2):
-            out = main.workdir / f"replay-r{r}-{i}"
+        env = dict(os.environ)
+        env.update(
+            SAGA_KAFKA_BOOTSTRAP=self.services.kafka_bootstrap,
+            SAGA_TOPIC_PREFIX=main.prefix,
+            SAGA_SPARK_JARS=str(self.services.spark_jars_dir),
+        )
+
+        def launch(i: int, attempt: int) -> tuple[subprocess.Popen[str], list[str]]:
+            out = main.workdir / f"replay-r{r}-{i}-{attempt}"
             args = [
                 sys.executable, "-m", "streams.reconcile", "--replay",
                 "--grace", "0s", "--now-ms", str(far), "--out", str(out),
                 "--driver-memory", "1g", "--shuffle-partitions", "2", "--master", "local[1]",
             ]  # fmt: skip
             if i == 0:
-                args += ["--replay-rate", "5"]
-            env = dict(os.environ)
-            env.update(
-                SAGA_KAFKA_BOOTSTRAP=self.services.kafka_bootstrap,
-                SAGA_TOPIC_PREFIX=main.prefix,
-                SAGA_SPARK_JARS=str(self.services.spark_jars_dir),
+                args += ["--replay-rate", "5"]  # slow enough to be killed half-way
+            proc = subprocess.Popen(
+                args,
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+                start_new_session=True,
             )
-            procs.append(
-                subprocess.Popen(
-                    args,
-                    cwd=ROOT,
-                    env=env,
-                    stdout=subprocess.DEVNULL,
-                    stderr=subprocess.PIPE,
-                    text=True,
-                    start_new_session=True,
-                )
-            )
-        self.book.fault("reconcile.replay.concurrent")
-        victim, other = procs
-        outcome = {"round": r, "killed": None, "other_exit": None}
-        progress: list[str] = []
+            sink: list[str] = []
+            threading.Thread(target=_follow, args=(proc, sink), daemon=True).start()
+            return proc, sink
 
-        def follow(proc: subprocess.Popen[str], sink: list[str]) -> None:
-            assert proc.stderr is not None
-            for line in proc.stderr:
-                sink.append(line.rstrip())
-
-        other_lines: list[str] = []
-        readers = [
-            threading.Thread(target=follow, args=(victim, progress), daemon=True),
-            threading.Thread(target=follow, args=(other, other_lines), daemon=True),
-        ]
-        for t in readers:
-            t.start()
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline and victim.poll() is None:
-            done = [
-                int(x.rsplit("replayed ", 1)[1].split("/")[0]) for x in progress if "replayed " in x
-            ]
-            total = [
-                int(x.rsplit("replayed ", 1)[1].split("/")[1]) for x in progress if "replayed " in x
-            ]
-            if done and done[-1] >= min(REPLAY_KILL_AFTER, total[-1]):
+        victim, progress = launch(0, 0)
+        other = launch(1, 0) if pair else None
+        if pair:
+            self.book.fault("reconcile.replay.concurrent")
+        outcome: dict[str, Any] = {"round": r, "killed": None}
+        for attempt in range(3):
+            if attempt:
+                victim, progress = launch(0, attempt)
+            deadline = time.monotonic() + 600
+            while time.monotonic() < deadline and victim.poll() is None:
+                counts = [
+                    tuple(int(n) for n in x.rsplit("replayed ", 1)[1].split("/")[:2])
+                    for x in list(progress)
+                    if "replayed " in x
+                ]
+                if counts and counts[-1][0] >= min(REPLAY_KILL_AFTER, counts[-1][1]):
+                    os.killpg(victim.pid, signal.SIGKILL)
+                    victim.wait(30)
+                    outcome["killed"] = (
+                        f"after replaying {counts[-1][0]} of {counts[-1][1]} record(s)"
+                    )
+                    self.book.kill("reconcile")
+                    self.book.fault("reconcile.replay.killed")
+                    break
+                time.sleep(0.05)
+            if outcome["killed"] is not None:
+                break
+            if victim.poll() is None:
                 os.killpg(victim.pid, signal.SIGKILL)
                 victim.wait(30)
-                outcome["killed"] = f"after replaying {done[-1]} of {total[-1]} record(s)"
-                self.book.kill("reconcile")
-                self.book.fault("reconcile.replay.killed")
-                break
-            time.sleep(0.05)
-        if victim.poll() is None:
-            os.killpg(victim.pid, signal.SIGKILL)
-            victim.wait(30)
-            outcome["killed"] = "killed at the time limit"
-            self.book.kill("reconcile")
-        elif outcome["killed"] is None:
             last = progress[-1] if progress else ""
-            outcome["killed"] = f"not killed: it exited with {victim.returncode} first ({last})"
-        try:
-            other.wait(600)
-        except subprocess.TimeoutExpired:
-            os.killpg(other.pid, signal.SIGKILL)
-            other.wait(30)
-        outcome["other_exit"] = other.returncode
-        outcome["other_last"] = other_lines[-1] if other_lines else ""
+            outcome["killed"] = None
+            outcome.setdefault("attempts", []).append(
+                f"exited with {victim.returncode} before replaying enough ({last})"
+            )
+        if outcome["killed"] is None:
+            outcome["killed"] = "not killed mid-replay in 3 attempts"
+        if other is not None:
+            try:
+                other[0].wait(600)
+            except subprocess.TimeoutExpired:
+                os.killpg(other[0].pid, signal.SIGKILL)
+                other[0].wait(30)
+            # Exit 1: it found stuck sagas (every saga in flight looks stuck to it); 2: failed.
+            outcome["concurrent_exit"] = other[0].returncode
+            outcome["concurrent_last"] = other[1][-1] if other[1] else ""
         self.replays.append(outcome)
-        self.log(f"replays: first {outcome['killed']}; second exited {other.returncode}")
+        self.log(
+            f"saga reconcile --replay: {outcome['killed']}"
+            + (f"; the concurrent one exited {outcome['concurrent_exit']}" if pair else "")
+        )
 
     # ------------------------------------------------------------ negative controls
 
@@ -534,19 +551,20 @@ class Runner:
                     system.duplicate_request(t.tx_id, "duplicate.request.after_final")
                 for t in trio:
                     system.trio(t, timeout=60)
-                points = [("sql-0", "participant.after_events")]
+                points = {"sql-0": ["participant.after_events"]}
             else:
-                points = [
-                    ("sql-0", "participant.after_local_commit"),
-                    ("redis-0", "participant.after_local_commit"),
-                ]
+                # Kills right after the local commit, twice per participant: each batch
+                # lost with its offsets already committed leaves sagas without events.
+                point = "participant.after_local_commit"
+                points = {"sql-0": [point, point], "redis-0": [point, point]}
+
+            def crash(slot: str, kinds: list[str]) -> None:
+                for kind in kinds:
+                    F.fault_point(system.cluster, book, rnd, system.cluster.slots[slot], kind)
+
             crashes = [
-                threading.Thread(
-                    target=F.fault_point,
-                    args=(system.cluster, book, rnd, system.cluster.slots[slot], point),
-                    daemon=True,
-                )
-                for slot, point in points
+                threading.Thread(target=crash, args=(slot, kinds), daemon=True)
+                for slot, kinds in points.items()
             ]
             for c in crashes:
                 c.start()
@@ -576,12 +594,28 @@ class Runner:
 
     # ------------------------------------------------------------ the reconciliation job
 
+    def _spark(self, main: System) -> Any:
+        from streams.reconcile import ReconcileConfig
+        from streams.reconcile._spark import check_jars, start_spark
+
+        config = ReconcileConfig(
+            settings=main.settings,
+            out=self.workdir / "reconcile-unused",
+            master="local[2]",
+            driver_memory="1g",
+            shuffle_partitions=4,
+        )
+        return start_spark(config, check_jars(self.services.spark_jars_dir))
+
     def _audits(
-        self, main: System, verdicts: dict[str, Verdict], negative: dict[str, Any]
+        self,
+        main: System,
+        verdicts: dict[str, Verdict],
+        negative: dict[str, Any],
+        starting: concurrent.futures.Future[Any],
     ) -> dict[str, Any]:
         """``saga reconcile`` (no replay) over each system's log and ledgers, in one Spark."""
         from streams.reconcile import ReconcileConfig, parse_check, parse_ledger, parse_table, run
-        from streams.reconcile._spark import check_jars, start_spark
 
         self.log("saga reconcile over the main system and the negative controls")
         systems = [("main", main)] + [
@@ -592,14 +626,7 @@ class Runner:
         audits: dict[str, Any] = {}
         spark = None
         try:
-            first = ReconcileConfig(
-                settings=main.settings,
-                out=self.workdir / "reconcile-unused",
-                master="local[2]",
-                driver_memory="1g",
-                shuffle_partitions=4,
-            )
-            spark = start_spark(first, check_jars(self.services.spark_jars_dir))
+            spark = starting.result(600)
             for name, system in systems:
                 s = self.services
                 tok = system.token
@@ -688,7 +715,7 @@ class Runner:
             res["reconcile"] = audit
             res["detected"] = bool(res.get("detected"))
         missing_types = [f for f in FAULT_TYPES if not faults.get(f)]
-        kills = {c: self.book.kills.get(c, 0) for c in (*COMPONENTS, "reconcile")}
+        kills = {c: self.book.kills.get(c, 0) for c in COMPONENTS}
         sagas = len(main.submitted_ids())
         report: dict[str, Any] = {
             "profile": p.name,
