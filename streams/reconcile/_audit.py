@@ -429,9 +429,12 @@ def ledger_findings(
     A ledger entry whose change took effect (``effect``) must have its step's
     ``applied`` event from the same participant in the log, once the entry has
     been quiet for ``grace_ms`` (the event is emitted right after the local
-    commit). An ``applied`` event from a participant in ``covered`` must have a
-    ledger entry with ``effect``. Entries with an unresolved intent (MongoDB
-    without transactions) are not judged.
+    commit); a compensated one may have its ``compensated`` event instead: a
+    participant killed between its local commit and its events, whose batch held
+    the request and the rollback, re-reports only the step's latest state (found
+    by the chaos suite). An ``applied`` event from a participant in ``covered``
+    must have a ledger entry with ``effect``. Entries with an unresolved intent
+    (MongoDB without transactions) are not judged.
     """
     from pyspark.sql import functions as F
 
@@ -452,7 +455,8 @@ def ledger_findings(
     store_only = f"""transform(filter(coalesce(ledger, array()), l -> l.effect AND NOT l.pending
             AND l.updated_ms <= {quiet}
             AND NOT exists(events, e -> e.step = l.step AND e.participant = l.participant
-                           AND e.status = 'applied')),
+                           AND (e.status = 'applied'
+                                OR (l.status = 'compensated' AND e.status = 'compensated')))),
         l -> named_struct('invariant', 'I4', 'reason', concat('step ', l.step,
             ' took effect in ', l.source, ' (participant ', l.participant, ', ledger status ',
             l.status, ') but the log has no applied event for it')))"""

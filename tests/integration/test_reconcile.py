@@ -162,7 +162,25 @@ def seed_clean(s: Seeder) -> set[str]:
     s.request("ok-unknown", ("bank", "ghost"))
     s.decision("ok-unknown", "rollback", reason="step 1 names unknown participant(s): ghost")
     s.event("ok-unknown", 0, "compensated", OLD + 3_000)
-    return {"ok-commit", "ok-rollback", "ok-null", "ok-replayed", "ok-sequential", "ok-unknown"}
+
+    # Applied and compensated in the store, reported only as compensated: a participant
+    # killed between its local commit and its events, with the request and the rollback in
+    # that batch, re-reports the step's latest state only (found by the chaos suite).
+    s.request("ok-crash-rollback", ("bank",))
+    s.decision("ok-crash-rollback", "rollback")
+    s.event("ok-crash-rollback", 0, "compensated", OLD + 3_000, ledger=False)
+    s.ledger[("bank", "ok-crash-rollback", 0)] = Entry(
+        "bank", "ok-crash-rollback", 0, "compensated", True, OLD + 3_000
+    )
+    return {
+        "ok-commit",
+        "ok-rollback",
+        "ok-null",
+        "ok-replayed",
+        "ok-sequential",
+        "ok-unknown",
+        "ok-crash-rollback",
+    }
 
 
 def seed_findings(s: Seeder) -> dict[str, tuple[str, tuple[str, ...]]]:
@@ -251,7 +269,6 @@ def seed_findings(s: Seeder) -> dict[str, tuple[str, tuple[str, ...]]]:
     for tx, participant in (("v-store-sql", "bank"), ("v-store-redis", "loyalty")):
         s.request(tx, (participant,))
         s.decision(tx, "rollback")
-        s.event(tx, 0, "compensated", OLD + 3_000)
         s.ledger[(participant, tx, 0)] = Entry(participant, tx, 0, "compensated", True, OLD)
         expected[tx] = ("violation", ("I4",))
     # ... and in the log, absent from the store.
