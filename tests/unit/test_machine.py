@@ -41,6 +41,8 @@ from streams import (
     StepEvent,
     StepProgress,
     StepStatus,
+    decode,
+    encode,
 )
 
 pytestmark = pytest.mark.unit
@@ -587,6 +589,8 @@ def test_events_before_the_request_are_kept_in_a_placeholder() -> None:
         StepProgress(owner(1), StepStatus.APPLIED),
     )
     assert not live(saga).request_seen
+    # the placeholder is a valid record: the coordinator publishes it
+    assert decode(encode(status)) == status
     # a tick cannot decide: the deadline is unknown
     assert decide(saga, Tick(DEADLINE * 100)) == (saga, [])
 
