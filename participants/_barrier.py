@@ -217,8 +217,14 @@ def _on_request(entry: LedgerEntry | None, tx_rolled_back: bool, s: Requested) -
 def _on_predecessor(entry: LedgerEntry | None, s: PredecessorApplied) -> Plan:
     # Without an entry the request has not come yet: the runtime remembers the
     # predecessor and passes ``predecessor_applied`` with the request.
-    if entry is None or entry.status is not LedgerStatus.WAITING:
+    if entry is None:
         return _nothing()
+    if entry.status is not LedgerStatus.WAITING:
+        # Idempotency: a repeated signal reports the step again, for a crash between
+        # the local commit and the events may have lost the report (the request that
+        # opened the step is long committed, so this signal is the only one that comes
+        # back). A step waiting for its successor's compensation reports nothing yet.
+        return _nothing() if entry.rollback_pending else _reemit(entry)
     if s.now_ms > entry.deadline_ms:
         failed = replace(
             entry,
@@ -286,8 +292,10 @@ def _on_successor(entry: LedgerEntry | None, s: SuccessorCompensated) -> Plan:
             updated_ms=s.now_ms,
         )
         return Plan(Effect.NONE, closed, StepStatus.COMPENSATED)
-    if entry is None or entry.status is not LedgerStatus.APPLIED:
+    if entry is None:
         return _nothing()
+    if entry.status is not LedgerStatus.APPLIED:
+        return _reemit(entry)  # idempotency, as in _on_predecessor
     if entry.rollback_pending:
         return _compensate(entry, s.now_ms)
     if entry.successor_compensated:

@@ -2012,8 +2012,9 @@ class MongoStorage(Storage):
         return [_entry_of(doc) for doc in docs]
 
     def in_flight_sequential(self) -> set[str]:
-        """Sequential transactions with a step waiting for its predecessor, or applied (not
-        the last) and so possibly waiting for its successor's compensation.
+        """Sequential transactions with a step waiting for its predecessor, or applied and
+        not decided yet (its rollback may wait for its successor's compensation, and the
+        predecessor's event, read again after a crash, reports it again).
 
         The runtime calls this at start-up and after every partition assignment, so
         the storage also forgets the ledger state it remembered (see *Cache* in the
@@ -2026,7 +2027,7 @@ class MongoStorage(Storage):
             "mode": str(Mode.SEQUENTIAL),
             "$or": [
                 {"status": str(LedgerStatus.WAITING)},
-                {"status": str(LedgerStatus.APPLIED), "last": False},
+                {"status": str(LedgerStatus.APPLIED)},
             ],
         }
         with self._boundary("read its ledger"):

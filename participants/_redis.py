@@ -473,7 +473,9 @@ def _may_wait(entry: LedgerEntry) -> bool:
         return False
     if entry.status is LedgerStatus.WAITING:
         return True
-    return entry.status is LedgerStatus.APPLIED and entry.step < entry.n_steps - 1
+    # Applied and not decided: its rollback may wait for its successor's compensation, and
+    # the predecessor's event, read again after a crash, reports it again.
+    return entry.status is LedgerStatus.APPLIED
 
 
 def _steps(fields: Mapping[str, str]) -> list[LedgerEntry]:

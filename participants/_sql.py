@@ -1020,10 +1020,11 @@ class SqlStorage(Storage):
     def in_flight_sequential(self) -> set[str]:
         """Sequential transactions in which a step of this participant may still need a
         neighbour's event: one waiting for its predecessor to be applied, or one applied
-        (and not the last) whose rollback would wait for its successor's compensation."""
+        and not decided yet (its rollback may wait for its successor's compensation, and
+        the predecessor's event, read again after a crash, reports it again)."""
         c = self.ledger_table.c
         waiting = c.status == str(LedgerStatus.WAITING)
-        may_wait = and_(c.status == str(LedgerStatus.APPLIED), c.step < c.n_steps - 1)
+        may_wait = c.status == str(LedgerStatus.APPLIED)
         query = (
             select(c.tx_id)
             .where(c.participant == self.name, c.step >= 0, c.mode == str(Mode.SEQUENTIAL))

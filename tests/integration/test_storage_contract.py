@@ -755,9 +755,19 @@ class TestStorageContract:
         assert "tx-1" in storage.storage.in_flight_sequential()
 
         go = PredecessorApplied("tx-1", 1, NOW + 10)
-        assert storage.storage.execute([go, go]) == [report("tx-1", StepStatus.APPLIED, step=1)]
+        # Twice in one batch (like a redelivered request): one effect, reported each time.
+        assert storage.storage.execute([go, go]) == [
+            report("tx-1", StepStatus.APPLIED, step=1),
+            report("tx-1", StepStatus.APPLIED, step=1),
+        ]
         assert storage.record("accounts", 2) == {"owner": "bob", "balance": 60}
-        # The last step of the saga no longer waits on any neighbour.
+        # Applied, it stays in flight until decided: after a crash that lost its report,
+        # the predecessor's event (read again) reports it again.
+        assert "tx-1" in storage.storage.in_flight_sequential()
+        assert storage.storage.execute([go]) == [report("tx-1", StepStatus.APPLIED, step=1)]
+        assert storage.storage.execute([commit("tx-1")]) == [
+            report("tx-1", StepStatus.COMMITTED, step=1)
+        ]
         assert "tx-1" not in storage.storage.in_flight_sequential()
 
     def test_sequential_request_after_its_predecessor_applies_at_once(
@@ -796,7 +806,10 @@ class TestStorageContract:
         }
 
         done = SuccessorCompensated("tx-1", 0, NOW + 2_000)
-        assert storage.storage.execute([done, done]) == [report("tx-1", StepStatus.COMPENSATED)]
+        assert storage.storage.execute([done, done]) == [
+            report("tx-1", StepStatus.COMPENSATED),
+            report("tx-1", StepStatus.COMPENSATED),
+        ]
         assert storage.record("accounts", 1) == {
             "owner": "alice",
             "balance": 100,

@@ -113,6 +113,11 @@ def nothing(p: Plan) -> bool:
     return p.effect is Effect.NONE and p.entry is None and p.emit is None
 
 
+def reported_again(p: Plan, status: StepStatus) -> bool:
+    """Nothing changes, and the step's current status is reported once more."""
+    return p.effect is Effect.NONE and p.entry is None and p.emit is status
+
+
 def applied_after_request(**kw: Any) -> LedgerEntry:
     p = plan(None, False, requested(**kw))
     assert p.effect is Effect.APPLY
@@ -305,12 +310,25 @@ def test_predecessor_applied_after_the_deadline_fails_the_waiting_step() -> None
         LedgerStatus.COMPENSATION_FAILED,
     ],
 )
-def test_predecessor_applied_on_anything_but_waiting_does_nothing(
+def test_predecessor_applied_on_anything_but_waiting_changes_nothing(
     status: LedgerStatus | None,
 ) -> None:
+    """Before the request nothing happens; after, the step is reported again (a crash
+    between the local commit and the events may have lost its report, and this signal,
+    read again from the events topic, is the only one that comes back)."""
     entry = None if status is None else entry_in(status, 1, mode=Mode.SEQUENTIAL, n=2)
+    for rolled_back in (False, True):
+        p = plan(entry, rolled_back, PredecessorApplied(TX, 1, NOW))
+        if status is None:
+            assert nothing(p)
+        else:
+            assert reported_again(p, StepStatus(str(status))), p
+
+
+def test_predecessor_applied_on_a_step_waiting_for_its_successor_reports_nothing() -> None:
+    entry = replace(entry_in(LedgerStatus.APPLIED, 1, mode=Mode.SEQUENTIAL, n=3),
+                    rollback_pending=True)  # fmt: skip
     assert nothing(plan(entry, False, PredecessorApplied(TX, 1, NOW)))
-    assert nothing(plan(entry, True, PredecessorApplied(TX, 1, NOW)))
 
 
 # ------------------------------------------------------------------ commit
@@ -378,7 +396,9 @@ def test_rollback_of_a_waiting_step_closes_it() -> None:
     assert p.entry.status is LedgerStatus.COMPENSATED
     assert not p.entry.effect
     # the predecessor arriving afterwards never applies it
-    assert nothing(plan(p.entry, False, PredecessorApplied(TX, 1, NOW + 200)))
+    assert reported_again(
+        plan(p.entry, False, PredecessorApplied(TX, 1, NOW + 200)), StepStatus.COMPENSATED
+    )
     late = plan(p.entry, False, requested(1, mode=Mode.SEQUENTIAL, n=2, pred=True))
     assert late.effect is Effect.NONE
     assert late.emit is StepStatus.COMPENSATED
@@ -431,8 +451,10 @@ def test_rollback_of_an_applied_sequential_step_waits_for_its_successor() -> Non
     assert p.entry.status is LedgerStatus.COMPENSATED
     assert not p.entry.rollback_pending
     assert p.entry.updated_ms == NOW + 20
-    # and a redelivered successor event does nothing more
-    assert nothing(plan(p.entry, False, SuccessorCompensated(TX, 0, NOW + 21)))
+    # and a redelivered successor event only reports it again
+    assert reported_again(
+        plan(p.entry, False, SuccessorCompensated(TX, 0, NOW + 21)), StepStatus.COMPENSATED
+    )
 
 
 def test_successor_compensated_before_the_rollback_is_remembered() -> None:
@@ -452,11 +474,15 @@ def test_successor_compensated_before_the_rollback_is_remembered() -> None:
     "status",
     [None, LedgerStatus.FAILED, LedgerStatus.COMMITTED, LedgerStatus.COMPENSATED],
 )
-def test_successor_compensated_on_a_step_not_applied_does_nothing(
+def test_successor_compensated_on_a_step_not_applied_changes_nothing(
     status: LedgerStatus | None,
 ) -> None:
     entry = None if status is None else entry_in(status, 0, mode=Mode.SEQUENTIAL, n=2)
-    assert nothing(plan(entry, False, SuccessorCompensated(TX, 0, NOW)))
+    p = plan(entry, False, SuccessorCompensated(TX, 0, NOW))
+    if status is None:
+        assert nothing(p)
+    else:
+        assert reported_again(p, StepStatus(str(status))), p
 
 
 def test_successor_compensated_while_waiting_is_not_lost() -> None:
@@ -659,9 +685,7 @@ class Model:
         node.applied_seen = set()
         node.compensated_seen = set()
         node.sequential_known = self.mode is Mode.SEQUENTIAL and any(  # in_flight_sequential
-            e.status is LedgerStatus.WAITING
-            or (e.status is LedgerStatus.APPLIED and e.step < e.n_steps - 1)
-            for e in node.ledger.values()
+            e.status in (LedgerStatus.WAITING, LedgerStatus.APPLIED) for e in node.ledger.values()
         )
         node.cursor["events"] = 0
         for topic in ("requests", "decisions"):
