@@ -255,7 +255,7 @@ class Cluster:
         for p in procs:
             p.signal(signal.SIGCONT)
             p.signal(signal.SIGTERM)
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 10
         for p in procs:
             p.wait_exit(max(0.1, deadline - time.monotonic()))
             p.kill()
