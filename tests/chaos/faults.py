@@ -56,6 +56,7 @@ class FaultBook:
     kills: Counter[str] = field(default_factory=Counter)
     records: list[FaultRecord] = field(default_factory=list)
     zombies: list[dict[str, Any]] = field(default_factory=list)
+    watchers: list[threading.Thread] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def now(self) -> float:
@@ -130,25 +131,29 @@ def coordinator_sigstop(
         time.sleep(COORDINATOR_TXN_TIMEOUT_S + 4 + rnd.uniform(0, 2))
         zombie.signal(signal.SIGCONT)
         recovered = book.now()
-    code = zombie.wait_exit(ZOMBIE_WAIT_S)
-    log = zombie.last_lines(2)
-    if code is None:
-        fate = "still running (rejoined its group)" if not same_id else "still running"
-        zombie.terminate()
-    elif "fenced" in log:
-        fate = f"fenced: exited with {code}"
-    else:
-        fate = f"exited with {code}: {log[-200:]}"
-    cluster.note_exit(zombie, caused=True)
-    book.zombies.append(
-        {
-            "slot": slot.name,
-            "replacement": "same instance id" if same_id else "new instance id",
-            "fate": fate,
-        }
-    )
+    replacement = "same instance id" if same_id else "new instance id"
+
+    def fate() -> None:
+        code = zombie.wait_exit(ZOMBIE_WAIT_S)
+        log = zombie.last_lines(2)
+        if code is None:
+            what = "still running (rejoined its group)" if not same_id else "still running"
+            zombie.terminate()
+        elif "fenced" in log:
+            what = f"fenced: exited with {code}"
+        else:
+            what = f"exited with {code}: {log[-200:]}"
+        cluster.note_exit(zombie, caused=True)
+        with book.lock:
+            book.zombies.append({"slot": slot.name, "replacement": replacement, "fate": what})
+
+    # The zombie's fate is watched on the side: the next fault need not wait for it.
+    cluster.orphans.append(zombie)  # stopped with the others, should it still run then
+    watcher = threading.Thread(target=fate, name="zombie", daemon=True)
+    watcher.start()
+    book.watchers.append(watcher)
     book.fault("coordinator.sigstop")
-    rec = FaultRecord("coordinator.sigstop", slot.name, started, recovered, fate)
+    rec = FaultRecord("coordinator.sigstop", slot.name, started, recovered, replacement)
     book.record(rec)
     return rec
 

@@ -231,6 +231,8 @@ class Runner:
             for r in range(p.rounds):
                 fault_sagas += self._round(main, r, rounds[r], trios[r])
             self.log("last round done; waiting for every saga to finish")
+            for watcher in self.book.watchers:
+                watcher.join(120)
             waited = main.wait_quiet(main.submitted_ids(), p.recovery_window_s)
             finals = main.status.finals()
             fault_ids = [tx for tx in main.submitted_ids() if not tx.startswith(("warm", "base"))]
