@@ -39,7 +39,9 @@ be (``e``: 1 after ``commit``, 0 after ``rollback``). The counts:
     poison records not in the DLQ exactly once, with their original bytes;
 ``unfinished_sagas``
     sagas in the log without a decision, a step without its final event
-    (``committed`` or ``compensated``), or a status that is not final.
+    (``committed`` or ``compensated``), or a status that is not final; or that were
+    not final when their recovery window ended, even if something (a replay) finished
+    them later.
 """
 
 from __future__ import annotations
@@ -79,6 +81,7 @@ class CheckInput:
     ledgers: Mapping[LedgerKey, LedgerRow]
     log: LogView
     poison: list[Delivery]
+    late: set[str] = field(default_factory=set)  # not final when a recovery window ended
 
 
 @dataclass
@@ -156,6 +159,8 @@ def check(inp: CheckInput) -> Verdict:
                     unfinished = f"{outcome}, step(s) {missing} never reported {final}"
                 elif status is None or not status.state.final:
                     unfinished = f"{outcome}, status {status.state if status else 'none'}"
+            if unfinished is None and tx in inp.late:
+                unfinished = "finished only after its recovery window (a replay repaired it?)"
             if unfinished:
                 tally.add("unfinished_sagas", f"{tx}: {unfinished}")
 

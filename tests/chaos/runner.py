@@ -372,7 +372,8 @@ class Runner:
         for t in threads:
             t.join(900)
         ids = [t.tx_id for t in transfers[: counted[0] if counted else 0]]
-        main.wait_quiet(ids, p.recovery_window_s)
+        if main.wait_quiet([*ids, *(t.tx_id for t in trio)], p.recovery_window_s) is None:
+            self.log(f"round {r + 1}: not quiescent within {p.recovery_window_s:.0f}s")
         main.duplicates_after(ids, 0.01)
         return len(ids) + len(trio)
 

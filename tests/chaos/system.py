@@ -115,6 +115,7 @@ class System:
         self.poison: list[Delivery] = []
         self.records = Record()
         self.quiesce: list[Quiesce] = []
+        self.late: set[str] = set()  # not final when their recovery window ended
         self.openings: dict[str, dict[str, int]] = {}
         self._lock = threading.Lock()
         self._sender: Sender | None = None
@@ -386,12 +387,16 @@ class System:
         return True
 
     def wait_quiet(self, tx_ids: list[str], timeout: float) -> float | None:
-        """Wait until every saga of ``tx_ids`` is final and every group caught up."""
+        """Wait until every saga of ``tx_ids`` is final and every group caught up; when
+        ``timeout`` (the recovery window) passes first, the sagas not final are *late*."""
         t0 = time.monotonic()
         while time.monotonic() - t0 < timeout:
             if self.all_final(tx_ids) and self.caught_up():
                 return time.monotonic() - t0
             time.sleep(2)
+        finals = self.status.finals()
+        with self._lock:
+            self.late.update(tx for tx in tx_ids if tx not in finals)
         return None
 
     # ------------------------------------------------------------ judging
@@ -404,6 +409,7 @@ class System:
             acked = {tx: s.acked for tx, s in self.submissions.items()}
             trio = set(self.trio_ids)
             poison_records = list(self.poison)
+            late = set(self.late)
         return check(
             CheckInput(
                 transfers=transfers,
@@ -414,5 +420,6 @@ class System:
                 ledgers=self.stores.ledgers(),
                 log=log,
                 poison=poison_records,
+                late=late,
             )
         )

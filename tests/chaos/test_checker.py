@@ -176,6 +176,12 @@ def test_unfinished_variants(change: dict[str, Any], expected: dict[str, int]) -
     assert nonzero(inp) == expected
 
 
+def test_a_saga_finished_only_after_its_recovery_window_counts_as_unfinished() -> None:
+    inp = clean()
+    inp.late = {"t-ok"}
+    assert nonzero(inp) == {"unfinished_sagas": 1}
+
+
 def test_dead_letters() -> None:
     inp = clean()
     inp.log.dlq = []
