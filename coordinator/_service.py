@@ -38,6 +38,7 @@ from streams import (
     SagaRequest,
     SagaStatus,
     StepEvent,
+    TransientError,
     decode_as,
     encode,
 )
@@ -153,6 +154,7 @@ class CoordinatorService(Stoppable):
         new = [p for p in numbers if p not in self._partitions]
         if not new:
             return
+        self._await_previous_owner(new)
         restored = self._restore(new)
         for p in new:
             part = _Partition()
@@ -163,6 +165,22 @@ class CoordinatorService(Stoppable):
             self._partitions[p] = part
             self.stats.restored += len(part.sagas)
         log.info("assigned partitions %s (restored %d sagas)", new, self.stats.restored)
+
+    def _await_previous_owner(self, partitions: list[int]) -> None:
+        """Wait until no transaction of a previous owner of ``partitions`` is pending.
+
+        An instance that has not learnt yet that it lost them may still commit a
+        transaction: status records, and the offsets past the inputs they account
+        for. Restored before it commits, the state would lack what those offsets skip
+        (a saga whose request it had read stayed undecided for good; found by the
+        chaos suite). A read_committed consumer reads committed offsets only once no
+        transaction is pending on them, so this waits for it to be resolved.
+        """
+        topics = (self.topics.requests, self.topics.events, self.topics.decisions)
+        try:
+            self._consumer.committed([(t, p) for t in topics for p in partitions], timeout=60)
+        except TransientError as exc:
+            log.warning("could not wait for the partitions' previous owner: %s", exc)
 
     def _on_revoke(self, partitions: list[tuple[str, int]]) -> None:
         for t, p in partitions:
