@@ -2012,9 +2012,10 @@ class MongoStorage(Storage):
         return [_entry_of(doc) for doc in docs]
 
     def in_flight_sequential(self) -> set[str]:
-        """Sequential transactions with a step waiting for its predecessor, or applied and
-        not decided yet (its rollback may wait for its successor's compensation, and the
-        predecessor's event, read again after a crash, reports it again).
+        """Sequential transactions with a step waiting for its predecessor, or applied or
+        failed and not decided yet (its rollback may wait for its successor's
+        compensation, and the predecessor's event, read again after a crash, reports it
+        again).
 
         The runtime calls this at start-up and after every partition assignment, so
         the storage also forgets the ledger state it remembered (see *Cache* in the
@@ -2027,7 +2028,7 @@ class MongoStorage(Storage):
             "mode": str(Mode.SEQUENTIAL),
             "$or": [
                 {"status": str(LedgerStatus.WAITING)},
-                {"status": str(LedgerStatus.APPLIED)},
+                {"status": {"$in": [str(LedgerStatus.APPLIED), str(LedgerStatus.FAILED)]}},
             ],
         }
         with self._boundary("read its ledger"):

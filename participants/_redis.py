@@ -473,9 +473,9 @@ def _may_wait(entry: LedgerEntry) -> bool:
         return False
     if entry.status is LedgerStatus.WAITING:
         return True
-    # Applied and not decided: its rollback may wait for its successor's compensation, and
-    # the predecessor's event, read again after a crash, reports it again.
-    return entry.status is LedgerStatus.APPLIED
+    # Applied or failed and not decided: its rollback may wait for its successor's
+    # compensation, and the predecessor's event, read again after a crash, reports it again.
+    return entry.status in (LedgerStatus.APPLIED, LedgerStatus.FAILED)
 
 
 def _steps(fields: Mapping[str, str]) -> list[LedgerEntry]:

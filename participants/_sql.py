@@ -1020,11 +1020,12 @@ class SqlStorage(Storage):
     def in_flight_sequential(self) -> set[str]:
         """Sequential transactions in which a step of this participant may still need a
         neighbour's event: one waiting for its predecessor to be applied, or one applied
-        and not decided yet (its rollback may wait for its successor's compensation, and
-        the predecessor's event, read again after a crash, reports it again)."""
+        or failed and not decided yet (its rollback may wait for its successor's
+        compensation, and the predecessor's event, read again after a crash, reports it
+        again)."""
         c = self.ledger_table.c
         waiting = c.status == str(LedgerStatus.WAITING)
-        may_wait = c.status == str(LedgerStatus.APPLIED)
+        may_wait = c.status.in_((str(LedgerStatus.APPLIED), str(LedgerStatus.FAILED)))
         query = (
             select(c.tx_id)
             .where(c.participant == self.name, c.step >= 0, c.mode == str(Mode.SEQUENTIAL))

@@ -685,7 +685,8 @@ class Model:
         node.applied_seen = set()
         node.compensated_seen = set()
         node.sequential_known = self.mode is Mode.SEQUENTIAL and any(  # in_flight_sequential
-            e.status in (LedgerStatus.WAITING, LedgerStatus.APPLIED) for e in node.ledger.values()
+            e.status in (LedgerStatus.WAITING, LedgerStatus.APPLIED, LedgerStatus.FAILED)
+            for e in node.ledger.values()
         )
         node.cursor["events"] = 0
         for topic in ("requests", "decisions"):
