@@ -21,6 +21,10 @@ Sequential sagas: the participant of step ``i`` acts when it sees step
 request, so recent ``applied`` events are remembered for ``event_window_ms``,
 and the events topic's committed offset trails by the same window: after a
 restart the window is read again and nothing between the two topics is lost.
+The decisions topic's committed offset trails by the window too: a step whose
+report a crash lost after a signal that is not read again (a sequential step
+compensated on its successor's event) is reported again when its decision is
+(found by the chaos suite).
 """
 
 from __future__ import annotations
@@ -105,8 +109,8 @@ class ParticipantRuntime(Stoppable):
         # Partitions were assigned: sequential transactions another worker was
         # serving may have a step here that waits on a neighbour (see _handle).
         self._reload_sequential = False
-        # per events partition: (offset, seen_ms) not yet committed
-        self._event_offsets: dict[int, deque[tuple[int, int]]] = {}
+        # per events or decisions partition: (offset, seen_ms) not yet committed
+        self._event_offsets: dict[tuple[str, int], deque[tuple[int, int]]] = {}
         self._consumer = Consumer(
             settings,
             group_id=f"{self.topics.prefix}.participant.{name}",
@@ -149,8 +153,8 @@ class ParticipantRuntime(Stoppable):
 
     def _on_revoke(self, partitions: list[tuple[str, int]]) -> None:
         for t, p in partitions:
-            if t == self.topics.events:
-                self._event_offsets.pop(p, None)
+            if t in (self.topics.events, self.topics.decisions):
+                self._event_offsets.pop((t, p), None)
 
     # ------------------------------------------------------------ batches
 
@@ -182,8 +186,9 @@ class ParticipantRuntime(Stoppable):
         self._producer.flush(30)
         offsets: dict[tuple[str, int], int] = {}
         for m in messages:
-            if m.topic == self.topics.events:
-                self._event_offsets.setdefault(m.partition, deque()).append((m.offset, now))
+            if m.topic in (self.topics.events, self.topics.decisions):
+                trailing = self._event_offsets.setdefault((m.topic, m.partition), deque())
+                trailing.append((m.offset, now))
             else:
                 offsets[(m.topic, m.partition)] = m.offset + 1
         faults.hit("participant.after_events")
@@ -218,12 +223,12 @@ class ParticipantRuntime(Stoppable):
 
     def _commit(self, offsets: dict[tuple[str, int], int]) -> None:
         horizon = self.clock() - self.event_window_ms
-        for p, pending in self._event_offsets.items():
+        for tp, pending in self._event_offsets.items():
             last = None
             while pending and pending[0][1] <= horizon:
                 last = pending.popleft()[0]
             if last is not None:
-                offsets[(self.topics.events, p)] = last + 1
+                offsets[tp] = last + 1
         if offsets:
             try:
                 self._consumer.commit(offsets)
