@@ -234,6 +234,9 @@ class Runner:
             for watcher in self.book.watchers:
                 watcher.join(120)
             waited = main.wait_quiet(main.submitted_ids(), p.recovery_window_s)
+            # Repeated decisions leave no trace in the offsets (the participants' decisions
+            # offsets trail by a minute): give the last ones a moment to be read.
+            time.sleep(5)
             finals = main.status.finals()
             fault_ids = [tx for tx in main.submitted_ids() if not tx.startswith(("warm", "base"))]
             f_end = max((finals[tx] for tx in fault_ids if tx in finals), default=time.monotonic())

@@ -363,12 +363,12 @@ class System:
             reader.close()
 
     def caught_up(self) -> bool:
-        """Every consumer group has read its inputs to the end (participants: requests and
-        decisions; their events offsets trail by design)."""
+        """Every consumer group has read its inputs to the end (participants: requests;
+        their events and decisions offsets trail by design)."""
         t = self.topics
         groups = [(f"{self.prefix}.coordinator", (t.requests, t.events, t.decisions))]
         groups += [
-            (f"{self.prefix}.participant.{PARTICIPANTS[s]}", (t.requests, t.decisions))
+            (f"{self.prefix}.participant.{PARTICIPANTS[s]}", (t.requests,))
             for s in self.stores_used
         ]
         try:
