@@ -136,6 +136,32 @@ class Stores:
                         found["redis"][key[head:]] = int(value)
         return found
 
+    def rollback_recorded(self, store: str, tx_id: str) -> bool:
+        """Whether the participant of ``store`` recorded a rollback for ``tx_id`` (its
+        transaction-level marker: the rollback came before it knew any step)."""
+        name = PARTICIPANTS[store]
+        if store == "sql":
+            with self._pg() as conn:
+                exists = conn.execute(
+                    "SELECT 1 FROM information_schema.tables WHERE table_schema = %s "
+                    "AND table_name = 'saga_ledger'",
+                    (self.token,),
+                ).fetchone()
+                if not exists:
+                    return False
+                row = conn.execute(
+                    f'SELECT 1 FROM "{self.token}".saga_ledger '
+                    "WHERE participant = %s AND tx_id = %s AND step = -1",
+                    (name, tx_id),
+                ).fetchone()
+                return row is not None
+        if store == "mongo":
+            with self._mongo() as db:
+                doc = db["saga_ledger_tx"].find_one({"_id": f"{name}:{tx_id}"})
+                return doc is not None and bool(doc.get("rolled_back"))
+        with self._redis() as r:
+            return bool(r.hexists(f"{self.token}:ledger:{name}:tx:{tx_id}", "rolled_back"))
+
     def ledgers(self) -> dict[LedgerKey, LedgerRow]:
         """The step entries of the three participants' ledgers (markers left out)."""
         found: dict[LedgerKey, LedgerRow] = {}

@@ -230,13 +230,6 @@ class System:
 
     # ------------------------------------------------------------ record faults
 
-    def committed_offset(self, group: str, topic: str, partition: int) -> int | None:
-        reader = Consumer(self.settings, group_id=group, client_id="chaos.offsets")
-        try:
-            return reader.committed([(topic, partition)]).get((topic, partition))
-        finally:
-            reader.close()
-
     def trio(self, t: Transfer, timeout: float = 120) -> str:
         """Rollback before request (null compensation), then the request (hanging), then a
         repeated request: each participant must leave its account as it was."""
@@ -250,20 +243,19 @@ class System:
         while seen is None and time.monotonic() < deadline:
             seen = self.decisions.get(t.tx_id)
             time.sleep(0.2)
-        ordered = False
-        if seen is not None:
-            groups = {f"{self.prefix}.participant.{PARTICIPANTS[s]}" for s in (t.src, t.dst)}
-            while groups and time.monotonic() < deadline:
-                for group in list(groups):
-                    try:
-                        off = self.committed_offset(group, self.topics.decisions, seen.partition)
-                    except SagaError:
-                        off = None
-                    if off is not None and off > seen.offset:
-                        groups.discard(group)
-                if groups:
-                    time.sleep(0.5)
-            ordered = not groups
+        # Each participant has the rollback once its ledger records it (the marker of a
+        # transaction it knows no step of): only then does the request go out.
+        waiting = {t.src, t.dst} if seen is not None else set()
+        while waiting and time.monotonic() < deadline:
+            for store in list(waiting):
+                try:
+                    if self.stores.rollback_recorded(store, t.tx_id):
+                        waiting.discard(store)
+                except Exception:  # a store being restarted: ask again
+                    pass
+            if waiting:
+                time.sleep(0.3)
+        ordered = seen is not None and not waiting
         self.submit(t)
         for store in {t.src, t.dst}:
             self.records.add(f"barrier.null_compensation.{store}")
