@@ -12,6 +12,7 @@ gathers everything the checker needs.
 from __future__ import annotations
 
 import contextlib
+import json
 import random
 import re
 import threading
@@ -30,7 +31,15 @@ from tests.chaos import poison
 from tests.chaos.checker import CheckInput, Verdict, check
 from tests.chaos.cluster import Cluster
 from tests.chaos.faults import FaultBook
-from tests.chaos.log import DecisionSeen, DecisionTail, Delivery, Sender, StatusTail, read_log
+from tests.chaos.log import (
+    DecisionSeen,
+    DecisionTail,
+    Delivery,
+    LogView,
+    Sender,
+    StatusTail,
+    read_log,
+)
 from tests.chaos.stores import Stores
 from tests.chaos.workload import PARTICIPANTS, Transfer, openings
 
@@ -393,9 +402,31 @@ class System:
 
     # ------------------------------------------------------------ judging
 
+    def write_history(self, log: LogView) -> Path:
+        """One JSON line per submission: the transfer, whether Kafka acknowledged it, the
+        outcome the client saw (``ok``, ``failed`` or ``unknown``) and the log's decision."""
+        path = self.workdir / "history.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        seen = {"committed": "ok", "rolled_back": "failed", "failed": "failed"}
+        with self._lock, path.open("w", encoding="utf-8") as out:
+            for tx in self.order:
+                sub = self.submissions[tx]
+                status = log.statuses.get(tx)
+                decisions = [d.outcome for d in log.decisions.get(tx, []) if not d.injected]
+                row = {
+                    **sub.transfer.to_json(),
+                    "acknowledged": sub.acked,
+                    "trio": tx in self.trio_ids,
+                    "outcome": seen.get(str(status.state), "unknown") if status else "unknown",
+                    "decisions": decisions,
+                }
+                out.write(json.dumps(row) + "\n")
+        return path
+
     def check(self) -> Verdict:
         """Read the log, the stores and the ledgers (the processes are stopped) and judge."""
         log = read_log(self.settings)
+        self.write_history(log)
         with self._lock:
             transfers = [self.submissions[tx].transfer for tx in self.order]
             acked = {tx: s.acked for tx, s in self.submissions.items()}
