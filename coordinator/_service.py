@@ -258,9 +258,13 @@ class CoordinatorService(Stoppable):
                 else:
                     outputs.append((partition, out))
 
+        # A batch can hold records of a partition revoked during the poll that returned
+        # it (a rebalance runs inside the poll). Its new owner reads them again: neither
+        # processed here nor counted in this transaction's offsets, which would otherwise
+        # skip them for that owner (a saga whose events were all read stayed undecided;
+        # found by the chaos suite).
+        messages = [m for m in messages if m.partition in self._partitions]
         for m in messages:
-            if m.partition not in self._partitions:
-                continue  # revoked while in flight: its new owner processes it
             inp = self._to_input(m, now, rejected)
             if inp is not None:
                 tx_id = _tx_of(inp)
@@ -322,7 +326,8 @@ class CoordinatorService(Stoppable):
                 last_status[out.tx_id] = out
         offsets: dict[tuple[str, int], int] = {}
         for m in messages:
-            offsets[(m.topic, m.partition)] = m.offset + 1
+            key = (m.topic, m.partition)
+            offsets[key] = max(offsets.get(key, 0), m.offset + 1)
         try:
             self._producer.begin()
             for d in decisions:

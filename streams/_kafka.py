@@ -784,9 +784,11 @@ class TransactionalProducer(_ProducerBase):
         record processed on that partition + 1 (:attr:`Message.next_offset`),
         not the offset of the last record. The offsets are committed if and
         only if the transaction commits. The consumer's current group metadata
-        goes with them, so the broker refuses offsets from a consumer that lost
-        those partitions in a rebalance (a zombie); the transaction must then be
-        aborted. An empty mapping does nothing.
+        goes with them, so the broker refuses offsets from a consumer that was
+        left behind by a rebalance (a zombie); the transaction must then be
+        aborted. The broker checks the group generation, not which partitions
+        the consumer owns: leave out partitions it no longer owns. An empty
+        mapping does nothing.
 
         Raises:
             ValueError: a negative offset (librdkafka would ignore it silently).
