@@ -136,18 +136,22 @@ class Stores:
                         found["redis"][key[head:]] = int(value)
         return found
 
+    def _pg_ledger_exists(self, conn: psycopg.Connection[Any]) -> bool:
+        """Whether the SQL participant has created its ledger table (it does at start)."""
+        found = conn.execute(
+            "SELECT 1 FROM information_schema.tables WHERE table_schema = %s "
+            "AND table_name = 'saga_ledger'",
+            (self.token,),
+        ).fetchone()
+        return found is not None
+
     def rollback_recorded(self, store: str, tx_id: str) -> bool:
         """Whether the participant of ``store`` recorded a rollback for ``tx_id`` (its
         transaction-level marker: the rollback came before it knew any step)."""
         name = PARTICIPANTS[store]
         if store == "sql":
             with self._pg() as conn:
-                exists = conn.execute(
-                    "SELECT 1 FROM information_schema.tables WHERE table_schema = %s "
-                    "AND table_name = 'saga_ledger'",
-                    (self.token,),
-                ).fetchone()
-                if not exists:
+                if not self._pg_ledger_exists(conn):
                     return False
                 row = conn.execute(
                     f'SELECT 1 FROM "{self.token}".saga_ledger '
@@ -166,12 +170,7 @@ class Stores:
         """The step entries of the three participants' ledgers (markers left out)."""
         found: dict[LedgerKey, LedgerRow] = {}
         with self._pg() as conn:
-            exists = conn.execute(
-                "SELECT 1 FROM information_schema.tables WHERE table_schema = %s "
-                "AND table_name = 'saga_ledger'",
-                (self.token,),
-            ).fetchone()
-            if exists:
+            if self._pg_ledger_exists(conn):
                 rows = conn.execute(
                     "SELECT participant, tx_id, step, status, effect "
                     f'FROM "{self.token}".saga_ledger WHERE step >= 0'

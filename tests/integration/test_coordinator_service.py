@@ -8,7 +8,6 @@ offsets (committed, they would be skipped by the new owner).
 
 from __future__ import annotations
 
-import os
 import time
 import uuid
 from collections.abc import Iterator
@@ -25,19 +24,18 @@ from streams._kafka import (
     create_topics,
     delete_topics,
     partition_for,
-    wait_for_broker,
 )
+from tests._infra import Services
 
 pytestmark = pytest.mark.integration
 
-BOOTSTRAP = os.environ.get("SAGA_KAFKA_BOOTSTRAP", "127.0.0.1:19092")
 PARTITIONS = 2
 
 
 @pytest.fixture
-def settings() -> Iterator[KafkaSettings]:
-    made = KafkaSettings(bootstrap=BOOTSTRAP, prefix=f"cs-{uuid.uuid4().hex[:12]}")
-    wait_for_broker(made, timeout=15)
+def settings(services: Services, topic_prefix: str) -> Iterator[KafkaSettings]:
+    """The saga topics under a fresh prefix, deleted afterwards."""
+    made = KafkaSettings(bootstrap=services.kafka_bootstrap, prefix=topic_prefix)
     create_topics(made, PARTITIONS)
     yield made
     delete_topics(made, made.topics.all)
