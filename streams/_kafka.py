@@ -38,6 +38,7 @@ Python. librdkafka's own default (CRC32) would not.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import sys
@@ -60,6 +61,7 @@ from confluent_kafka.admin._config import ConfigResource
 from confluent_kafka.cimpl import NewTopic
 
 from ._errors import ConfigurationError, FatalKafkaError, SagaError, TransientError
+from ._limits import DLQ_EXCERPT_BYTES, MAX_RECORD_BYTES
 from ._topics import Topics
 
 __all__ = [
@@ -1452,7 +1454,7 @@ def send_to_dlq(
     component: str,
     at_ms: int | None = None,
 ) -> None:
-    """Queue ``message``'s original key and value bytes, unchanged, on the dead-letter topic.
+    """Queue ``message``'s original key and value bytes on the dead-letter topic.
 
     Headers (UTF-8 strings): ``saga.error`` (``reason``), ``saga.source.topic``,
     ``saga.source.partition``, ``saga.source.offset``, ``saga.component`` and
@@ -1460,6 +1462,14 @@ def send_to_dlq(
     :class:`TransactionalProducer` inside a transaction, the dead letter is
     written atomically with the offsets that skip the record. Like
     :meth:`Producer.produce` this only queues: flush or commit to be sure.
+
+    A record larger than :data:`~streams._limits.MAX_RECORD_BYTES` (key and value
+    together) could exceed what the producer or the broker accepts once headers are
+    added, so it is not copied whole: the dead letter holds the first
+    :data:`~streams._limits.DLQ_EXCERPT_BYTES` bytes of the key and of the value, and
+    the headers ``saga.truncated`` (``1``), ``saga.source.key.length``,
+    ``saga.source.value.length`` and ``saga.source.sha256`` (hex digest of the value)
+    describe the original.
     """
     stamp = at_ms if at_ms is not None else int(time.time() * 1000)
     headers = [
@@ -1470,4 +1480,15 @@ def send_to_dlq(
         ("saga.component", component.encode()),
         ("saga.rejected.at_ms", str(stamp).encode()),
     ]
-    producer.produce(topics.dlq, message.key, message.value, headers=headers)
+    key, value = message.key, message.value
+    size = len(key or b"") + len(value or b"")
+    if size > MAX_RECORD_BYTES:
+        headers += [
+            ("saga.truncated", b"1"),
+            ("saga.source.key.length", str(len(key or b"")).encode()),
+            ("saga.source.value.length", str(len(value or b"")).encode()),
+            ("saga.source.sha256", hashlib.sha256(value or b"").hexdigest().encode()),
+        ]
+        key = key[:DLQ_EXCERPT_BYTES] if key is not None else None
+        value = value[:DLQ_EXCERPT_BYTES] if value is not None else None
+    producer.produce(topics.dlq, key, value, headers=headers)
