@@ -28,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from streams import (
+    MAX_REASON_CHARS,
     Decision,
     Outcome,
     SagaAbort,
@@ -43,6 +44,11 @@ UNKNOWN_PARTICIPANT = "?"
 """Participant name of a step known only from an early event's index."""
 
 _OPERATOR_MUST_ACT = "; compensation of step(s) {} failed: an operator must act"
+
+# A decision's reason quotes what it was given (a failed step's reason, an abort's,
+# participant names): cut so that it, and the status reason that adds the operator
+# note for up to 64 steps, stay within the wire contract's limit.
+_DECISION_REASON_CHARS = MAX_REASON_CHARS - 400
 
 # How far a step has come; a report never moves a step backwards.
 _RANK = {
@@ -380,6 +386,8 @@ def _advances(current: StepStatus, new: StepStatus) -> bool:
 
 
 def _decide(saga: Saga, outcome: Outcome, reason: str, at_ms: int) -> Saga:
+    if len(reason) > _DECISION_REASON_CHARS:
+        reason = reason[: _DECISION_REASON_CHARS - 3] + "..."
     state = SagaState.COMMITTING if outcome is Outcome.COMMIT else SagaState.ROLLING_BACK
     return replace(saga, outcome=outcome, state=state, reason=reason, updated_ms=at_ms)
 

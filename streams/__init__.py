@@ -3,7 +3,7 @@
 Everything public is re-exported here; the ``_``-prefixed modules are private.
 """
 
-from ._codec import SCHEMA_NAMES, decode, decode_as, encode, schema, to_dict
+from ._codec import SCHEMA_NAMES, decode, decode_as, decode_keyed, encode, schema, to_dict
 from ._errors import (
     BusinessRejection,
     ConfigurationError,
@@ -15,6 +15,13 @@ from ._errors import (
     TransientError,
 )
 from ._kafka import KafkaSettings
+from ._limits import (
+    MAX_NAME_CHARS,
+    MAX_NESTING,
+    MAX_REASON_CHARS,
+    MAX_RECORD_BYTES,
+    MAX_SAGA_CHARS,
+)
 from ._records import (
     MAX_STEPS,
     RECORD_TYPES,
@@ -36,6 +43,11 @@ from ._records import (
 from ._topics import Topics
 
 __all__ = [
+    "MAX_NAME_CHARS",
+    "MAX_NESTING",
+    "MAX_REASON_CHARS",
+    "MAX_RECORD_BYTES",
+    "MAX_SAGA_CHARS",
     "MAX_STEPS",
     "RECORD_TYPES",
     "SCHEMA_NAMES",
@@ -65,6 +77,7 @@ __all__ = [
     "TransientError",
     "decode",
     "decode_as",
+    "decode_keyed",
     "encode",
     "schema",
     "to_dict",

@@ -17,6 +17,11 @@ Contracts:
   ``meta`` hold plain JSON values, and equal records encode to equal bytes
   (keys are written sorted).
 
+Beyond the schema, :mod:`streams._limits` bounds every record: its size,
+how deep ``args`` and ``meta`` nest, and every number to the signed 64-bit
+range. :func:`decode_keyed` also checks the record key, which is how every
+consumer of the log reads it.
+
 Schemas are compiled once, at import; decoding a record costs one JSON parse,
 one run of the compiled validator and the construction of the frozen objects.
 Nested ``args`` and ``meta`` objects are handed to the record as parsed, not
@@ -33,6 +38,7 @@ import fastjsonschema
 import orjson
 
 from ._errors import ConfigurationError, InvalidRecord
+from ._limits import INT64_MAX, INT64_MIN, MAX_NESTING, MAX_RECORD_BYTES
 from ._records import (
     RECORD_TYPES,
     WIRE_VERSION,
@@ -50,7 +56,7 @@ from ._records import (
     StepStatus,
 )
 
-__all__ = ["SCHEMA_NAMES", "decode", "decode_as", "encode", "schema", "to_dict"]
+__all__ = ["SCHEMA_NAMES", "decode", "decode_as", "decode_keyed", "encode", "schema", "to_dict"]
 
 SCHEMA_NAMES: Final[tuple[str, ...]] = tuple(RECORD_TYPES)
 """The record types that have a schema, in wire-contract order."""
@@ -142,6 +148,61 @@ def _expected(types: tuple[str, ...]) -> str:
     return ", ".join(types[:-1]) + " or " + types[-1]
 
 
+# ----------------------------------------------------------------- limits
+
+# A float is accepted when it lies strictly inside the signed 64-bit range:
+# orjson turns an integer literal beyond 64 bits into a (rounded) float, so a
+# larger float may be an integer that lost its digits.
+_FLOAT_BOUND: Final = float(2**63)
+
+
+def _check_values(data: dict[str, Any]) -> None:
+    """Bound how deep ``args`` and ``meta`` nest and the range of every number in them.
+
+    The schema bounds every other field. Iterative, so a record nested deeper than
+    any limit cannot exhaust the stack here; the JSON parser refuses nesting beyond
+    its own limit before this runs.
+    """
+    meta = data.get("meta")
+    if meta:
+        _check_tree("meta", meta)
+    for i, step in enumerate(data["steps"] if data["type"] == "saga.request" else ()):
+        args = step.get("args")
+        if args:
+            _check_tree(f"steps[{i}].args", args)
+
+
+def _check_tree(where: str, root: Any) -> None:
+    stack: list[tuple[Any, int]] = [(root, 1)]
+    while stack:
+        value, level = stack.pop()
+        kind = type(value)
+        if kind is dict:
+            children: Any = value.values()
+        elif kind is list or kind is tuple:
+            children = value
+        elif isinstance(value, Mapping):  # encode: any mapping is written as an object
+            children = value.values()
+        else:
+            continue
+        if level > MAX_NESTING:
+            raise _invalid(f"{where} nests more than {MAX_NESTING} levels deep")
+        for child in children:
+            kind = type(child)
+            if kind is int:
+                if not INT64_MIN <= child <= INT64_MAX:
+                    raise _invalid(
+                        f"the number {_short(child)} in {where} is outside the signed 64-bit range"
+                    )
+            elif kind is float:
+                if not -_FLOAT_BOUND < child < _FLOAT_BOUND:
+                    raise _invalid(
+                        f"the number {_short(child)} in {where} is outside the signed 64-bit range"
+                    )
+            elif kind is not str and kind is not bool and child is not None:
+                stack.append((child, level + 1))
+
+
 # ----------------------------------------------------------------- decoding
 
 
@@ -223,6 +284,8 @@ def _decode(value: bytes | None, allowed: tuple[str, ...] | None) -> Record:
     # `not value` rather than len(): it also holds for a value of a wrong type.
     if not value:
         raise _invalid("value is empty (a tombstone)")
+    if isinstance(value, bytes | bytearray | str) and len(value) > MAX_RECORD_BYTES:
+        raise _invalid(f"record is {len(value)} bytes, more than the {MAX_RECORD_BYTES} allowed")
     try:
         data = orjson.loads(value)
     except (orjson.JSONDecodeError, TypeError, ValueError) as exc:
@@ -255,6 +318,7 @@ def _decode(value: bytes | None, allowed: tuple[str, ...] | None) -> Record:
     except fastjsonschema.JsonSchemaException as exc:
         message = getattr(exc, "message", None) or str(exc)
         raise _invalid(f"{type_name}: {message}") from None
+    _check_values(data)
     return _BUILDERS[type_name](data)
 
 
@@ -287,6 +351,27 @@ def decode_as(value: bytes | None, /, *kinds: type[Record]) -> Record:
     if not kinds:
         raise ConfigurationError("decode_as needs at least one record type to accept")
     return _decode(value, tuple(kind.TYPE for kind in kinds))
+
+
+def decode_keyed(key: bytes | None, value: bytes | None, /, *kinds: type[Record]) -> Record:
+    """Decode a record as read from a topic: its key, its value, the topic's record types.
+
+    Everything :func:`decode_as` checks, and that the key is exactly the record's
+    ``tx_id`` (a record keyed otherwise may sit on another transaction's partition,
+    and no decision would ever settle what it asks) and that key and value together
+    stay within :data:`~streams._limits.MAX_RECORD_BYTES`.
+
+    Raises:
+        InvalidRecord: as :func:`decode_as`, or the key is not the ``tx_id``.
+    """
+    size = len(key or b"") + len(value or b"")
+    if size > MAX_RECORD_BYTES:
+        raise _invalid(f"record is {size} bytes, more than the {MAX_RECORD_BYTES} allowed")
+    record = decode_as(value, *kinds)
+    if key != record.tx_id.encode():
+        shown = _short(key.decode("utf-8", "replace")) if key is not None else "none"
+        raise _invalid(f"record key {shown} differs from its tx_id {record.tx_id!r}")
+    return record
 
 
 # ----------------------------------------------------------------- encoding
@@ -431,7 +516,13 @@ def encode(record: Record) -> bytes:
         raise _invalid(f"{type_name}: {message}") from None
     if type_name == SagaRequest.TYPE:
         _check_request(data)
+    _check_values(data)
     try:
-        return orjson.dumps(data, default=_json_default, option=orjson.OPT_SORT_KEYS)
+        encoded = orjson.dumps(data, default=_json_default, option=orjson.OPT_SORT_KEYS)
     except orjson.JSONEncodeError as exc:
         raise _invalid(f"{type_name}: cannot be written as JSON: {exc}") from None
+    if len(encoded) > MAX_RECORD_BYTES:
+        raise _invalid(
+            f"{type_name}: is {len(encoded)} bytes, more than the {MAX_RECORD_BYTES} allowed"
+        )
+    return encoded
