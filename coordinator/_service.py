@@ -40,6 +40,7 @@ from streams import (
     StepEvent,
     TransientError,
     decode_as,
+    decode_keyed,
     encode,
 )
 from streams import _faults as faults
@@ -49,6 +50,7 @@ from streams._kafka import (
     Message,
     TransactionAborted,
     TransactionalProducer,
+    partition_for,
     send_to_dlq,
 )
 from streams._lifecycle import Clock, Stoppable, wall_clock_ms
@@ -108,6 +110,7 @@ class CoordinatorService(Stoppable):
         self.stats = CoordinatorStats()
         super().__init__()
         self._partitions: dict[int, _Partition] = {}
+        self._partition_count = 0  # of every saga topic; read at start
         self._consumer = Consumer(
             settings,
             group_id=f"{self.topics.prefix}.coordinator",
@@ -133,6 +136,7 @@ class CoordinatorService(Stoppable):
     def run(self) -> None:
         """Consume, decide and produce until stopped; raises FatalKafkaError when fenced."""
         self._producer.init()
+        self._partition_count = self._consumer.list_partitions(self.topics.requests)
         self._consumer.subscribe([self.topics.requests, self.topics.events, self.topics.decisions])
         log.info("coordinator %s running on %s", self.instance_id, self.settings.bootstrap)
         try:
@@ -227,7 +231,7 @@ class CoordinatorService(Stoppable):
 
     def _process(self, messages: list[Message], now: int) -> None:
         changed: dict[str, tuple[int, Saga]] = {}
-        outputs: list[tuple[int, Decision | SagaStatus]] = []
+        outputs: list[tuple[int, Decision | SagaStatus, bytes]] = []
         rejected: list[tuple[Message, str]] = []
         new_deadlines: list[tuple[int, int, str]] = []
 
@@ -239,7 +243,16 @@ class CoordinatorService(Stoppable):
 
         def feed(partition: int, tx_id: str, inp: Input, source: Message | None) -> None:
             before = current(partition, tx_id)
-            after, outs = decide(before, inp)
+            try:
+                after, outs = decide(before, inp)
+                # Encoded here, not at commit: what the contract refuses is this input's fault.
+                encoded = [(out, encode(out)) for out in outs if not isinstance(out, Ignored)]
+            except Exception as exc:  # no record may stop the coordinator
+                reason = f"could not be handled: {type(exc).__name__}: {exc}"
+                if source is not None:
+                    rejected.append((source, reason))
+                log.error("transaction %s: %s", tx_id, reason)
+                return
             if after is None:
                 return
             changed[tx_id] = (partition, after)
@@ -255,8 +268,7 @@ class CoordinatorService(Stoppable):
                         rejected.append((source, out.reason))
                     else:
                         log.warning("%s", out.reason)
-                else:
-                    outputs.append((partition, out))
+            outputs.extend((partition, out, value) for out, value in encoded)
 
         # A batch can hold records of a partition revoked during the poll that returned
         # it (a rebalance runs inside the poll). Its new owner reads them again: neither
@@ -265,7 +277,11 @@ class CoordinatorService(Stoppable):
         # found by the chaos suite).
         messages = [m for m in messages if m.partition in self._partitions]
         for m in messages:
-            inp = self._to_input(m, now, rejected)
+            try:
+                inp = self._to_input(m, now, rejected)
+            except Exception as exc:  # no record may stop the coordinator
+                rejected.append((m, f"could not be handled: {type(exc).__name__}: {exc}"))
+                continue
             if inp is not None:
                 tx_id = _tx_of(inp)
                 feed(m.partition, tx_id, inp, m)
@@ -288,17 +304,18 @@ class CoordinatorService(Stoppable):
     def _to_input(self, m: Message, now: int, rejected: list[tuple[Message, str]]) -> Input | None:
         try:
             if m.topic == self.topics.requests:
-                record = decode_as(m.value, SagaRequest, SagaAbort)
+                record = decode_keyed(m.key, m.value, SagaRequest, SagaAbort)
             elif m.topic == self.topics.events:
-                record = decode_as(m.value, StepEvent)
+                record = decode_keyed(m.key, m.value, StepEvent)
             else:
-                record = decode_as(m.value, Decision)  # checked (contract, key): ours
+                record = decode_keyed(m.key, m.value, Decision)  # checked (contract, key): ours
         except InvalidRecord as exc:
             rejected.append((m, exc.reason))
             return None
-        key = m.key.decode("utf-8", "replace") if m.key is not None else None
-        if key != record.tx_id:
-            rejected.append((m, f"record key {key!r} differs from its tx_id {record.tx_id!r}"))
+        if (home := partition_for(m.key or b"", self._partition_count)) != m.partition:
+            # Its transaction's other records are on `home`: acted on here, it would be
+            # a second, separate transaction of the same id that never settles.
+            rejected.append((m, f"record is on partition {m.partition}, its key belongs on {home}"))
             return None
         if isinstance(record, Decision):
             return None
@@ -313,27 +330,27 @@ class CoordinatorService(Stoppable):
         self,
         messages: list[Message],
         changed: dict[str, tuple[int, Saga]],
-        outputs: list[tuple[int, Decision | SagaStatus]],
+        outputs: list[tuple[int, Decision | SagaStatus, bytes]],
         rejected: list[tuple[Message, str]],
     ) -> None:
         # Only the last status of a transaction in this batch matters (the topic is compacted).
-        last_status: dict[str, SagaStatus] = {}
-        decisions: list[Decision] = []
-        for _, out in outputs:
+        last_status: dict[str, bytes] = {}
+        decisions: list[tuple[Decision, bytes]] = []
+        for _, out, value in outputs:
             if isinstance(out, Decision):
-                decisions.append(out)
+                decisions.append((out, value))
             else:
-                last_status[out.tx_id] = out
+                last_status[out.tx_id] = value
         offsets: dict[tuple[str, int], int] = {}
         for m in messages:
             key = (m.topic, m.partition)
             offsets[key] = max(offsets.get(key, 0), m.offset + 1)
         try:
             self._producer.begin()
-            for d in decisions:
-                self._producer.produce(self.topics.decisions, d.tx_id, encode(d))
-            for s in last_status.values():
-                self._producer.produce(self.topics.status, s.tx_id, encode(s))
+            for d, value in decisions:
+                self._producer.produce(self.topics.decisions, d.tx_id, value)
+            for tx_id, value in last_status.items():
+                self._producer.produce(self.topics.status, tx_id, value)
             for m, reason in rejected:
                 send_to_dlq(self._producer, self.topics, m, reason, component="coordinator")
             if offsets:
@@ -352,7 +369,7 @@ class CoordinatorService(Stoppable):
         self.stats.records += len(messages)
         self.stats.dlq += len(rejected)
         self.stats.decisions += len(decisions)
-        for d in decisions:
+        for d, _ in decisions:
             if d.outcome == "commit":
                 self.stats.commits += 1
             else:

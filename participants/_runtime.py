@@ -44,6 +44,7 @@ from tenacity import (
 from participants._barrier import PredecessorApplied, Requested, SuccessorCompensated
 from participants._storage import DecisionArrived, Report, Storage, WorkItem, unique
 from streams import (
+    MAX_REASON_CHARS,
     Decision,
     InvalidRecord,
     Mode,
@@ -52,11 +53,11 @@ from streams import (
     StepEvent,
     StepStatus,
     TransientError,
-    decode_as,
+    decode_keyed,
     encode,
 )
 from streams import _faults as faults
-from streams._kafka import Consumer, KafkaSettings, Message, Producer
+from streams._kafka import Consumer, KafkaSettings, Message, Producer, partition_for
 from streams._lifecycle import Clock, Stoppable, wall_clock_ms
 
 log = logging.getLogger("saga.participant")
@@ -70,6 +71,7 @@ class ParticipantStats:
     events: int = 0
     skipped_invalid: int = 0
     retries: int = 0
+    poisoned: int = 0
 
 
 class ParticipantRuntime(Stoppable):
@@ -106,6 +108,7 @@ class ParticipantRuntime(Stoppable):
         # their neighbours' events need a look at the ledger
         self._sequential: OrderedDict[str, int] = OrderedDict()
         self._carry: list[Message] = []
+        self._partition_count = 0  # of every saga topic; read at start
         # Partitions were assigned: sequential transactions another worker was
         # serving may have a step here that waits on a neighbour (see _handle).
         self._reload_sequential = False
@@ -133,6 +136,7 @@ class ParticipantRuntime(Stoppable):
         self.storage.setup()
         now = self.clock()
         self._sequential = OrderedDict((tx, now) for tx in self.storage.in_flight_sequential())
+        self._partition_count = self._consumer.list_partitions(self.topics.requests)
         self._consumer.subscribe([self.topics.requests, self.topics.decisions, self.topics.events])
         log.info("participant %s running on %s", self.name, self.settings.bootstrap)
         try:
@@ -179,7 +183,8 @@ class ParticipantRuntime(Stoppable):
                 participant=self.name,
                 status=r.status,
                 at_ms=now,
-                reason=r.reason,
+                # a handler's or a driver's text: cut to what the contract allows
+                reason=r.reason[:MAX_REASON_CHARS] if r.reason is not None else None,
             )
             self._producer.produce(self.topics.events, r.tx_id, encode(event))
         # The events must be in the log before the offsets say the inputs are done.
@@ -199,6 +204,42 @@ class ParticipantRuntime(Stoppable):
         self.stats.events += len(reports)
 
     def _execute(self, items: list[WorkItem]) -> list[Report]:
+        try:
+            return self._execute_retrying(items)
+        except Exception as exc:  # one item must not stop the others, nor the process
+            if len(items) == 1:
+                return self._poisoned(items[0], exc)
+            log.error(
+                "a batch of %d items failed (%s: %s); running them one by one",
+                len(items),
+                type(exc).__name__,
+                exc,
+            )
+        reports: list[Report] = []
+        for item in items:
+            try:
+                reports += self._execute_retrying([item])
+            except Exception as exc:  # only after the batch failed
+                reports += self._poisoned(item, exc)
+        return reports
+
+    def _poisoned(self, item: WorkItem, exc: Exception) -> list[Report]:
+        """An item the storage fails on for good: its step fails; nothing else stops.
+
+        The item's local transaction did not commit, so nothing of it took effect; a
+        request's step is reported ``failed`` and the saga rolls back (a repeat fails
+        the same way, and the rollback finds no ledger entry: a null compensation).
+        A decision that cannot be carried out is left to the audit, which reports the
+        saga stuck and can replay the decision once the cause is fixed.
+        """
+        self.stats.poisoned += 1
+        reason = f"could not be handled: {type(exc).__name__}: {exc}"
+        log.error("%s of %s: %s", type(item).__name__, item.tx_id, reason)
+        if isinstance(item, Requested):
+            return [Report(item.tx_id, item.step, StepStatus.FAILED, reason)]
+        return []
+
+    def _execute_retrying(self, items: list[WorkItem]) -> list[Report]:
         def before_sleep(state: RetryCallState) -> None:
             self.stats.retries += 1
             exc = state.outcome.exception() if state.outcome else None
@@ -244,29 +285,20 @@ class ParticipantRuntime(Stoppable):
         for m in messages:
             try:
                 if m.topic == self.topics.requests:
-                    record = decode_as(m.value, SagaRequest, SagaAbort)
+                    record = decode_keyed(m.key, m.value, SagaRequest, SagaAbort)
                 elif m.topic == self.topics.decisions:
-                    record = decode_as(m.value, Decision)
+                    record = decode_keyed(m.key, m.value, Decision)
                 else:
-                    record = decode_as(m.value, StepEvent)
+                    record = decode_keyed(m.key, m.value, StepEvent)
+                if partition_for(m.key or b"", self._partition_count) != m.partition:
+                    # On another transaction's partition: the coordinator never decides it,
+                    # so an effect here would never be settled.
+                    raise InvalidRecord("record is not on its key's partition")
             except InvalidRecord as exc:
                 # The coordinator moves it to the DLQ; here it only must not block.
                 self.stats.skipped_invalid += 1
                 log.debug(
                     "skipping invalid record at %s/%d@%d: %s", m.topic, m.partition, m.offset, exc
-                )
-                continue
-            if m.key is None or m.key.decode("utf-8", "replace") != record.tx_id:
-                # Keyed by another transaction (so maybe on another partition): the
-                # coordinator moves it to the DLQ and never decides it, so acting on
-                # it here would leave an effect no decision ever settles.
-                self.stats.skipped_invalid += 1
-                log.debug(
-                    "skipping record at %s/%d@%d: its key is not its tx_id %r",
-                    m.topic,
-                    m.partition,
-                    m.offset,
-                    record.tx_id,
                 )
                 continue
             if isinstance(record, SagaRequest):

@@ -497,8 +497,12 @@ class _ProducerBase:
         value: bytes | None,
         headers: Sequence[tuple[str, bytes]] | None = None,
         on_delivery: DeliveryCallback | None = None,
+        partition: int | None = None,
     ) -> None:
         """Queue one record; it is sent in the background.
+
+        ``partition`` overrides the key's partition: only tools and tests that send a
+        record where it does not belong need it (consumers reject such a record).
 
         Returns once the record is queued, not delivered. When the local queue
         is full, serves delivery reports and retries for up to 30 s. A str key
@@ -526,9 +530,19 @@ class _ProducerBase:
         deadline = time.monotonic() + _BUFFER_FULL_TIMEOUT_S
         while True:
             try:
-                self._client.produce(
-                    topic, value=value, key=key, headers=header_list, on_delivery=handler
-                )
+                if partition is None:
+                    self._client.produce(
+                        topic, value=value, key=key, headers=header_list, on_delivery=handler
+                    )
+                else:
+                    self._client.produce(
+                        topic,
+                        value=value,
+                        key=key,
+                        headers=header_list,
+                        on_delivery=handler,
+                        partition=partition,
+                    )
                 break
             except BufferError:
                 if time.monotonic() >= deadline:
