@@ -196,6 +196,7 @@ from streams import (
     Mode,
     TransientError,
 )
+from streams._secrets import redact, redact_url
 
 log = logging.getLogger("saga.participant.mongo")
 
@@ -237,6 +238,7 @@ _TRANSIENT_CODES: Final = frozenset(
         13436,  # NotPrimaryOrSecondary
     }
 )
+_AUTHENTICATION_FAILED: Final = 18
 _CONFIGURATION_CODES: Final = frozenset(
     {
         13,  # Unauthorized
@@ -1759,8 +1761,10 @@ def _is_transient(exc: mongo_errors.PyMongoError) -> bool:
 
 
 def _detail(exc: BaseException) -> str:
+    """The first line of the server's or driver's message, passwords hidden."""
     details = getattr(exc, "details", None)
     text = str(details.get("errmsg")) if isinstance(details, Mapping) else str(exc)
+    text = redact(text)
     text = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
     return text if len(text) <= 240 else text[:237] + "..."
 
@@ -1821,8 +1825,10 @@ class MongoStorage(Storage):
         try:
             parsed = parse_uri(url)
         except (mongo_errors.InvalidURI, mongo_errors.ConfigurationError, ValueError) as exc:
+            shown = redact_url(url)
             raise ConfigurationError(
-                f"{url!r} is not a MongoDB URL (e.g. mongodb://host:27017/saga): {exc}"
+                f"{shown!r} is not a MongoDB URL ({_detail(exc)}); give one such as "
+                "mongodb://host:27017/saga"
             ) from exc
         database = database or parsed.get("database") or DEFAULT_DATABASE
         _check_database(database)
@@ -2046,6 +2052,12 @@ class MongoStorage(Storage):
 
     def _translate(self, exc: mongo_errors.PyMongoError, what: str) -> NoReturn:
         prefix = f"participant {self.name!r} could not {what}"
+        if getattr(exc, "code", None) == _AUTHENTICATION_FAILED:
+            raise ConfigurationError(
+                f"{prefix}: authentication failure: {self.where} refused the credentials "
+                f"({_detail(exc)}); fix the user name, password, authSource or authMechanism "
+                "in the storage URL"
+            ) from exc
         if isinstance(exc, mongo_errors.ConnectionFailure):
             raise TransientError(
                 f"{prefix}: {self.where} is unavailable ({_detail(exc)}); retrying is safe"

@@ -86,6 +86,7 @@ from streams import (
     Mode,
     TransientError,
 )
+from streams._secrets import redact, redact_url
 
 log = logging.getLogger("saga.participant.redis")
 
@@ -623,7 +624,8 @@ class RedisStorage(Storage):
             )
         except ValueError as exc:
             raise ConfigurationError(
-                f"{url!r} is not a Redis URL (e.g. redis://host:6379/0): {exc}"
+                f"{redact_url(url)!r} is not a Redis URL ({_detail(exc)}); give one such as "
+                "redis://host:6379/0"
             ) from exc
         self.in_flight_key = f"{prefix}:ledger:{name}:in_flight"
         builtin = RedisActions(self.targets)
@@ -717,9 +719,15 @@ class RedisStorage(Storage):
     def _translate(self, exc: redis_errors.RedisError, what: str) -> NoReturn:
         prefix = f"participant {self.name!r} could not {what}"
         detail = _detail(exc)
-        if isinstance(exc, redis_errors.AuthenticationError | redis_errors.NoPermissionError):
+        if isinstance(exc, redis_errors.AuthenticationError):
             raise ConfigurationError(
-                f"{prefix}: {self.where} refused the credentials or a command ({detail})"
+                f"{prefix}: authentication failure: {self.where} refused the credentials "
+                f"({detail}); fix the user name or password in the storage URL"
+            ) from exc
+        if isinstance(exc, redis_errors.NoPermissionError):
+            raise ConfigurationError(
+                f"{prefix}: {self.where} refused a command ({detail}); grant the Redis user "
+                "the commands and keys the participant needs"
             ) from exc
         if isinstance(
             exc,
@@ -752,7 +760,8 @@ def _describe(url: str) -> str:
 
 
 def _detail(exc: BaseException) -> str:
-    text = str(exc).strip()
+    """The first line of redis-py's message, passwords hidden."""
+    text = redact(str(exc)).strip()
     line = text.splitlines()[0] if text else type(exc).__name__
     return line if len(line) <= 240 else line[:237] + "..."
 

@@ -103,6 +103,7 @@ from participants._barrier import LedgerEntry, LedgerStatus
 from participants._handlers import Handler, combine
 from participants._storage import Actions, Report, Storage, Unit, WorkItem, run_item
 from streams import BusinessRejection, ConfigurationError, Mode, TransientError
+from streams._secrets import redact, redact_url
 
 log = logging.getLogger("saga.participant.sql")
 
@@ -130,6 +131,14 @@ _LEDGER_COLUMNS: Final = (
 TX_LOCK_BUCKETS: Final = 256
 """PostgreSQL advisory locks per participant that serialise workers on one transaction."""
 _INTEGER_TEXT: Final = re.compile(r"[+-]?[0-9]+")
+# libpq reports a failed connection without a SQLSTATE (there is no result to carry
+# one), so an authentication failure is known by the server's or libpq's words.
+_AUTH_FAILURE: Final = re.compile(
+    r"password authentication failed|authentication failed for user|role \S+ does not exist"
+    r"|no pg_hba\.conf entry|is not permitted to log in|no password supplied"
+    r"|server did not complete authentication|SCRAM authentication",
+    re.IGNORECASE,
+)
 
 
 def define_ledger(metadata: MetaData, name: str = "saga_ledger") -> Table:
@@ -625,11 +634,19 @@ def _rejected_by_database(what: str) -> Iterator[None]:
 
 
 def _detail(exc: BaseException) -> str:
-    """The first line of the driver's message (the rest is SQL and hints)."""
+    """The first line of the driver's message (the rest is SQL and hints), passwords hidden."""
     origin = getattr(exc, "orig", None) or exc
-    lines = str(origin).strip().splitlines()
+    lines = redact(str(origin)).strip().splitlines()
     text = lines[0].strip() if lines else type(origin).__name__
     return text if len(text) <= 240 else text[:237] + "..."
+
+
+def _is_auth_failure(exc: sa_exc.DBAPIError) -> bool:
+    """The server refused the login: SQLSTATE class 28, or libpq's words for it."""
+    sqlstate = getattr(exc.orig, "sqlstate", None)
+    if isinstance(sqlstate, str):
+        return sqlstate.startswith("28")
+    return bool(_AUTH_FAILURE.search(str(exc.orig)))
 
 
 def _is_conflict(exc: sa_exc.DBAPIError) -> bool:
@@ -1103,6 +1120,12 @@ class SqlStorage(Storage):
 
     def _translate(self, exc: sa_exc.DBAPIError, what: str) -> NoReturn:
         prefix = f"participant {self.name!r} could not {what}"
+        if _is_auth_failure(exc):
+            raise ConfigurationError(
+                f"{prefix}: authentication failure: {self.database} refused the user "
+                f"{self.url.username or '(none)'!r} ({_detail(exc)}); fix the user name or "
+                "password in the storage URL, or the server's pg_hba.conf"
+            ) from exc
         if isinstance(exc, sa_exc.ProgrammingError) and not exc.connection_invalidated:
             raise ConfigurationError(
                 f"{prefix}: {self.database} refused a statement ({_detail(exc)}); check the "
@@ -1151,10 +1174,12 @@ def _check_identifier(name: Any, what: str) -> None:
 def _sqlalchemy_url(url: str) -> URL:
     try:
         parsed = make_url(url)
-    except sa_exc.ArgumentError as exc:
+    except (sa_exc.ArgumentError, ValueError) as exc:
+        # ValueError: a port that is not a number; neither message may show the password.
+        port = " (the port must be a number)" if isinstance(exc, ValueError) else ""
         raise ConfigurationError(
-            f"{url!r} is not a database URL (e.g. postgresql://user:password@host:5432/db "
-            "or sqlite:///path/to/file.db)"
+            f"{redact_url(url)!r} is not a database URL{port}; give one such as "
+            "postgresql://user@host:5432/db or sqlite:///path/to/file.db"
         ) from exc
     if parsed.drivername in ("postgresql", "postgres"):
         parsed = parsed.set(drivername="postgresql+psycopg")
@@ -1182,7 +1207,8 @@ def _engine(url: URL) -> Engine:
         engine = create_engine(url, **options)
     except (sa_exc.ArgumentError, sa_exc.NoSuchModuleError, ImportError) as exc:
         raise ConfigurationError(
-            f"cannot use database URL {url.render_as_string(hide_password=True)!r}: {exc}"
+            f"cannot use database URL {url.render_as_string(hide_password=True)!r}: "
+            f"{redact(str(exc))}"
         ) from exc
     if backend == "sqlite":
         _sqlite_savepoints(engine)
