@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import threading
 import time
 import uuid
@@ -40,6 +41,8 @@ from streams._lifecycle import wall_clock_ms
 log = logging.getLogger("saga.client")
 
 DEFAULT_TIMEOUT_S = 30.0
+# A deadline further away than this is a typo, not a plan (and must fit in 64 bits).
+MAX_TIMEOUT_S = 1_000_000_000
 
 
 def _as_step(step: Step | Mapping[str, Any]) -> Step:
@@ -55,12 +58,73 @@ def _as_step(step: Step | Mapping[str, Any]) -> Step:
         ) from exc
 
 
+def _timeout_ms(timeout: Any) -> int:
+    """``timeout`` seconds in milliseconds; a readable :class:`InvalidRecord` unless it is a
+    finite positive number of at most :data:`MAX_TIMEOUT_S`."""
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+        raise InvalidRecord(
+            f"timeout must be a number of seconds, got {type(timeout).__name__} {timeout!r}"
+        )
+    if not math.isfinite(timeout) or timeout <= 0:
+        raise InvalidRecord(f"timeout must be a positive finite number of seconds, got {timeout!r}")
+    if timeout > MAX_TIMEOUT_S:
+        raise InvalidRecord(
+            f"timeout must be at most {MAX_TIMEOUT_S:,} seconds (about 31 years), got {timeout!r}"
+        )
+    return int(timeout * 1000)
+
+
 def _still_running(tx_id: str, timeout: float, current: SagaStatus | None) -> SagaTimeout:
     state = current.state.value if current is not None else "not seen by the coordinator yet"
     return SagaTimeout(
         f"transaction {tx_id} is still running after {timeout:g} s (state: {state}); "
         "call result() again later or check `saga status`"
     )
+
+
+def build_request(
+    steps: Sequence[Step | Mapping[str, Any]],
+    *,
+    saga: str = "saga",
+    mode: Mode | str = Mode.PARALLEL,
+    timeout: float = DEFAULT_TIMEOUT_S,
+    tx_id: str | None = None,
+    meta: Mapping[str, Any] | None = None,
+    now_ms: int | None = None,
+) -> SagaRequest:
+    """The request :meth:`SagaClient.submit` would send, checked against the wire contract.
+
+    Needs no Kafka, so a command line can check its input before it connects.
+    Raises :class:`InvalidRecord` with a readable reason for bad input.
+    """
+    try:
+        mode = Mode(mode)
+    except ValueError as exc:
+        raise InvalidRecord(f"mode must be 'parallel' or 'sequential', got {mode!r}") from exc
+    created = wall_clock_ms() if now_ms is None else now_ms
+    deadline_ms = created + _timeout_ms(timeout)
+    if meta is not None and not isinstance(meta, Mapping):
+        raise InvalidRecord(
+            f"meta must be an object of names to values (or absent), got {type(meta).__name__}"
+        )
+    if isinstance(steps, str | bytes | Mapping) or not isinstance(steps, Iterable):
+        raise InvalidRecord(
+            "steps must be a list of {participant, action, args} objects, got "
+            f"{type(steps).__name__}"
+        )
+    request = SagaRequest(
+        tx_id=tx_id if tx_id is not None else uuid.uuid4().hex,
+        saga=saga,
+        mode=mode,
+        steps=tuple(_as_step(s) for s in steps),
+        deadline_ms=deadline_ms,
+        created_ms=created,
+        meta=meta,
+    )
+    # Round-trip through the codec: the one place that enforces the contract.
+    checked = decode(encode(request))
+    assert isinstance(checked, SagaRequest)
+    return checked
 
 
 class StatusView:
@@ -200,26 +264,9 @@ class SagaClient:
 
         Raises :class:`InvalidRecord` with a readable reason for bad input.
         """
-        try:
-            mode = Mode(mode)
-        except ValueError as exc:
-            raise InvalidRecord(f"mode must be 'parallel' or 'sequential', got {mode!r}") from exc
-        if timeout <= 0:
-            raise InvalidRecord(f"timeout must be positive seconds, got {timeout!r}")
-        created = wall_clock_ms() if now_ms is None else now_ms
-        request = SagaRequest(
-            tx_id=tx_id if tx_id is not None else uuid.uuid4().hex,
-            saga=saga,
-            mode=mode,
-            steps=tuple(_as_step(s) for s in steps),
-            deadline_ms=created + int(timeout * 1000),
-            created_ms=created,
-            meta=meta,
+        return build_request(
+            steps, saga=saga, mode=mode, timeout=timeout, tx_id=tx_id, meta=meta, now_ms=now_ms
         )
-        # Round-trip through the codec: the one place that enforces the contract.
-        checked = decode(encode(request))
-        assert isinstance(checked, SagaRequest)
-        return checked
 
     # ------------------------------------------------------------ calls
 

@@ -4,14 +4,17 @@ Every command takes the Kafka address from ``--bootstrap`` or
 ``SAGA_KAFKA_BOOTSTRAP``, the topic prefix from ``--prefix`` or
 ``SAGA_TOPIC_PREFIX`` (default ``saga``), and Kafka client settings (SASL, TLS)
 from ``--kafka-config FILE`` (``key=value`` lines) or ``SAGA_KAFKA_<NAME>``
-variables. Expected failures print one sentence and exit non-zero; there are no
-stack traces for them.
+variables. Expected failures print one sentence and exit non-zero (2 for bad
+usage or input); there are no stack traces for them. No message or log line
+shows a password: storage URLs' passwords and Kafka settings named like
+``sasl.password`` are redacted (:mod:`streams._secrets`).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import sys
 import time
@@ -22,14 +25,54 @@ from typing import Any, NoReturn, TypeVar
 import click
 
 from streams import ConfigurationError, InvalidRecord, SagaError, SagaTimeout, schema, to_dict
-from streams._kafka import KafkaSettings, create_topics
+from streams._kafka import KafkaSettings, create_topics, wait_for_broker
+from streams._secrets import install_log_redaction, redact, remember_settings, url_password
 
 F = TypeVar("F", bound=Callable[..., Any])
 
+DEFAULT_CONNECT_TIMEOUT_S = 30.0
+MAX_TIMEOUT_S = 1_000_000_000  # as coordinator._client.MAX_TIMEOUT_S (not imported: start-up cost)
+
 
 def _fail(message: str, code: int = 1) -> NoReturn:
-    click.echo(f"saga: {message}", err=True)
+    click.echo(f"saga: {redact(message)}", err=True)
     sys.exit(code)
+
+
+class Seconds(click.FloatRange):
+    """A positive, finite number of seconds (click's FLOAT accepts nan and inf)."""
+
+    name = "seconds"
+
+    def __init__(self, maximum: float = MAX_TIMEOUT_S) -> None:
+        super().__init__(0, maximum, min_open=True)
+        self.maximum = maximum
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        try:
+            seconds = float(value)
+        except (TypeError, ValueError):
+            seconds = math.nan
+        if not (math.isfinite(seconds) and 0 < seconds <= self.maximum):
+            self.fail(
+                f"{value!r} is not a positive number of seconds (at most {self.maximum:,.0f}); "
+                "give one such as 30",
+                param,
+                ctx,
+            )
+        return seconds
+
+
+def connect_timeout_option(fn: F) -> F:
+    return click.option(
+        "--connect-timeout",
+        type=Seconds(3600),
+        default=DEFAULT_CONNECT_TIMEOUT_S,
+        show_default=True,
+        envvar="SAGA_CONNECT_TIMEOUT",
+        help="Seconds to wait at start-up for Kafka to answer before exiting with one "
+        "sentence [env SAGA_CONNECT_TIMEOUT].",
+    )(fn)
 
 
 def kafka_options(fn: F) -> F:
@@ -51,7 +94,10 @@ def kafka_options(fn: F) -> F:
 def settings_from(
     bootstrap: str | None, prefix: str | None, kafka_config: str | None
 ) -> KafkaSettings:
-    return KafkaSettings.from_sources(bootstrap, prefix, kafka_config, os.environ)
+    settings = KafkaSettings.from_sources(bootstrap, prefix, kafka_config, os.environ)
+    # sasl.password, ssl.key.password, ...: never shown by a message or log line.
+    remember_settings(settings.extra)
+    return settings
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -70,6 +116,7 @@ def main(verbose: int) -> None:
     _faults.configure_unsafe(os.environ.get("SAGA_UNSAFE_TEST_SWITCHES"))
     level = logging.WARNING - 10 * min(verbose, 2)
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    install_log_redaction()
     if os.environ.get("SAGA_UNSAFE_TEST_SWITCHES"):
         logging.getLogger("saga").warning(
             "unsafe test switches on (%s): guarantees are broken on purpose",
@@ -133,12 +180,14 @@ def coordinator() -> None:
     help="Comma-separated names of the participants that exist; a request naming "
     "another rolls back at once (default: accept any name).",
 )
+@connect_timeout_option
 def coordinator_run(
     bootstrap: str | None,
     prefix: str | None,
     kafka_config: str | None,
     instance_id: str,
     participants: str | None,
+    connect_timeout: float,
 ) -> None:
     """Consume requests and step events, decide commit or rollback, publish status."""
     from coordinator._service import CoordinatorService
@@ -146,9 +195,9 @@ def coordinator_run(
     known = (
         frozenset(p.strip() for p in participants.split(",") if p.strip()) if participants else None
     )
-    service = CoordinatorService(
-        settings_from(bootstrap, prefix, kafka_config), instance_id=instance_id, participants=known
-    )
+    settings = settings_from(bootstrap, prefix, kafka_config)
+    wait_for_broker(settings, timeout=connect_timeout)
+    service = CoordinatorService(settings, instance_id=instance_id, participants=known)
     service.install_signal_handlers()
     service.run()
 
@@ -165,7 +214,33 @@ def participant() -> None:
 @kafka_options
 @click.option("--name", required=True, help="Participant name, as steps name it.")
 @click.option("--storage", type=click.Choice(["sql", "mongo", "redis"]), required=True)
-@click.option("--url", required=True, help="Storage URL (postgresql://..., sqlite:///..., ...).")
+@click.option(
+    "--url",
+    default=None,
+    help="Storage URL: postgresql://user:password@host:5432/db, sqlite:///file.db, "
+    "mongodb://user:password@host:27017/db or redis://:password@host:6379/0. Every local "
+    "user can read a command line (ps): give a URL with a password through --url-file, "
+    "--url-env or SAGA_STORAGE_URL instead, or its password through --password-file.",
+)
+@click.option(
+    "--url-file",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Read the storage URL from the first line of this file (e.g. a mounted secret).",
+)
+@click.option(
+    "--url-env",
+    metavar="NAME",
+    default=None,
+    help="Read the storage URL from the environment variable NAME (e.g. SAGA_POSTGRES_URL).",
+)
+@click.option(
+    "--password-file",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Read the storage password from the first line of this file; it replaces the "
+    "URL's password.",
+)
 @click.option(
     "--targets",
     required=True,
@@ -173,25 +248,48 @@ def participant() -> None:
 )
 @click.option("--handlers", default=None, help="Dotted path of a module with custom HANDLERS.")
 @click.option("--schema", "db_schema", default=None, help="SQL schema of the tables and ledger.")
+@connect_timeout_option
 def participant_run(
     bootstrap: str | None,
     prefix: str | None,
     kafka_config: str | None,
     name: str,
     storage: str,
-    url: str,
+    url: str | None,
+    url_file: str | None,
+    url_env: str | None,
+    password_file: str | None,
     targets: str,
     handlers: str | None,
     db_schema: str | None,
+    connect_timeout: float,
 ) -> None:
-    """Apply this participant's steps, confirm on commit, compensate on rollback."""
-    from participants import ParticipantRuntime, open_storage
+    """Apply this participant's steps, confirm on commit, compensate on rollback.
 
+    The storage URL comes from one of --url, --url-file or --url-env, else from
+    the SAGA_STORAGE_URL environment variable; --password-file sets its password.
+    No message or log line shows the password. An authentication failure of the
+    storage exits with code 2; Kafka not answering within --connect-timeout
+    seconds exits with code 1.
+    """
+    from participants import ParticipantRuntime, open_storage
+    from participants._open import storage_url
+
+    if url is not None and url_password(url):
+        logging.getLogger("saga.participant").warning(
+            "the storage password is on the command line, where every local user can read "
+            "it (ps); pass the URL with --url-file, --url-env or SAGA_STORAGE_URL instead"
+        )
+    resolved = storage_url(
+        url=url, url_file=url_file, url_env=url_env, password_file=password_file, environ=os.environ
+    )
+    settings = settings_from(bootstrap, prefix, kafka_config)
     target_list = [t.strip() for t in targets.split(",") if t.strip()]
     store = open_storage(
-        storage, name=name, url=url, targets=target_list, handlers=handlers, schema=db_schema
+        storage, name=name, url=resolved, targets=target_list, handlers=handlers, schema=db_schema
     )
-    runtime = ParticipantRuntime(name, store, settings_from(bootstrap, prefix, kafka_config))
+    wait_for_broker(settings, timeout=connect_timeout)
+    runtime = ParticipantRuntime(name, store, settings)
     runtime.install_signal_handlers()
     runtime.run()
 
@@ -199,21 +297,103 @@ def participant_run(
 # ---------------------------------------------------------------- client commands
 
 
+class _NotANumber(ValueError):
+    def __init__(self, literal: str) -> None:
+        super().__init__(literal)
+        self.literal = literal
+
+
+def _finite(literal: str) -> float:
+    value = float(literal)
+    if not math.isfinite(value):
+        raise _NotANumber(literal)
+    return value
+
+
+def _no_constant(literal: str) -> Any:
+    raise _NotANumber(literal)
+
+
 def _read_submission(source: str) -> dict[str, Any]:
+    """The submission object of ``source`` (a path, or - for standard input).
+
+    Raises :class:`ConfigurationError` (exit 2) naming what to fix.
+    """
+    where = "standard input" if source == "-" else source
     try:
-        text = sys.stdin.read() if source == "-" else open(source, encoding="utf-8").read()  # noqa: SIM115
+        if source == "-":
+            raw = sys.stdin.buffer.read()
+        else:
+            with open(source, "rb") as handle:
+                raw = handle.read()
     except OSError as exc:
-        raise ConfigurationError(f"cannot read {source}: {exc.strerror}") from exc
+        raise ConfigurationError(
+            f"cannot read {where}: {exc.strerror or exc}; give the path of a JSON file, "
+            "or - for standard input"
+        ) from exc
     try:
-        data = json.loads(text)
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigurationError(
+            f"{where} is not UTF-8 text (byte {exc.start} cannot be decoded); save the "
+            "submission as UTF-8 JSON"
+        ) from exc
+    try:
+        data = json.loads(text, parse_float=_finite, parse_constant=_no_constant)
+    except _NotANumber as exc:
+        problem = (
+            "which is not JSON"
+            if exc.literal in ("NaN", "Infinity", "-Infinity")
+            else "which is too large for a 64-bit number"
+        )
+        raise ConfigurationError(
+            f"{where} holds {exc.literal}, {problem}; write a finite number such as 30"
+        ) from exc
     except json.JSONDecodeError as exc:
-        raise InvalidRecord(f"{source} is not valid JSON: {exc.msg} at line {exc.lineno}") from exc
+        raise ConfigurationError(
+            f"{where} is not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}; "
+            "fix the JSON"
+        ) from exc
     if not isinstance(data, dict) or not isinstance(data.get("steps"), list):
-        raise InvalidRecord(
-            f"{source} must hold an object with a 'steps' list of "
+        raise ConfigurationError(
+            f"{where} must hold an object with a 'steps' list of "
             '{"participant": ..., "action": ..., "args": {...}} objects'
         )
+    if "meta" in data and data["meta"] is not None and not isinstance(data["meta"], dict):
+        raise ConfigurationError(
+            f"{where}: meta must be an object of names to values, such as "
+            f'{{"trace": "abc"}}, not {_json_type(data["meta"])}'
+        )
+    if "timeout_s" in data:
+        _check_seconds(data["timeout_s"], f"{where}: timeout_s")
     return data
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "a list"
+    return "an object"
+
+
+def _check_seconds(value: Any, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigurationError(
+            f"{what} must be a number of seconds such as 30, not {json.dumps(value)}"
+        )
+    if not 0 < value <= MAX_TIMEOUT_S:
+        raise ConfigurationError(
+            f"{what} must be a positive number of seconds, at most {MAX_TIMEOUT_S:,}; "
+            f"got {json.dumps(value)}"
+        )
+    return float(value)
 
 
 @main.command()
@@ -222,7 +402,7 @@ def _read_submission(source: str) -> dict[str, Any]:
 @click.option("--wait/--no-wait", default=False, help="Wait for the final status and print it.")
 @click.option(
     "--timeout",
-    type=float,
+    type=Seconds(),
     default=None,
     help="Seconds until the saga's deadline (overrides the file's timeout_s; default 30).",
 )
@@ -239,14 +419,14 @@ def submit(
     The JSON object has `steps` (list of {participant, action, args}) and
     optionally `saga`, `mode` (parallel|sequential), `timeout_s`, `tx_id`, `meta`.
     """
-    from coordinator._client import SagaClient
+    from coordinator._client import DEFAULT_TIMEOUT_S, SagaClient, build_request
 
     data = _read_submission(source)
-    deadline_s = timeout if timeout is not None else float(data.get("timeout_s", 30))
-    with SagaClient(
-        settings_from(bootstrap, prefix, kafka_config), status_from_beginning=False
-    ) as client:
-        tx_id = client.submit(
+    deadline_s = timeout if timeout is not None else float(data.get("timeout_s", DEFAULT_TIMEOUT_S))
+    settings = settings_from(bootstrap, prefix, kafka_config)
+    try:
+        # Checked before connecting: bad input is a usage error, whatever Kafka's state.
+        request = build_request(
             data["steps"],
             saga=str(data.get("saga", "saga")),
             mode=data.get("mode", "parallel"),
@@ -254,6 +434,12 @@ def submit(
             tx_id=data.get("tx_id"),
             meta=data.get("meta"),
         )
+    except InvalidRecord as exc:
+        where = "standard input" if source == "-" else source
+        raise ConfigurationError(f"{where}: {exc.reason}") from exc
+    with SagaClient(settings, status_from_beginning=False) as client:
+        client.send(request)
+        tx_id = request.tx_id
         click.echo(tx_id)
         if wait:
             status = client.result(tx_id, timeout=deadline_s + 30)
