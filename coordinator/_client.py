@@ -170,6 +170,9 @@ class StatusView:
                     with self._cond:
                         for m in batch:
                             if m.value is None:
+                                # A tombstone: the coordinator forgot the saga (retention).
+                                if m.key is not None:
+                                    self._latest.pop(m.key.decode("utf-8", "replace"), None)
                                 continue
                             try:
                                 status = decode_as(m.value, SagaStatus)

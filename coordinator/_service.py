@@ -36,6 +36,7 @@ from streams import (
     InvalidRecord,
     SagaAbort,
     SagaRequest,
+    SagaState,
     SagaStatus,
     StepEvent,
     TransientError,
@@ -70,12 +71,23 @@ class CoordinatorStats:
     dlq: int = 0
     aborted_transactions: int = 0
     restored: int = 0
+    forgotten: int = 0
+    expired_requests: int = 0
+
+
+DEFAULT_RETENTION_MS = 7 * 24 * 3_600_000
+"""How long a finished saga is remembered past its deadline (and its last change)."""
+
+# Forgetting is a chore, not a reason to make one transaction huge.
+_FORGET_PER_BATCH = 5000
 
 
 @dataclass(slots=True)
 class _Partition:
     sagas: dict[str, Saga] = field(default_factory=dict)
     deadlines: list[tuple[int, str]] = field(default_factory=list)
+    # (when the saga may be forgotten, tx_id); entries go stale when a saga changes
+    forget: list[tuple[int, str]] = field(default_factory=list)
 
 
 class CoordinatorService(Stoppable):
@@ -87,6 +99,19 @@ class CoordinatorService(Stoppable):
     transactional producer, so a restarted instance fences its predecessor and
     aborts what that one left open. ``participants``, when given, is the set of
     participant names that exist: a request naming another rolls back at once.
+
+    Retention (``retention_ms``): a saga that ended ``committed`` or
+    ``rolled_back`` is forgotten once ``retention_ms`` have passed since both its
+    deadline and its last change: it leaves memory and gets a tombstone on the
+    status topic, so memory, the status topic and every restore stay bounded by
+    the sagas of the last retention period. A placeholder (events, or an abort,
+    whose request never came) is forgotten ``retention_ms`` after its last change.
+    Sagas still pending, being confirmed or compensated, or ``failed`` (an
+    operator must act) are kept. A request whose deadline passed more than
+    ``retention_ms`` ago is rejected to the DLQ as expired: it may belong to a
+    forgotten saga, so nothing is decided for it (its participants do not apply
+    it either: its deadline has passed). The participants keep their ledgers by
+    the same rule, so no decision ever reaches a step the coordinator forgot.
     """
 
     def __init__(
@@ -98,9 +123,11 @@ class CoordinatorService(Stoppable):
         batch_size: int = 2000,
         poll_timeout_s: float = 0.05,
         transaction_timeout_ms: int = 10_000,
+        retention_ms: int = DEFAULT_RETENTION_MS,
         clock: Clock = wall_clock_ms,
     ) -> None:
         self.settings = settings
+        self.retention_ms = retention_ms
         self.topics = settings.topics
         self.instance_id = instance_id
         self.participants = participants
@@ -143,7 +170,7 @@ class CoordinatorService(Stoppable):
             while not self.stopping:
                 messages = self._consumer.poll_batch(self.batch_size, self.poll_timeout_s)
                 now = self.clock()
-                if messages or self._deadline_due(now):
+                if messages or self._deadline_due(now) or self._forget_due(now):
                     if messages:
                         faults.hit("coordinator.after_read")
                     self._process(messages, now)
@@ -166,6 +193,9 @@ class CoordinatorService(Stoppable):
                 part.sagas[saga.tx_id] = saga
                 if not saga.decided and saga.request_seen:
                     heapq.heappush(part.deadlines, (saga.deadline_ms, saga.tx_id))
+                if (at := self._forget_at(saga)) is not None:
+                    part.forget.append((at, saga.tx_id))
+            heapq.heapify(part.forget)
             self._partitions[p] = part
             self.stats.restored += len(part.sagas)
         log.info("assigned partitions %s (restored %d sagas)", new, self.stats.restored)
@@ -205,7 +235,10 @@ class CoordinatorService(Stoppable):
             reader.assign([(self.topics.status, p, 0) for p in todo])
             while todo:
                 for m in reader.poll_batch(5000, 0.5):
-                    if m.value is not None:
+                    if m.value is None and m.key is not None:
+                        # A tombstone: the saga was forgotten (retention).
+                        latest[m.partition].pop(m.key.decode("utf-8", "replace"), None)
+                    elif m.value is not None:
                         try:
                             status = decode_as(m.value, SagaStatus)
                         except InvalidRecord:
@@ -228,6 +261,22 @@ class CoordinatorService(Stoppable):
         return any(
             part.deadlines and part.deadlines[0][0] <= now for part in self._partitions.values()
         )
+
+    def _forget_due(self, now: int) -> bool:
+        return any(part.forget and part.forget[0][0] <= now for part in self._partitions.values())
+
+    def _forget_at(self, saga: Saga) -> int | None:
+        """When ``saga`` may be forgotten (see the class docstring), or None: keep it."""
+        if not saga.request_seen:
+            return saga.updated_ms + self.retention_ms
+        if saga.state in (SagaState.COMMITTED, SagaState.ROLLED_BACK):
+            return max(saga.deadline_ms, saga.updated_ms) + self.retention_ms
+        return None
+
+    @property
+    def sagas_in_memory(self) -> int:
+        """How many sagas (and placeholders) the owned partitions hold."""
+        return sum(len(part.sagas) for part in self._partitions.values())
 
     def _process(self, messages: list[Message], now: int) -> None:
         changed: dict[str, tuple[int, Saga]] = {}
@@ -282,9 +331,26 @@ class CoordinatorService(Stoppable):
             except Exception as exc:  # no record may stop the coordinator
                 rejected.append((m, f"could not be handled: {type(exc).__name__}: {exc}"))
                 continue
-            if inp is not None:
-                tx_id = _tx_of(inp)
-                feed(m.partition, tx_id, inp, m)
+            if inp is None:
+                continue
+            tx_id = _tx_of(inp)
+            if (
+                isinstance(inp, RequestReceived)
+                and inp.request.deadline_ms + self.retention_ms <= now
+                and current(m.partition, tx_id) is None
+            ):
+                # Maybe a saga forgotten long ago: deciding it now could roll back what
+                # committed. Its participants do not apply it either (deadline passed).
+                self.stats.expired_requests += 1
+                rejected.append(
+                    (
+                        m,
+                        f"request expired: its deadline passed more than the "
+                        f"retention ({self.retention_ms} ms) ago; send a new transaction",
+                    )
+                )
+                continue
+            feed(m.partition, tx_id, inp, m)
 
         for p, part in self._partitions.items():
             while part.deadlines and part.deadlines[0][0] <= now:
@@ -293,13 +359,44 @@ class CoordinatorService(Stoppable):
                 if saga is not None and not saga.decided:
                     feed(p, tx_id, Tick(now), None)
 
-        self._commit_batch(messages, changed, outputs, rejected)
+        forgotten = self._due_to_forget(now, changed)
+        if not self._commit_batch(messages, changed, outputs, rejected, forgotten):
+            for p, at, tx_id in forgotten:  # still due: the next batch tries again
+                if (owner := self._partitions.get(p)) is not None:
+                    heapq.heappush(owner.forget, (at, tx_id))
+            return
+        for p, _, tx_id in forgotten:
+            if (owner := self._partitions.get(p)) is not None:
+                owner.sagas.pop(tx_id, None)
+        self.stats.forgotten += len(forgotten)
         for p, deadline, tx_id in new_deadlines:
             if (owner := self._partitions.get(p)) is not None:
                 heapq.heappush(owner.deadlines, (deadline, tx_id))
         for tx_id, (p, saga) in changed.items():
             if (owner := self._partitions.get(p)) is not None:
+                before = owner.sagas.get(tx_id)
                 owner.sagas[tx_id] = saga
+                forget_at = self._forget_at(saga)
+                if forget_at is not None and (
+                    before is None or self._forget_at(before) != forget_at
+                ):
+                    heapq.heappush(owner.forget, (forget_at, tx_id))
+
+    def _due_to_forget(
+        self, now: int, changed: dict[str, tuple[int, Saga]]
+    ) -> list[tuple[int, int, str]]:
+        """Sagas to forget in this batch: (partition, when due, tx_id)."""
+        due: list[tuple[int, int, str]] = []
+        for p, part in self._partitions.items():
+            while part.forget and part.forget[0][0] <= now and len(due) < _FORGET_PER_BATCH:
+                at, tx_id = heapq.heappop(part.forget)
+                saga = part.sagas.get(tx_id)
+                # Stale entries (the saga changed since, or is gone) are dropped; a saga
+                # changed by this batch is scheduled again when its change is merged.
+                if saga is None or tx_id in changed or self._forget_at(saga) != at:
+                    continue
+                due.append((p, at, tx_id))
+        return due
 
     def _to_input(self, m: Message, now: int, rejected: list[tuple[Message, str]]) -> Input | None:
         try:
@@ -332,7 +429,9 @@ class CoordinatorService(Stoppable):
         changed: dict[str, tuple[int, Saga]],
         outputs: list[tuple[int, Decision | SagaStatus, bytes]],
         rejected: list[tuple[Message, str]],
-    ) -> None:
+        forgotten: list[tuple[int, int, str]],
+    ) -> bool:
+        """Produce the batch's outputs in one transaction; False when it was aborted."""
         # Only the last status of a transaction in this batch matters (the topic is compacted).
         last_status: dict[str, bytes] = {}
         decisions: list[tuple[Decision, bytes]] = []
@@ -351,6 +450,8 @@ class CoordinatorService(Stoppable):
                 self._producer.produce(self.topics.decisions, d.tx_id, value)
             for tx_id, value in last_status.items():
                 self._producer.produce(self.topics.status, tx_id, value)
+            for _, _, tx_id in forgotten:
+                self._producer.produce(self.topics.status, tx_id, None)  # a tombstone
             for m, reason in rejected:
                 send_to_dlq(self._producer, self.topics, m, reason, component="coordinator")
             if offsets:
@@ -364,7 +465,7 @@ class CoordinatorService(Stoppable):
             self._producer.abort()
             self._rewind(messages)
             changed.clear()
-            return
+            return False
         self.stats.batches += 1
         self.stats.records += len(messages)
         self.stats.dlq += len(rejected)
@@ -374,6 +475,7 @@ class CoordinatorService(Stoppable):
                 self.stats.commits += 1
             else:
                 self.stats.rollbacks += 1
+        return True
 
     def _rewind(self, messages: Iterable[Message]) -> None:
         first: dict[tuple[str, int], int] = {}

@@ -1198,7 +1198,14 @@ def _topic_config(name: str, topics: Topics, replication_factor: int) -> dict[st
                 # Keep recent updates uncompacted briefly so readers catching up
                 # see the sequence; old ones collapse to the latest state.
                 "min.compaction.lag.ms": "60000",
-                "segment.ms": "3600000",
+                # Small segments roll often, so the cleaner keeps the topic near the live
+                # set: the coordinator forgets finished sagas with tombstones (retention),
+                # and restores and new clients read only what is left.
+                "segment.ms": "600000",
+                "segment.bytes": str(16 * 1024 * 1024),
+                # A tombstone stays an hour after compaction: long enough for a reader
+                # that was catching up to see it, short enough not to pile up.
+                "delete.retention.ms": "3600000",
             }
         )
     return config
