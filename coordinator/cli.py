@@ -248,6 +248,13 @@ def participant() -> None:
 )
 @click.option("--handlers", default=None, help="Dotted path of a module with custom HANDLERS.")
 @click.option("--schema", "db_schema", default=None, help="SQL schema of the tables and ledger.")
+@click.option(
+    "--retention",
+    default="7d",
+    show_default=True,
+    help="Remove ledger entries of transactions finished longer ago than this "
+    "(90s, 30m, 12h, 7d); keep it equal to the coordinator's.",
+)
 @connect_timeout_option
 def participant_run(
     bootstrap: str | None,
@@ -262,6 +269,7 @@ def participant_run(
     targets: str,
     handlers: str | None,
     db_schema: str | None,
+    retention: str,
     connect_timeout: float,
 ) -> None:
     """Apply this participant's steps, confirm on commit, compensate on rollback.
@@ -274,7 +282,12 @@ def participant_run(
     """
     from participants import ParticipantRuntime, open_storage
     from participants._open import storage_url
+    from streams._duration import parse_duration_ms
 
+    try:
+        retention_ms = parse_duration_ms(retention)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--retention") from None
     if url is not None and url_password(url):
         logging.getLogger("saga.participant").warning(
             "the storage password is on the command line, where every local user can read "
@@ -289,7 +302,7 @@ def participant_run(
         storage, name=name, url=resolved, targets=target_list, handlers=handlers, schema=db_schema
     )
     wait_for_broker(settings, timeout=connect_timeout)
-    runtime = ParticipantRuntime(name, store, settings)
+    runtime = ParticipantRuntime(name, store, settings, retention_ms=retention_ms)
     runtime.install_signal_handlers()
     runtime.run()
 

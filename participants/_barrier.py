@@ -23,7 +23,25 @@ Guarantees:
 * **hanging prevention** — a request for a closed step, or one that arrives
   after its deadline, is never applied;
 * **order** — in sequential sagas a step is applied only after its predecessor
-  was applied, and compensated only after its successor was compensated.
+  was applied, and compensated only after its successor was compensated;
+* **one payload per transaction** — every entry records the fingerprint of the
+  request it came from (:meth:`streams.SagaRequest.fingerprint`), and a participant
+  that reads a request without a step of its own records a transaction-level
+  *seen* marker with it. A request whose fingerprint differs from the one this
+  participant knows for the transaction applies nothing and reports nothing (the
+  coordinator sends it to the DLQ). Entries written before fingerprints existed
+  have none and match every request.
+
+Retention. A finished entry (see :func:`finished_ms`) is removed once
+``now >= max(deadline_ms, updated_ms) + retention``. That keeps the guarantees:
+the request of a removed entry has a deadline in the past (``deadline_ms`` is
+part of the request, and every copy of it carries the same one), so a duplicate
+that arrives after the removal meets the deadline check above and is never
+applied (it is recorded ``failed``, and that entry is removed a retention later).
+A rollback marker carries no deadline (a decision has none): it is kept a
+retention after it was written, which covers requests whose timeout is shorter
+than the retention. The coordinator forgets a saga at the same horizon, so a
+transaction id may be used again, with any payload, once the retention passed.
 """
 
 from __future__ import annotations
@@ -38,6 +56,7 @@ from streams import Mode, Outcome, StepStatus
 
 class LedgerStatus(StrEnum):
     WAITING = "waiting"  # sequential: request seen, predecessor not applied yet
+    SEEN = "seen"  # the transaction-level marker of a request without a step here
     APPLIED = "applied"
     FAILED = "failed"
     COMMITTED = "committed"
@@ -71,6 +90,37 @@ class LedgerEntry:
     rollback_pending: bool = False
     successor_compensated: bool = False
     updated_ms: int = 0
+    fingerprint: str | None = None  # of the request; None: written before fingerprints
+
+
+def conflicting(known: str | None, fingerprint: str | None) -> bool:
+    """Whether a request with ``fingerprint`` differs from the one recorded as ``known``.
+
+    ``None`` on either side (an entry written before fingerprints, a request
+    without one) matches everything.
+    """
+    return known is not None and fingerprint is not None and known != fingerprint
+
+
+_FINAL = frozenset(
+    {LedgerStatus.COMMITTED, LedgerStatus.COMPENSATED, LedgerStatus.FAILED, LedgerStatus.SEEN}
+)
+
+
+def finished_ms(entry: LedgerEntry) -> int | None:
+    """When ``entry``'s transaction finished for this participant, or ``None`` if it has not.
+
+    Final entries (committed, compensated, failed, the transaction-level markers)
+    finish at ``max(deadline_ms, updated_ms)``; so does an ``applied`` step of a
+    parallel saga: nothing more is owed to it once its deadline passed, and the
+    coordinator forgets the saga at the same horizon. Waiting steps, applied steps
+    of sequential sagas and failed compensations (an operator must act) never
+    finish on their own. The entry may be removed ``retention`` after this.
+    """
+    final = entry.status in _FINAL or entry.step < 0
+    if not final and entry.status is LedgerStatus.APPLIED:
+        final = entry.mode is Mode.PARALLEL and not entry.rollback_pending
+    return max(entry.deadline_ms, entry.updated_ms) if final else None
 
 
 # ---------------------------------------------------------------- signals
@@ -88,6 +138,7 @@ class Requested:
     now_ms: int
     predecessor_applied: bool = False  # sequential: step - 1 was seen applied already
     successor_compensated: bool = False  # sequential: step + 1 was seen compensated already
+    fingerprint: str | None = None  # of the request (SagaRequest.fingerprint())
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,13 +211,28 @@ def _reemit(entry: LedgerEntry) -> Plan:
     return Plan(Effect.NONE, None, _REEMIT.get(entry.status))
 
 
-def plan(entry: LedgerEntry | None, tx_rolled_back: bool, signal: Signal) -> Plan:
+def plan(
+    entry: LedgerEntry | None,
+    tx_rolled_back: bool,
+    signal: Signal,
+    known_fingerprint: str | None = None,
+) -> Plan:
     """Decide what to do with ``signal`` given the step's ledger ``entry``.
 
     ``tx_rolled_back`` is true when a rollback for the transaction was recorded
     before this participant knew its steps (the transaction-level marker).
+    ``known_fingerprint`` is the request fingerprint this participant recorded for
+    the transaction (any step entry or the seen marker; ``None``: none recorded).
     """
     if isinstance(signal, Requested):
+        if conflicting(known_fingerprint, signal.fingerprint) or conflicting(
+            entry.fingerprint if entry is not None else None, signal.fingerprint
+        ):
+            # Another request of this transaction id was acted on here: this one is a
+            # conflicting resubmission, which the coordinator sends to the DLQ.
+            return _nothing(
+                f"request of {signal.tx_id} with another payload than the one acted on here"
+            )
         return _on_request(entry, tx_rolled_back, signal)
     if isinstance(signal, PredecessorApplied):
         return _on_predecessor(entry, signal)
@@ -190,6 +256,7 @@ def _entry(
         effect=effect,
         reason=reason,
         updated_ms=s.now_ms,
+        fingerprint=s.fingerprint,
     )
 
 

@@ -11,8 +11,17 @@ pymongo is imported here only. Target collections hold the business documents
   ``_id = "<participant>:<tx_id>"``, with ``steps`` (the steps whose step
   document may exist: a step is listed *before* its document is created),
   ``rolled_back`` (the transaction-level rollback marker: a rollback came before
-  any step of it was known here), ``pending`` (the intents of steps being
-  created, below) and its own ``rev``.
+  any step of it was known here), ``seen`` (the seen marker: the request had no
+  step here), ``fingerprint`` (of the request this participant acted on),
+  ``pending`` (the intents of steps being created, below) and its own ``rev``.
+
+Pruning. Step documents carry ``finished_ms`` once finished
+(:func:`participants._barrier.finished_ms`), and so do transaction documents
+that hold only markers; both collections have a ``(participant, finished_ms)``
+index (``saga_by_finish``). :meth:`MongoStorage.prune` removes step documents
+past the horizon, then the transaction documents left without steps. The seen
+markers of a run of requests without a step here are inserted with one
+``insert_many`` (a duplicate key means the transaction is known: nothing to do).
 
 Only ``_id``. Every operation of the work itself addresses one document by
 ``_id`` and nothing else: FerretDB v1 (the local MongoDB-wire server) hands a
@@ -185,9 +194,17 @@ from participants._actions import (
     Key,
     RecordOps,
 )
-from participants._barrier import LedgerEntry, LedgerStatus, Requested
+from participants._barrier import LedgerEntry, LedgerStatus, Requested, finished_ms
 from participants._handlers import Handler, combine
-from participants._storage import Actions, Report, Storage, Unit, WorkItem, run_item
+from participants._storage import (
+    Actions,
+    Report,
+    RequestSeen,
+    Storage,
+    Unit,
+    WorkItem,
+    run_item,
+)
 from streams import (
     TX_ID_PATTERN,
     BusinessRejection,
@@ -1056,6 +1073,8 @@ def _entry_fields(entry: LedgerEntry) -> Document:
         "successor_compensated": entry.successor_compensated,
         "updated_ms": entry.updated_ms,
         "last": entry.step >= entry.n_steps - 1,
+        "fingerprint": entry.fingerprint,
+        "finished_ms": finished_ms(entry),
     }
 
 
@@ -1083,7 +1102,22 @@ def _entry_of(doc: Mapping[str, Any]) -> LedgerEntry:
         rollback_pending=bool(doc["rollback_pending"]),
         successor_compensated=bool(doc["successor_compensated"]),
         updated_ms=doc["updated_ms"],
+        fingerprint=doc.get("fingerprint"),
     )
+
+
+def _seen_doc(participant: str, item: RequestSeen) -> Document:
+    """The transaction document of a transaction first known by its seen marker."""
+    return {
+        "_id": _tx_doc_id(participant, item.tx_id),
+        "participant": participant,
+        "tx_id": item.tx_id,
+        "rev": 1,
+        "steps": [],
+        "seen": {"deadline_ms": item.deadline_ms, "updated_ms": item.now_ms},
+        "fingerprint": item.fingerprint,
+        "finished_ms": max(item.deadline_ms, item.now_ms),
+    }
 
 
 class _Conflict(TransientError):
@@ -1289,6 +1323,7 @@ class _MongoUnit(Unit):
                     "rev": 1,
                     "steps": [],
                     "rolled_back": marker,
+                    "finished_ms": now_ms,
                 }
                 try:
                     self._txs.insert_one(doc, session=self.transaction_session())
@@ -1298,8 +1333,40 @@ class _MongoUnit(Unit):
                 self._keep(view)
             elif not view.doc.get("rolled_back"):
                 rev = int(view.doc["rev"])
+                change: Document = {"rolled_back": marker, "rev": rev + 1}
+                if not view.doc.get("steps"):
+                    change["finished_ms"] = max(int(view.doc.get("finished_ms") or 0), now_ms)
+                self._update_tx(view, {"rev": rev}, {"$set": change})
+            self._commit()
+        finally:
+            self.release_locks()
+
+    def known_fingerprint(self, tx_id: str) -> str | None:
+        _check_tx_id(tx_id)
+        view = self._entry_view(tx_id)  # a speculated-new transaction has none
+        fingerprint = None if view.doc is None else view.doc.get("fingerprint")
+        return fingerprint if isinstance(fingerprint, str) else None
+
+    def mark_tx_seen(self, item: RequestSeen) -> None:
+        view = self._view(item.tx_id)
+        try:
+            if view.doc is None:
+                doc = _seen_doc(view.participant, item)
+                try:
+                    self._txs.insert_one(doc, session=self.transaction_session())
+                except mongo_errors.DuplicateKeyError as exc:
+                    raise self._tx_raced(item.tx_id) from exc
+                view.doc = doc
+                self._keep(view)
+            elif not view.doc.get("steps") and not view.doc.get("fingerprint"):
+                rev = int(view.doc["rev"])
+                seen = _seen_doc(view.participant, item)
+                change = {k: seen[k] for k in ("seen", "fingerprint")}
+                finished = max(int(view.doc.get("finished_ms") or 0), seen["finished_ms"])
                 self._update_tx(
-                    view, {"rev": rev}, {"$set": {"rolled_back": marker, "rev": rev + 1}}
+                    view,
+                    {"rev": rev},
+                    {"$set": {**change, "finished_ms": finished, "rev": rev + 1}},
                 )
             self._commit()
         finally:
@@ -1423,6 +1490,8 @@ class _MongoUnit(Unit):
                 "rev": 1,
                 "steps": [step],
             }
+            if entry.fingerprint is not None:
+                doc["fingerprint"] = entry.fingerprint
             if intent is not None:
                 doc["pending"] = {_pending_key(step): intent}
             try:
@@ -1442,6 +1511,10 @@ class _MongoUnit(Unit):
             expect: Document = {"rev": rev}
             if not view.listed(step):
                 change["$addToSet"] = {"steps": step}
+            if entry.fingerprint is not None and "fingerprint" not in view.doc:
+                change["$set"]["fingerprint"] = entry.fingerprint
+            if "finished_ms" in view.doc:
+                change["$unset"] = {"finished_ms": ""}  # its steps decide from now on
             if intent is not None:
                 change["$set"][f"pending.{_pending_key(step)}"] = intent
                 expect[f"pending.{_pending_key(step)}"] = ABSENT
@@ -1879,6 +1952,11 @@ class MongoStorage(Storage):
             ledger.create_index(
                 [("participant", ASCENDING), ("status", ASCENDING)], name="saga_by_status"
             )
+            for collection in (ledger, self.tx_collection):
+                collection.create_index(
+                    [("participant", ASCENDING), ("finished_ms", ASCENDING)],
+                    name="saga_by_finish",
+                )
             if "saga_pending" in {index["name"] for index in ledger.list_indexes()}:
                 ledger.drop_index("saga_pending")
             supported = self._transactions_supported()
@@ -1918,16 +1996,41 @@ class MongoStorage(Storage):
         if not self._ready:
             self.setup()
         reports: list[Report] = []
+        seen: list[RequestSeen] = []
         with self._boundary("run a batch"):
             try:
                 for item in items:
+                    if isinstance(item, RequestSeen):
+                        seen.append(item)
+                        continue
+                    self._mark_seen(seen)  # before any item that may read those ledgers
+                    seen = []
                     reports.extend(self._run(item))
+                self._mark_seen(seen)
             except BaseException as exc:
                 if not isinstance(exc, mongo_errors.ConnectionFailure):
                     self.flush_records(quietly=True)  # else the next flush or reader does
                 raise
             self.flush_records()
         return reports
+
+    def _mark_seen(self, items: Sequence[RequestSeen]) -> None:
+        """Insert the seen markers of a run of requests without a step here (one
+        ``insert_many``; a transaction document already there means the transaction is
+        known, and stays as it is)."""
+        docs: dict[str, Document] = {}
+        for item in items:
+            _check_tx_id(item.tx_id)
+            if self.tx_cache.get(item.tx_id) is None:
+                docs.setdefault(item.tx_id, _seen_doc(self.name, item))
+        if not docs:
+            return
+        try:
+            self.tx_collection.insert_many(list(docs.values()), ordered=False)
+        except mongo_errors.BulkWriteError as exc:
+            errors = exc.details.get("writeErrors") or []
+            if not errors or any(error.get("code") != _DUPLICATE_KEY for error in errors):
+                raise
 
     def defer(self, record: _StepRecord) -> None:
         """Insert ``record`` with the next batch of records (see :class:`_Unrecorded`)."""
@@ -1998,6 +2101,55 @@ class MongoStorage(Storage):
                 raise
             finally:
                 unit.close()
+
+    # -- pruning
+
+    def prune(self, horizon_ms: int, limit: int) -> int:
+        """Remove up to ``limit`` step documents finished at or before ``horizon_ms``, then
+        the transaction documents left without steps (and those holding only markers that
+        finished by then); return how many entries (steps and markers) went."""
+        if not self._ready:
+            self.setup()
+        due = {"participant": self.name, "finished_ms": {"$lte": horizon_ms}}
+        removed = 0
+        with self._boundary("prune its ledger"):
+            self.flush_records()
+            steps = list(
+                self.ledger_collection.find(
+                    {**due, "pending": {"$exists": False}, "purge": {"$exists": False}},
+                    {"tx_id": 1},
+                ).limit(limit)
+            )
+            if steps:
+                gone = self.ledger_collection.delete_many(
+                    {"_id": {"$in": [doc["_id"] for doc in steps]}, **due}
+                )
+                removed += gone.deleted_count
+            for tx_id in sorted({doc["tx_id"] for doc in steps}):
+                removed += self._prune_tx_doc(tx_id, horizon_ms)
+            for doc in self.tx_collection.find(due, {"tx_id": 1}).limit(limit):
+                removed += self._prune_tx_doc(doc["tx_id"], horizon_ms)
+        return removed
+
+    def _prune_tx_doc(self, tx_id: str, horizon_ms: int) -> int:
+        """Remove the transaction document when none of its steps' documents is left and
+        no intent in it can be live (an intent stays once spent; one written before the
+        horizon is long resolved); return how many markers it held (0: kept)."""
+        self.tx_cache.pop(tx_id)
+        doc = self.tx_collection.find_one({"_id": _tx_doc_id(self.name, tx_id)})
+        if doc is None:
+            return 0
+        intents = (doc.get("pending") or {}).values()
+        if any(int(intent.get("at_ms", 0)) > horizon_ms for intent in intents):
+            return 0
+        if not doc.get("steps") and int(doc.get("finished_ms", horizon_ms + 1)) > horizon_ms:
+            return 0  # markers only, not finished long enough
+        for step in doc.get("steps", []):
+            if self.ledger_collection.find_one({"_id": _step_id(self.name, tx_id, step)}):
+                return 0  # a step is still recorded: its own removal comes back here
+        if not self.cas.delete(self.tx_collection, doc["_id"], {"rev": doc["rev"]}):
+            return 0  # changed meanwhile: a later run looks again
+        return sum(1 for name in ("rolled_back", "seen") if doc.get(name))
 
     # -- reading the ledger
 

@@ -4,10 +4,23 @@ redis-py is imported here only. Keys (``prefix`` defaults to ``saga``)::
 
     <prefix>:<target>:<key>                       a record: a hash of field -> text
     <prefix>:ledger:<participant>:tx:<tx_id>      the ledger of one transaction: a hash of
-                                                  step -> entry (JSON), and "rolled_back"
-                                                  -> the transaction-level marker
+                                                  step -> entry (JSON), "rolled_back" -> the
+                                                  transaction-level rollback marker and
+                                                  "seen" -> the seen marker (a request with
+                                                  no step here, and its fingerprint)
     <prefix>:ledger:<participant>:in_flight       a set: sequential transactions with a step
                                                   that may wait for a neighbour
+    <prefix>:ledger:<participant>:finished        a sorted set: transactions that may be
+                                                  finished, scored by when (for pruning)
+    <prefix>:ledger:<participant>:finished_ready  set once the sorted set covers every
+                                                  transaction (ledgers from before it existed)
+
+Seen markers are written with ``HSETNX``, pipelined for a run of requests without
+a step here; the transaction's known fingerprint is its step entries' when it has
+any, else the seen marker's. Pruning removes a transaction's hash when every field
+is finished (:func:`participants._barrier.finished_ms`) at or before the horizon;
+the sorted set only proposes candidates (its scores may be stale), the hash read
+under WATCH decides.
 
 Atomicity: optimistic, with WATCH/MULTI/EXEC, and the barrier decided in Python.
 A unit WATCHes the transaction's ledger hash and reads it, the action WATCHes and
@@ -75,9 +88,17 @@ from participants._actions import (
     Key,
     RecordOps,
 )
-from participants._barrier import LedgerEntry, LedgerStatus
+from participants._barrier import LedgerEntry, LedgerStatus, finished_ms
 from participants._handlers import Handler, combine
-from participants._storage import Actions, Report, Storage, Unit, WorkItem, run_item
+from participants._storage import (
+    Actions,
+    Report,
+    RequestSeen,
+    Storage,
+    Unit,
+    WorkItem,
+    run_item,
+)
 from streams import (
     TX_ID_PATTERN,
     BusinessRejection,
@@ -93,6 +114,9 @@ log = logging.getLogger("saga.participant.redis")
 MARKER_STEP: Final = -1
 MARKER_FIELD: Final = "rolled_back"
 """The ledger hash field of the transaction-level rollback marker."""
+SEEN_STEP: Final = -2
+SEEN_FIELD: Final = "seen"
+"""The ledger hash field of the seen marker (a request without a step here)."""
 RESERVED_TARGETS: Final = frozenset({"ledger"})
 PARTICIPANT_NAME: Final = re.compile(r"[A-Za-z0-9._-]{1,64}")
 DEFAULT_PREFIX: Final = "saga"
@@ -435,6 +459,7 @@ def _entry_text(entry: LedgerEntry) -> str:
             "rollback_pending": entry.rollback_pending,
             "successor_compensated": entry.successor_compensated,
             "updated_ms": entry.updated_ms,
+            "fingerprint": entry.fingerprint,
         },
         separators=(",", ":"),
     )
@@ -465,7 +490,38 @@ def _entry_of(text: str) -> LedgerEntry:
         rollback_pending=row["rollback_pending"],
         successor_compensated=row["successor_compensated"],
         updated_ms=row["updated_ms"],
+        fingerprint=row.get("fingerprint"),
     )
+
+
+def _seen_marker(item: RequestSeen) -> LedgerEntry:
+    return LedgerEntry(
+        tx_id=item.tx_id,
+        step=SEEN_STEP,
+        status=LedgerStatus.SEEN,
+        deadline_ms=item.deadline_ms,
+        updated_ms=item.now_ms,
+        fingerprint=item.fingerprint,
+    )
+
+
+def _tx_finished_ms(fields: Mapping[str, str]) -> int | None:
+    """When every entry and marker of a transaction's hash finished (``None``: not yet)."""
+    latest: int | None = None
+    for text in fields.values():
+        finished = finished_ms(_entry_of(text))
+        if finished is None:
+            return None
+        latest = finished if latest is None else max(latest, finished)
+    return latest
+
+
+def _known_fingerprint(fields: Mapping[str, str]) -> str | None:
+    steps = _steps(fields)
+    if steps:
+        return next((e.fingerprint for e in steps if e.fingerprint), None)
+    seen = fields.get(SEEN_FIELD)
+    return None if seen is None else _entry_of(seen).fingerprint
 
 
 def _may_wait(entry: LedgerEntry) -> bool:
@@ -539,10 +595,16 @@ class _RedisUnit(Unit):
         )
         self.write(marker)
 
+    def known_fingerprint(self, tx_id: str) -> str | None:
+        return _known_fingerprint(self._ledger(tx_id))
+
+    def mark_tx_seen(self, item: RequestSeen) -> None:
+        self.write(_seen_marker(item))
+
     def write(self, entry: LedgerEntry) -> None:
         fields = self._ledger(entry.tx_id)
         name = self.storage.ledger_key(entry.tx_id)
-        field = MARKER_FIELD if entry.step == MARKER_STEP else str(entry.step)
+        field = {MARKER_STEP: MARKER_FIELD, SEEN_STEP: SEEN_FIELD}.get(entry.step, str(entry.step))
         text = _entry_text(entry)
         after = {**fields, field: text}
         self.pipe.multi()
@@ -553,6 +615,11 @@ class _RedisUnit(Unit):
             self.pipe.sadd(self.storage.in_flight_key, entry.tx_id)
         else:
             self.pipe.srem(self.storage.in_flight_key, entry.tx_id)
+        finished = _tx_finished_ms(after)
+        if finished is None:
+            self.pipe.zrem(self.storage.finished_key, entry.tx_id)
+        else:
+            self.pipe.zadd(self.storage.finished_key, {entry.tx_id: finished})
         self.pipe.execute()  # raises WatchError when a watched key changed: run again
         self._ledgers[entry.tx_id] = after
         self._watched.clear()
@@ -628,6 +695,8 @@ class RedisStorage(Storage):
                 "redis://host:6379/0"
             ) from exc
         self.in_flight_key = f"{prefix}:ledger:{name}:in_flight"
+        self.finished_key = f"{prefix}:ledger:{name}:finished"
+        self._finished_ready = False
         builtin = RedisActions(self.targets)
         self.actions: Actions = combine(builtin, handlers)
 
@@ -658,10 +727,34 @@ class RedisStorage(Storage):
         retrying the batch is safe because the finished items re-report.
         """
         reports: list[Report] = []
+        seen: list[RequestSeen] = []
         with self._boundary("run a batch"):
             for item in items:
+                if isinstance(item, RequestSeen):
+                    seen.append(item)
+                    continue
+                self._mark_seen(seen)  # before any item that may read those ledgers
+                seen = []
                 reports.extend(self._run(item))
+            self._mark_seen(seen)
         return reports
+
+    def _mark_seen(self, items: Sequence[RequestSeen]) -> None:
+        """Record the seen markers of a run of requests without a step here, in one pipeline.
+
+        ``HSETNX``: a transaction that has a seen marker keeps it; one with step entries
+        keeps its fingerprint (theirs comes first, see the module doc).
+        """
+        if not items:
+            return
+        pipe = self.client.pipeline(transaction=False)
+        for item in items:
+            marker = _seen_marker(item)
+            if not _TX_ID.fullmatch(item.tx_id):
+                raise InvalidRecord(f"transaction id {item.tx_id!r} breaks the wire contract")
+            pipe.hsetnx(self.ledger_key(item.tx_id), SEEN_FIELD, _entry_text(marker))
+            pipe.zadd(self.finished_key, {item.tx_id: finished_ms(marker) or 0}, nx=True)
+        pipe.execute()
 
     def _run(self, item: WorkItem) -> list[Report]:
         for _ in range(self.max_attempts):
@@ -705,6 +798,63 @@ class RedisStorage(Storage):
         with self._boundary("read its ledger"):
             members = self.client.smembers(self.in_flight_key)
         return {_string(member) for member in members}
+
+    # -- pruning
+
+    def prune(self, horizon_ms: int, limit: int) -> int:
+        """Remove the hashes of up to ``limit`` transactions finished at or before
+        ``horizon_ms`` (candidates from the sorted set, checked under WATCH); return how
+        many entries went."""
+        removed = 0
+        with self._boundary("prune its ledger"):
+            self._cover_older_ledgers()
+            found = self.client.zrangebyscore(
+                self.finished_key, "-inf", horizon_ms, start=0, num=limit
+            )
+            candidates = cast(list[str], found)
+            for tx_id in candidates:
+                removed += self._prune_tx(tx_id, horizon_ms)
+        return removed
+
+    def _prune_tx(self, tx_id: str, horizon_ms: int) -> int:
+        name = self.ledger_key(tx_id)
+        with self.client.pipeline(transaction=True) as pipe:
+            try:
+                _watch(pipe, (name,))
+                fields = _strings(pipe.hgetall(name))
+                finished = _tx_finished_ms(fields) if fields else horizon_ms
+                pipe.multi()
+                if finished is None:
+                    pipe.zrem(self.finished_key, tx_id)  # a later write proposes it again
+                elif finished > horizon_ms:
+                    pipe.zadd(self.finished_key, {tx_id: finished})
+                else:
+                    pipe.delete(name)
+                    pipe.zrem(self.finished_key, tx_id)
+                    pipe.srem(self.in_flight_key, tx_id)
+                pipe.execute()
+            except redis_errors.WatchError:
+                return 0  # written meanwhile: the next run looks again
+        return len(fields) if finished is not None and finished <= horizon_ms else 0
+
+    def _cover_older_ledgers(self) -> None:
+        """Once per ledger: propose every transaction hash written before the sorted set
+        existed (score 0: :meth:`_prune_tx` reads each and scores it properly)."""
+        if self._finished_ready:
+            return
+        ready = f"{self.finished_key}_ready"
+        if not self.client.exists(ready):
+            head = self.ledger_key("")
+            names: list[str] = []
+            for key in self.client.scan_iter(match=self.ledger_key("*"), count=1000):
+                names.append(_string(key)[len(head) :])
+                if len(names) >= 1000:
+                    self.client.zadd(self.finished_key, dict.fromkeys(names, 0), nx=True)
+                    names = []
+            if names:
+                self.client.zadd(self.finished_key, dict.fromkeys(names, 0), nx=True)
+            self.client.set(ready, "1")
+        self._finished_ready = True
 
     # -- errors
 

@@ -25,6 +25,12 @@ The decisions topic's committed offset trails by the window too: a step whose
 report a crash lost after a signal that is not read again (a sequential step
 compensated on its successor's event) is reported again when its decision is
 (found by the chaos suite).
+
+Requests carry their fingerprint to the storage (a request in which this
+participant has no step becomes a :class:`~participants._storage.RequestSeen`),
+and at most once per ``prune_interval_ms`` the runtime asks the storage to remove
+up to ``prune_limit`` ledger entries finished more than ``retention_ms`` ago
+(see *Retention* in :mod:`participants._barrier`).
 """
 
 from __future__ import annotations
@@ -42,7 +48,14 @@ from tenacity import (
 )
 
 from participants._barrier import PredecessorApplied, Requested, SuccessorCompensated
-from participants._storage import DecisionArrived, Report, Storage, WorkItem, unique
+from participants._storage import (
+    DecisionArrived,
+    Report,
+    RequestSeen,
+    Storage,
+    WorkItem,
+    unique,
+)
 from streams import (
     MAX_REASON_CHARS,
     Decision,
@@ -57,6 +70,7 @@ from streams import (
     encode,
 )
 from streams import _faults as faults
+from streams._duration import DEFAULT_RETENTION_MS
 from streams._kafka import Consumer, KafkaSettings, Message, Producer, partition_for
 from streams._lifecycle import Clock, Stoppable, wall_clock_ms
 
@@ -72,6 +86,7 @@ class ParticipantStats:
     skipped_invalid: int = 0
     retries: int = 0
     poisoned: int = 0
+    pruned: int = 0  # ledger entries removed after the retention
 
 
 class ParticipantRuntime(Stoppable):
@@ -88,6 +103,9 @@ class ParticipantRuntime(Stoppable):
         event_window_ms: int = 60_000,
         max_backoff_s: float = 5.0,
         clock: Clock = wall_clock_ms,
+        retention_ms: int = DEFAULT_RETENTION_MS,
+        prune_interval_ms: int = 60_000,
+        prune_limit: int = 1000,
     ) -> None:
         self.name = name
         self.storage = storage
@@ -98,6 +116,10 @@ class ParticipantRuntime(Stoppable):
         self.event_window_ms = event_window_ms
         self.max_backoff_s = max_backoff_s
         self.clock = clock
+        self.retention_ms = retention_ms
+        self.prune_interval_ms = prune_interval_ms
+        self.prune_limit = prune_limit
+        self._next_prune_ms = 0  # the first run prunes soon after start
         self.stats = ParticipantStats()
         super().__init__()
         # (tx_id, step) of recently seen `applied` events -> when seen
@@ -147,10 +169,28 @@ class ParticipantRuntime(Stoppable):
                     self._handle(messages)
                 else:
                     self._commit({})  # let the events window move on while idle
+                self._prune()
         finally:
             self._producer.flush(10)
             self._consumer.close()
             self.storage.close()
+
+    def _prune(self) -> None:
+        """Remove ledger entries past the retention: a bounded amount, now and then."""
+        now = self.clock()
+        if now < self._next_prune_ms:
+            return
+        self._next_prune_ms = now + self.prune_interval_ms
+        try:
+            removed = self.storage.prune(now - self.retention_ms, self.prune_limit)
+        except Exception as exc:  # pruning waits for the next run; the work goes on
+            log.warning("could not prune the ledger, trying again later: %s", exc)
+            return
+        self.stats.pruned += removed
+        if removed >= self.prune_limit:
+            self._next_prune_ms = now + 1_000  # more to remove: again soon, between batches
+        if removed:
+            log.info("pruned %d ledger entries finished before the retention", removed)
 
     def _on_assign(self, partitions: list[tuple[str, int]]) -> None:
         self._reload_sequential = True
@@ -313,6 +353,7 @@ class ParticipantRuntime(Stoppable):
     def _requested(self, request: SagaRequest, now: int) -> list[WorkItem]:
         out: list[WorkItem] = []
         n = len(request.steps)
+        fingerprint = request.fingerprint()
         for index, step in enumerate(request.steps):
             if step.participant != self.name:
                 continue
@@ -330,11 +371,14 @@ class ParticipantRuntime(Stoppable):
                     predecessor_applied=(request.tx_id, index - 1) in self._applied_seen,
                     successor_compensated=sequential
                     and (request.tx_id, index + 1) in self._compensated_seen,
+                    fingerprint=fingerprint,
                 )
             )
             if sequential:
                 self._sequential[request.tx_id] = now
                 self._sequential.move_to_end(request.tx_id)
+        if not out:  # no step here: remember the payload, so another one is recognised
+            out.append(RequestSeen(request.tx_id, fingerprint, request.deadline_ms, now))
         return out
 
     def _neighbour(self, event: StepEvent, now: int) -> list[WorkItem]:

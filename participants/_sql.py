@@ -76,6 +76,7 @@ from sqlalchemy import (
     Text,
     and_,
     bindparam,
+    case,
     create_engine,
     delete,
     event,
@@ -84,6 +85,8 @@ from sqlalchemy import (
     inspect,
     literal,
     select,
+    text,
+    tuple_,
     update,
 )
 from sqlalchemy import exc as sa_exc
@@ -99,17 +102,36 @@ from participants._actions import (
     Increment,
     RecordOps,
 )
-from participants._barrier import LedgerEntry, LedgerStatus
+from participants._barrier import LedgerEntry, LedgerStatus, finished_ms
 from participants._handlers import Handler, combine
-from participants._storage import Actions, Report, Storage, Unit, WorkItem, run_item
+from participants._storage import (
+    Actions,
+    Report,
+    RequestSeen,
+    Storage,
+    Unit,
+    WorkItem,
+    run_item,
+)
 from streams import BusinessRejection, ConfigurationError, Mode, TransientError
 from streams._secrets import redact, redact_url
 
 log = logging.getLogger("saga.participant.sql")
 
+_FINAL_STATUSES: Final = (
+    LedgerStatus.COMMITTED,
+    LedgerStatus.COMPENSATED,
+    LedgerStatus.FAILED,
+    LedgerStatus.SEEN,
+)
+"""Statuses that :func:`participants._barrier.finished_ms` counts as final (for the upgrade)."""
+
 MARKER_STEP: Final = -1
 """The ledger's ``step`` of the transaction-level marker: a rollback arrived before this
 participant knew which steps of the transaction are its own."""
+SEEN_STEP: Final = -2
+"""The ledger's ``step`` of the transaction-level *seen* marker: this participant read the
+transaction's request, which has no step of its own (it keeps the request's fingerprint)."""
 
 _LEDGER_COLUMNS: Final = (
     "participant",
@@ -128,6 +150,8 @@ _LEDGER_COLUMNS: Final = (
     "successor_compensated",
     "updated_ms",
 )
+_ADDED_COLUMNS: Final = ("fingerprint", "finished_ms")
+"""Columns added after the first layout; :meth:`SqlStorage.setup` adds them to an older ledger."""
 TX_LOCK_BUCKETS: Final = 256
 """PostgreSQL advisory locks per participant that serialise workers on one transaction."""
 _INTEGER_TEXT: Final = re.compile(r"[+-]?[0-9]+")
@@ -145,7 +169,10 @@ def define_ledger(metadata: MetaData, name: str = "saga_ledger") -> Table:
     """The ledger's table definition in ``metadata`` (portable types: PostgreSQL and SQLite).
 
     One row per ``(participant, tx_id, step)``; several participants may share one
-    table. ``step = -1`` is the transaction-level rollback marker.
+    table. ``step = -1`` is the transaction-level rollback marker, ``step = -2`` the
+    seen marker. ``fingerprint`` is the request's; ``finished_ms`` is set once the
+    entry is finished (:func:`participants._barrier.finished_ms`) and indexed, so
+    :meth:`SqlStorage.prune` finds what to remove without a scan.
     """
     return Table(
         name,
@@ -165,7 +192,10 @@ def define_ledger(metadata: MetaData, name: str = "saga_ledger") -> Table:
         Column("rollback_pending", Boolean, nullable=False),
         Column("successor_compensated", Boolean, nullable=False),
         Column("updated_ms", BigInteger, nullable=False),
+        Column("fingerprint", String(64)),
+        Column("finished_ms", BigInteger),
         Index(f"{name}_by_status", "participant", "status"),
+        Index(f"{name}_by_finish", "participant", "finished_ms"),
     )
 
 
@@ -683,6 +713,7 @@ class _BatchLedger:
         self._loaded: set[str] = set()
         self._dirty: dict[tuple[str, int], LedgerEntry] = {}
         self._journal: list[tuple[tuple[str, int], LedgerEntry | None, LedgerEntry | None]] = []
+        self._steps: dict[str, set[int]] = {}  # tx_id -> steps (markers too) in _entries
 
     def load(self, tx_ids: Iterable[str]) -> None:
         wanted = sorted(set(tx_ids) - self._loaded)
@@ -698,6 +729,7 @@ class _BatchLedger:
                 key = (row["tx_id"], row["step"])
                 self._entries[key] = _entry_of(row)
                 self._existed[key] = True
+                self._steps.setdefault(key[0], set()).add(key[1])
             self._loaded.update(chunk)
 
     def entry(self, tx_id: str, step: int) -> LedgerEntry | None:
@@ -716,13 +748,22 @@ class _BatchLedger:
         found = None if row is None else _entry_of(row)
         self._entries[key] = found
         self._existed[key] = found is not None
+        self._steps.setdefault(tx_id, set()).add(step)
         return found
 
-    def entries(self, tx_id: str) -> list[LedgerEntry]:
-        """The transaction's step entries (not the marker), in step order."""
+    def _known(self, tx_id: str) -> list[LedgerEntry]:
+        """Every entry of the transaction known in this view (markers too), in step order."""
         self.load([tx_id])
-        found = [e for (tx, step), e in self._entries.items() if tx == tx_id and step >= 0 and e]
-        return sorted(found, key=lambda e: e.step)
+        found = [self._entries.get((tx_id, step)) for step in sorted(self._steps.get(tx_id, ()))]
+        return [e for e in found if e is not None]
+
+    def entries(self, tx_id: str) -> list[LedgerEntry]:
+        """The transaction's step entries (not the markers), in step order."""
+        return [e for e in self._known(tx_id) if e.step >= 0]
+
+    def fingerprint(self, tx_id: str) -> str | None:
+        """The request fingerprint recorded for the transaction (any entry or marker)."""
+        return next((e.fingerprint for e in self._known(tx_id) if e.fingerprint), None)
 
     def write(self, entry: LedgerEntry) -> None:
         key = (entry.tx_id, entry.step)
@@ -731,6 +772,7 @@ class _BatchLedger:
         self._journal.append((key, self._entries.get(key), self._dirty.get(key)))
         self._entries[key] = entry
         self._dirty[key] = entry
+        self._steps.setdefault(entry.tx_id, set()).add(entry.step)
 
     def checkpoint(self) -> int:
         return len(self._journal)
@@ -771,7 +813,12 @@ class _BatchLedger:
                     c.tx_id == bindparam("v_tx_id"),
                     c.step == bindparam("v_step"),
                 )
-                .values({column: bindparam(f"v_{column}") for column in _LEDGER_COLUMNS[3:]})
+                .values(
+                    {
+                        column: bindparam(f"v_{column}")
+                        for column in (*_LEDGER_COLUMNS[3:], *_ADDED_COLUMNS)
+                    }
+                )
             )
             self._connection.execute(statement, updates)
         for key in self._dirty:
@@ -807,6 +854,12 @@ class _SqlUnit(Unit):
         )
         self.write(marker)
 
+    def known_fingerprint(self, tx_id: str) -> str | None:
+        return self._ledger.fingerprint(tx_id)
+
+    def mark_tx_seen(self, item: RequestSeen) -> None:
+        self.write(_seen_marker(item, SEEN_STEP))
+
     def write(self, entry: LedgerEntry) -> None:
         # The effect (if any) is done: close its scope so that a later rollback_effect
         # in this unit (a decision covering several steps) cannot reach back into it.
@@ -834,7 +887,20 @@ def _row_of(participant: str, entry: LedgerEntry) -> dict[str, Any]:
         "rollback_pending": entry.rollback_pending,
         "successor_compensated": entry.successor_compensated,
         "updated_ms": entry.updated_ms,
+        "fingerprint": entry.fingerprint,
+        "finished_ms": finished_ms(entry),
     }
+
+
+def _seen_marker(item: RequestSeen, step: int) -> LedgerEntry:
+    return LedgerEntry(
+        tx_id=item.tx_id,
+        step=step,
+        status=LedgerStatus.SEEN,
+        deadline_ms=item.deadline_ms,
+        updated_ms=item.now_ms,
+        fingerprint=item.fingerprint,
+    )
 
 
 def _entry_of(row: RowMapping) -> LedgerEntry:
@@ -853,6 +919,7 @@ def _entry_of(row: RowMapping) -> LedgerEntry:
         rollback_pending=bool(row["rollback_pending"]),
         successor_compensated=bool(row["successor_compensated"]),
         updated_ms=row["updated_ms"],
+        fingerprint=row.get("fingerprint"),
     )
 
 
@@ -1052,6 +1119,20 @@ class SqlStorage(Storage):
         with self._boundary("read its ledger"), self._engine.connect() as connection:
             return {row[0] for row in connection.execute(query)}
 
+    def prune(self, horizon_ms: int, limit: int) -> int:
+        """Delete up to ``limit`` entries finished at or before ``horizon_ms`` (one statement,
+        through the ``(participant, finished_ms)`` index)."""
+        if not self._ready:
+            self.setup()
+        c = self.ledger_table.c
+        due = and_(c.participant == self.name, c.finished_ms <= horizon_ms)
+        chosen = select(c.tx_id, c.step).where(due).order_by(c.finished_ms).limit(limit).subquery()
+        statement = delete(self.ledger_table).where(
+            due, tuple_(c.tx_id, c.step).in_(select(chosen.c.tx_id, chosen.c.step))
+        )
+        with self._boundary("prune its ledger"), self._engine.begin() as connection:
+            return int(connection.execute(statement).rowcount)
+
     # -- set-up details
 
     def _check_schema(self, connection: Connection) -> None:
@@ -1084,6 +1165,45 @@ class SqlStorage(Storage):
                 f"table {self._qualified(self.ledger_table.name)} exists but is not a saga "
                 f"ledger (it lacks {', '.join(missing)}); choose another ledger table name"
             )
+        added = [name for name in _ADDED_COLUMNS if name not in names]
+        if added:
+            self._upgrade_ledger(added)
+
+    def _upgrade_ledger(self, added: Sequence[str]) -> None:
+        """Give a ledger of the first layout the columns added since, and their index.
+
+        Entries already there get their ``finished_ms`` (so they are pruned too) and
+        no fingerprint (they match every request). Two participants may race to do
+        this; the loser finds the columns there.
+        """
+        types = {"fingerprint": "VARCHAR(64)", "finished_ms": "BIGINT"}
+        table = self._engine.dialect.identifier_preparer.format_table(self.ledger_table)
+        try:
+            with self._engine.begin() as connection:
+                for name in added:
+                    connection.execute(text(f"ALTER TABLE {table} ADD COLUMN {name} {types[name]}"))
+                if "finished_ms" in added:
+                    c = self.ledger_table.c
+                    final = [str(status) for status in _FINAL_STATUSES]
+                    parallel_applied = and_(
+                        c.status == str(LedgerStatus.APPLIED),
+                        c.mode == str(Mode.PARALLEL),
+                        c.rollback_pending.is_(False),
+                    )
+                    latest = case((c.deadline_ms > c.updated_ms, c.deadline_ms), else_=c.updated_ms)
+                    connection.execute(
+                        update(self.ledger_table)
+                        .where(c.status.in_(final) | (c.step < 0) | parallel_applied)
+                        .values(finished_ms=latest)
+                    )
+                index = next(i for i in self.ledger_table.indexes if i.name and "finish" in i.name)
+                index.create(connection, checkfirst=True)
+        except (sa_exc.ProgrammingError, sa_exc.OperationalError):
+            with self._engine.connect() as connection:
+                inspector = inspect(connection)
+                columns = inspector.get_columns(self.ledger_table.name, schema=self.schema)
+            if not set(added) <= {column["name"] for column in columns}:
+                raise
 
     def _reflect(self, connection: Connection, metadata: MetaData, name: str) -> Table:
         try:

@@ -44,7 +44,22 @@ class DecisionArrived:
     now_ms: int
 
 
-WorkItem = Requested | PredecessorApplied | SuccessorCompensated | DecisionArrived
+@dataclass(frozen=True, slots=True)
+class RequestSeen:
+    """A request in which this participant has no step: remember its fingerprint.
+
+    The storage records the transaction-level *seen* marker unless the
+    transaction is known here already, so that a later request of the same
+    ``tx_id`` with another payload is recognised (and applies nothing).
+    """
+
+    tx_id: str
+    fingerprint: str
+    deadline_ms: int
+    now_ms: int
+
+
+WorkItem = Requested | PredecessorApplied | SuccessorCompensated | DecisionArrived | RequestSeen
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +117,15 @@ class Unit(ABC):
     def mark_tx_rolled_back(self, tx_id: str, now_ms: int) -> None: ...
 
     @abstractmethod
+    def known_fingerprint(self, tx_id: str) -> str | None:
+        """The request fingerprint recorded for the transaction (a step entry or the seen
+        marker); ``None`` when none is (unknown here, or recorded before fingerprints)."""
+
+    @abstractmethod
+    def mark_tx_seen(self, item: RequestSeen) -> None:
+        """Record the seen marker (see :class:`RequestSeen`); the transaction is unknown."""
+
+    @abstractmethod
     def write(self, entry: LedgerEntry) -> None: ...
 
     @abstractmethod
@@ -134,12 +158,25 @@ class Storage(ABC):
     def in_flight_sequential(self) -> set[str]:
         """Transactions with a step waiting on a neighbour (sequential sagas)."""
 
+    @abstractmethod
+    def prune(self, horizon_ms: int, limit: int) -> int:
+        """Remove up to ``limit`` ledger entries (steps and markers) that finished at or
+        before ``horizon_ms`` (:func:`participants._barrier.finished_ms`); return how many.
+
+        The runtime passes ``now - retention``; see *Retention* in
+        :mod:`participants._barrier` for why that is safe.
+        """
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections."""
 
 
 def run_item(unit: Unit, actions: Actions, item: WorkItem) -> list[Report]:
     """Drive one work item through the barrier inside ``unit``; return what to report."""
+    if isinstance(item, RequestSeen):
+        if unit.known_fingerprint(item.tx_id) is None and not unit.entries(item.tx_id):
+            unit.mark_tx_seen(item)
+        return []
     if isinstance(item, DecisionArrived):
         entries = unit.entries(item.tx_id)
         if not entries:
@@ -160,9 +197,11 @@ def _run_signal(
     rolled_back = (
         isinstance(signal, Requested) and entry is None and unit.tx_rolled_back(signal.tx_id)
     )
+    known = unit.known_fingerprint(signal.tx_id) if isinstance(signal, Requested) else None
     if isinstance(signal, Requested) and faults.unsafe("barrier-off"):
-        entry, rolled_back = None, False  # TEST-ONLY negative control: ignore the ledger
-    p = plan(entry, rolled_back, signal)
+        # TEST-ONLY negative control: ignore the ledger
+        entry, rolled_back, known = None, False, None
+    p = plan(entry, rolled_back, signal, known)
     target = p.entry
     if target is not None and target.action is not None:
         action, args = target.action, target.args or {}
