@@ -18,8 +18,8 @@ pymongo is imported here only. Target collections hold the business documents
 Pruning. Step documents carry ``finished_ms`` once finished
 (:func:`participants._barrier.finished_ms`), and so do transaction documents
 that hold only markers; both collections have a ``(participant, finished_ms)``
-index (``saga_by_finish``). :meth:`MongoStorage.prune` removes step documents
-past the horizon, then the transaction documents left without steps. The seen
+index (``saga_by_finish``). :meth:`MongoStorage.prune` removes a transaction's
+documents once all of them finished before the horizon. The seen
 markers of a run of requests without a step here are inserted with one
 ``insert_many`` (a duplicate key means the transaction is known: nothing to do).
 
@@ -2105,51 +2105,67 @@ class MongoStorage(Storage):
     # -- pruning
 
     def prune(self, horizon_ms: int, limit: int) -> int:
-        """Remove up to ``limit`` step documents finished at or before ``horizon_ms``, then
-        the transaction documents left without steps (and those holding only markers that
-        finished by then); return how many entries (steps and markers) went."""
+        """Remove the ledger documents of up to ``limit`` transactions finished at or before
+        ``horizon_ms`` (found through step documents, or transaction documents holding
+        only markers); return how many entries (steps and markers) went.
+
+        A transaction goes as a whole, its transaction document first (it holds the
+        intents, and a spent intent would otherwise re-create a removed step document
+        from its marker); step documents a crash left behind are found again and removed.
+        A transaction with a step not finished yet keeps everything, and its finished
+        step documents lose ``finished_ms`` (they are looked at again when that step
+        finishes), so it never blocks the next runs.
+        """
         if not self._ready:
             self.setup()
         due = {"participant": self.name, "finished_ms": {"$lte": horizon_ms}}
         removed = 0
         with self._boundary("prune its ledger"):
             self.flush_records()
-            steps = list(
-                self.ledger_collection.find(
-                    {**due, "pending": {"$exists": False}, "purge": {"$exists": False}},
-                    {"tx_id": 1},
-                ).limit(limit)
-            )
-            if steps:
-                gone = self.ledger_collection.delete_many(
-                    {"_id": {"$in": [doc["_id"] for doc in steps]}, **due}
-                )
-                removed += gone.deleted_count
-            for tx_id in sorted({doc["tx_id"] for doc in steps}):
-                removed += self._prune_tx_doc(tx_id, horizon_ms)
+            found: dict[str, list[str]] = {}
+            query = {**due, "pending": {"$exists": False}, "purge": {"$exists": False}}
+            for doc in self.ledger_collection.find(query, {"tx_id": 1}).limit(limit):
+                found.setdefault(doc["tx_id"], []).append(doc["_id"])
             for doc in self.tx_collection.find(due, {"tx_id": 1}).limit(limit):
-                removed += self._prune_tx_doc(doc["tx_id"], horizon_ms)
+                found.setdefault(doc["tx_id"], [])
+            for tx_id, step_ids in found.items():
+                removed += self._prune_tx(tx_id, step_ids, horizon_ms)
         return removed
 
-    def _prune_tx_doc(self, tx_id: str, horizon_ms: int) -> int:
-        """Remove the transaction document when none of its steps' documents is left and
-        no intent in it can be live (an intent stays once spent; one written before the
-        horizon is long resolved); return how many markers it held (0: kept)."""
+    def _prune_tx(self, tx_id: str, step_ids: list[str], horizon_ms: int) -> int:
         self.tx_cache.pop(tx_id)
         doc = self.tx_collection.find_one({"_id": _tx_doc_id(self.name, tx_id)})
-        if doc is None:
-            return 0
-        intents = (doc.get("pending") or {}).values()
-        if any(int(intent.get("at_ms", 0)) > horizon_ms for intent in intents):
-            return 0
-        if not doc.get("steps") and int(doc.get("finished_ms", horizon_ms + 1)) > horizon_ms:
-            return 0  # markers only, not finished long enough
+        if doc is None:  # left behind by a crash between the two deletes below
+            gone = self.ledger_collection.delete_many({"_id": {"$in": step_ids}})
+            return gone.deleted_count
+        steps: list[Document] = []
         for step in doc.get("steps", []):
-            if self.ledger_collection.find_one({"_id": _step_id(self.name, tx_id, step)}):
-                return 0  # a step is still recorded: its own removal comes back here
+            step_doc = self.ledger_collection.find_one({"_id": _step_id(self.name, tx_id, step)})
+            if step_doc is None:
+                if _pending_key(step) in (doc.get("pending") or {}):
+                    return 0  # an unresolved creation: its step's next reader settles it
+                continue
+            steps.append(step_doc)
+        finishes = [
+            None
+            if "status" not in d or d.get("pending") or d.get("purge")
+            else finished_ms(_entry_of(d))
+            for d in steps
+        ]
+        if not steps and int(doc.get("finished_ms", horizon_ms + 1)) > horizon_ms:
+            return 0  # markers only, not finished long enough
+        if any(f is None or f > horizon_ms for f in finishes):
+            for d, f in zip(steps, finishes, strict=True):
+                if f is not None and "finished_ms" in d:
+                    self.ledger_collection.update_one(
+                        {"_id": d["_id"]}, {"$unset": {"finished_ms": ""}}
+                    )
+            return 0
         if not self.cas.delete(self.tx_collection, doc["_id"], {"rev": doc["rev"]}):
             return 0  # changed meanwhile: a later run looks again
-        return sum(1 for name in ("rolled_back", "seen") if doc.get(name))
+        if steps:
+            self.ledger_collection.delete_many({"_id": {"$in": [d["_id"] for d in steps]}})
+        return len(steps) + sum(1 for name in ("rolled_back", "seen") if doc.get(name))
 
     # -- reading the ledger
 

@@ -23,6 +23,7 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import replace
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,7 @@ import pytest
 import redis
 import sqlalchemy as sa
 from test_sql_storage import (
+    DEADLINE,
     NOW,
     TARGETS,
     Fields,
@@ -48,13 +50,18 @@ from test_sql_storage import (
 )
 
 from participants import _mongo
-from participants._barrier import LedgerStatus, PredecessorApplied, SuccessorCompensated
+from participants._barrier import (
+    LedgerStatus,
+    PredecessorApplied,
+    Requested,
+    SuccessorCompensated,
+)
 from participants._handlers import Handler, Reject
 from participants._mongo import DocumentWrite, MongoSession, MongoStorage, _MongoUnit
 from participants._open import open_storage
 from participants._redis import RedisSession, RedisStorage
 from participants._sql import SqlSession, SqlStorage
-from participants._storage import Storage
+from participants._storage import RequestSeen, Storage
 from streams import ConfigurationError, Mode, StepStatus, TransientError
 from tests._infra import Services
 
@@ -973,6 +980,130 @@ class TestStorageContract:
         assert "retrying is safe" in str(info.value)
         assert "saga:saga" not in str(info.value)  # never a password
         assert info.value.retryable
+
+
+# ---------------------------------------------------------------- fingerprints and retention
+
+FP_A = "a" * 32
+FP_B = "b" * 32
+BY_10: Fields = {"target": "accounts", "key": 2, "field": "balance", "by": 10}
+
+
+def fingerprinted(request: Requested, fingerprint: str) -> Requested:
+    return replace(request, fingerprint=fingerprint)
+
+
+def seen(tx_id: str, fingerprint: str = FP_A, deadline_ms: int = DEADLINE) -> RequestSeen:
+    return RequestSeen(tx_id, fingerprint, deadline_ms, NOW)
+
+
+@pytest.mark.parametrize("storage", STORAGES, indirect=True)
+class TestFingerprintsAndRetention:
+    """One payload per transaction id; ledger entries go once finished longer than the
+    retention ago (``Storage.prune``), without letting a late duplicate apply."""
+
+    def test_a_request_with_another_fingerprint_applies_nothing(self, storage: Harness) -> None:
+        first = fingerprinted(requested("tx-1", "increment", BY_10), FP_A)
+        assert storage.storage.execute([first]) == [report("tx-1", StepStatus.APPLIED)]
+        assert storage.storage.execute([commit("tx-1")]) == [report("tx-1", StepStatus.COMMITTED)]
+        before = storage.snapshot()
+        other = fingerprinted(requested("tx-1", "increment", {**BY_10, "by": 99}, n_steps=2), FP_B)
+        unknown_step = replace(other, step=1, args={**BY_10, "key": 1})
+        assert storage.storage.execute([other, unknown_step]) == []
+        assert storage.make().execute([unknown_step, other]) == []  # a restarted worker too
+        assert storage.snapshot() == before
+        [entry] = storage.storage.ledger("tx-1")
+        assert (entry.status, entry.fingerprint) == (LedgerStatus.COMMITTED, FP_A)
+        # The same request again keeps behaving as before: it reports its step again.
+        assert storage.storage.execute([first]) == [report("tx-1", StepStatus.COMMITTED)]
+        assert storage.record("accounts", 2) == {"owner": "bob", "balance": 60}
+
+    def test_a_request_without_a_local_step_leaves_a_seen_marker(self, storage: Harness) -> None:
+        before = storage.snapshot()
+        assert storage.storage.execute([seen("tx-2"), seen("tx-2")]) == []
+        assert storage.storage.ledger("tx-2") == []  # a marker, not a step entry
+        # The reproduction: the same tx_id again, now with a step here -- nothing happens.
+        resubmitted = fingerprinted(requested("tx-2", "increment", BY_10, step=1, n_steps=2), FP_B)
+        assert storage.storage.execute([resubmitted]) == []
+        assert storage.make().execute([resubmitted]) == []
+        # In one batch with its marker, the order of the log holds.
+        assert storage.storage.execute([seen("tx-3"), replace(resubmitted, tx_id="tx-3")]) == []
+        assert storage.storage.execute([rollback("tx-2"), commit("tx-3")]) == []
+        assert storage.snapshot() == before
+        assert storage.storage.ledger("tx-2") == storage.storage.ledger("tx-3") == []
+
+    def test_a_seen_marker_does_not_change_what_a_known_transaction_matches(
+        self, storage: Harness
+    ) -> None:
+        first = fingerprinted(requested("tx-1", "increment", BY_10), FP_A)
+        assert storage.storage.execute([first]) == [report("tx-1", StepStatus.APPLIED)]
+        assert storage.storage.execute([seen("tx-1", FP_B)]) == []
+        assert storage.storage.execute([first]) == [report("tx-1", StepStatus.APPLIED)]
+        assert storage.make().execute([first]) == [report("tx-1", StepStatus.APPLIED)]
+        assert storage.record("accounts", 2) == {"owner": "bob", "balance": 60}
+
+    def test_entries_without_a_fingerprint_match_every_request(self, storage: Harness) -> None:
+        legacy = requested("tx-1", "increment", BY_10)  # as written before fingerprints
+        assert storage.storage.execute([legacy]) == [report("tx-1", StepStatus.APPLIED)]
+        again = fingerprinted(legacy, FP_A)
+        assert storage.storage.execute([again]) == [report("tx-1", StepStatus.APPLIED)]
+        assert storage.record("accounts", 2) == {"owner": "bob", "balance": 60}
+
+    def _finished_and_unfinished(self, storage: Harness) -> None:
+        """Entries finishing at DEADLINE (five), later (one) and never (two)."""
+        later = DEADLINE + 100_000
+        run = storage.storage.execute
+        run([fingerprinted(requested("committed", "increment", BY_10), FP_A)])
+        run([commit("committed")])
+        run([fingerprinted(requested("compensated", "increment", BY_10), FP_A)])
+        run([rollback("compensated")])
+        run([fingerprinted(requested("applied", "increment", BY_10), FP_A)])  # parallel
+        run([seen("seen")])
+        run([rollback("marker")])  # finishes when written: NOW + 1_000
+        run([fingerprinted(requested("young", "increment", BY_10, deadline_ms=later), FP_A)])
+        run([commit("young", now_ms=later - 1)])
+        waiting = requested("waiting", "increment", BY_10, step=1, n_steps=2, mode=Mode.SEQUENTIAL)
+        run([fingerprinted(waiting, FP_A)])
+        sequential = replace(waiting, tx_id="sequential", step=0)
+        assert run([sequential]) == [report("sequential", StepStatus.APPLIED)]
+
+    def test_pruning_removes_exactly_the_entries_past_the_horizon(self, storage: Harness) -> None:
+        self._finished_and_unfinished(storage)
+        everything = {(e.tx_id, e.step) for e in storage.storage.ledger()}
+        assert storage.storage.prune(NOW, 1000) == 0
+        assert {(e.tx_id, e.step) for e in storage.storage.ledger()} == everything
+        # committed, compensated, applied (parallel), the seen and the rollback marker
+        assert storage.storage.prune(DEADLINE, 1000) == 5
+        left = {(e.tx_id, e.step) for e in storage.storage.ledger()}
+        assert left == {("young", 0), ("waiting", 1), ("sequential", 0)}
+        assert storage.storage.prune(DEADLINE, 1000) == 0
+        # The young one goes later, a bounded number at a time; unfinished entries stay.
+        removed = []
+        for _ in range(5):
+            removed.append(storage.make().prune(DEADLINE + 10**9, 1))
+        assert sum(removed) == 1
+        assert removed[0] == 1
+        assert {(e.tx_id, e.step) for e in storage.storage.ledger()} == {
+            ("waiting", 1),
+            ("sequential", 0),
+        }
+
+    def test_a_duplicate_request_after_pruning_is_not_applied(self, storage: Harness) -> None:
+        first = fingerprinted(requested("tx-1", "increment", BY_10), FP_A)
+        storage.storage.execute([first])
+        storage.storage.execute([commit("tx-1")])
+        assert storage.storage.prune(DEADLINE, 1000) == 1
+        assert storage.storage.ledger("tx-1") == []
+        late = replace(first, now_ms=DEADLINE + 1)
+        refused = [
+            report("tx-1", StepStatus.FAILED, reason="deadline passed before the step was applied")
+        ]
+        assert storage.storage.execute([late]) == refused
+        assert storage.make().execute([late]) == refused  # a restarted worker too
+        assert storage.storage.execute([rollback("tx-1", now_ms=DEADLINE + 2)]) == [
+            report("tx-1", StepStatus.COMPENSATED)
+        ]
+        assert storage.record("accounts", 2) == {"owner": "bob", "balance": 60}  # applied once
 
 
 # ---------------------------------------------------------------- MongoDB specifics
