@@ -28,6 +28,8 @@ from participants._barrier import (
     Requested,
     Signal,
     SuccessorCompensated,
+    conflicting,
+    finished_ms,
     plan,
 )
 from streams import Mode, Outcome, StepStatus
@@ -557,6 +559,133 @@ def test_plan_is_pure() -> None:
     assert entry == snapshot
 
 
+# ------------------------------------------------------------------ fingerprints
+
+FP_A = "a" * 32
+FP_B = "b" * 32
+
+
+@pytest.mark.parametrize(
+    ("known", "fingerprint", "conflict"),
+    [
+        (None, None, False),
+        (None, FP_A, False),
+        (FP_A, None, False),
+        (FP_A, FP_A, False),
+        (FP_A, FP_B, True),
+    ],
+)
+def test_only_two_different_fingerprints_conflict(
+    known: str | None, fingerprint: str | None, conflict: bool
+) -> None:
+    assert conflicting(known, fingerprint) is conflict
+
+
+def test_entries_written_for_a_request_keep_its_fingerprint() -> None:
+    s = replace(requested(), fingerprint=FP_A)
+    for p in (
+        plan(None, False, s),
+        plan(None, True, s),
+        plan(None, False, replace(s, now_ms=DEADLINE + 1)),
+        plan(None, False, replace(s, step=1, n_steps=2, mode=Mode.SEQUENTIAL)),
+    ):
+        assert p.entry is not None
+        assert p.entry.fingerprint == FP_A
+
+
+@pytest.mark.parametrize("status", list(LedgerStatus))
+def test_a_request_with_another_fingerprint_than_its_entry_does_nothing(
+    status: LedgerStatus,
+) -> None:
+    entry = entry_in(status, fingerprint=FP_A)
+    other = replace(requested(pred=True), fingerprint=FP_B)
+    p = plan(entry, False, other, FP_A)
+    assert nothing(p)
+    assert p.note is not None
+    assert "another payload" in p.note
+    assert nothing(plan(entry, False, other))  # the entry's own fingerprint suffices
+
+
+@pytest.mark.parametrize("rolled_back", [False, True])
+@pytest.mark.parametrize("late", [False, True])
+def test_a_request_of_a_transaction_known_with_another_fingerprint_does_nothing(
+    rolled_back: bool, late: bool
+) -> None:
+    """No entry for this step, but the transaction is known here (another step, or the
+    seen marker of a request without a step here): nothing is applied or reported."""
+    s = replace(requested(now=DEADLINE + 1 if late else NOW), fingerprint=FP_B)
+    assert nothing(plan(None, rolled_back, s, FP_A))
+
+
+@pytest.mark.parametrize("status", [LedgerStatus.APPLIED, LedgerStatus.COMMITTED])
+def test_the_same_fingerprint_or_none_keeps_todays_behaviour(status: LedgerStatus) -> None:
+    entry = entry_in(status, fingerprint=FP_A)
+    emit = StepStatus(str(status))
+    assert reported_again(plan(entry, False, replace(requested(), fingerprint=FP_A), FP_A), emit)
+    assert reported_again(plan(entry, False, requested(), FP_A), emit)  # no fingerprint
+    legacy = entry_in(status)  # written before fingerprints
+    assert reported_again(plan(legacy, False, replace(requested(), fingerprint=FP_B)), emit)
+    first = plan(None, False, replace(requested(), fingerprint=FP_A), FP_A)
+    assert first.effect is Effect.APPLY
+
+
+def test_only_requests_look_at_fingerprints() -> None:
+    entry = entry_in(LedgerStatus.APPLIED, fingerprint=FP_A)
+    assert plan(entry, False, commit(), FP_B).effect is Effect.CONFIRM
+    assert plan(entry, False, rollback(), FP_B).effect is Effect.COMPENSATE
+
+
+# ------------------------------------------------------------------ retention
+
+
+@pytest.mark.parametrize(
+    ("status", "mode", "kw", "finished"),
+    [
+        (LedgerStatus.COMMITTED, Mode.PARALLEL, {}, True),
+        (LedgerStatus.COMPENSATED, Mode.SEQUENTIAL, {}, True),
+        (LedgerStatus.FAILED, Mode.SEQUENTIAL, {}, True),
+        (LedgerStatus.APPLIED, Mode.PARALLEL, {}, True),
+        (LedgerStatus.APPLIED, Mode.SEQUENTIAL, {}, False),
+        (LedgerStatus.APPLIED, Mode.SEQUENTIAL, {"rollback_pending": True}, False),
+        (LedgerStatus.WAITING, Mode.SEQUENTIAL, {}, False),
+        (LedgerStatus.COMPENSATION_FAILED, Mode.PARALLEL, {}, False),
+        (LedgerStatus.SEEN, Mode.PARALLEL, {"step": -2}, True),
+        (LedgerStatus.COMPENSATED, Mode.PARALLEL, {"step": -1, "deadline_ms": 0}, True),
+    ],
+)
+def test_an_entry_finishes_at_its_deadline_or_last_update(
+    status: LedgerStatus, mode: Mode, kw: dict[str, Any], finished: bool
+) -> None:
+    entry = entry_in(status, mode=mode, **kw)
+    expected = max(entry.deadline_ms, entry.updated_ms) if finished else None
+    assert finished_ms(entry) == expected
+    late = replace(entry, updated_ms=entry.deadline_ms + 5)
+    assert finished_ms(late) == (late.updated_ms if finished else None)
+
+
+@given(
+    status=st.sampled_from(LedgerStatus),
+    mode=st.sampled_from(Mode),
+    deadline=st.integers(0, 10**12),
+    updated=st.integers(0, 10**12),
+    retention=st.integers(1, 10**10),
+)
+def test_a_request_repeated_after_its_entry_was_pruned_is_never_applied(
+    status: LedgerStatus, mode: Mode, deadline: int, updated: int, retention: int
+) -> None:
+    """The safety argument of pruning: once ``now >= finished + retention`` the entry may
+    be gone, and the same request then finds no entry, yet its deadline is past."""
+    entry = entry_in(status, mode=mode, deadline=deadline, updated_ms=updated)
+    finished = finished_ms(entry)
+    if finished is None:
+        return
+    now = finished + retention
+    again = requested(mode=mode, deadline=deadline, now=now)
+    p = plan(None, False, again)
+    assert p.effect is Effect.NONE
+    assert p.emit is not StepStatus.APPLIED
+
+
 # ------------------------------------------------------------------ model
 
 TOPICS = ("requests", "decisions", "events")
@@ -577,6 +706,12 @@ class Node:
     cursor: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TOPICS, 0))
     saw_rollback: bool = False
     lost_successor: set[int] = field(default_factory=set)  # see Model.known_bug
+    seen: str | None = None  # the seen marker: a request without a step here
+
+    def known(self) -> str | None:
+        """``Unit.known_fingerprint``: a step entry's fingerprint, else the seen marker's."""
+        found = [e.fingerprint for e in self.ledger.values() if e.fingerprint]
+        return found[0] if found else self.seen
 
 
 @dataclass
@@ -589,6 +724,7 @@ class Model:
     comp_fails: list[bool]  # per step: its first compensation fails
     clock: int = 0
     requests: int = 1  # records on the requests topic (duplicates of one request)
+    conflicts: set[int] = field(default_factory=set)  # offsets of requests with another payload
     decisions: list[Outcome] = field(default_factory=list)
     events: list[tuple[int, StepStatus]] = field(default_factory=list)
     outcome: Outcome | None = None
@@ -640,7 +776,11 @@ class Model:
         offset = node.cursor[topic]
         node.cursor[topic] += 1
         now = self.clock + node.skew
-        if topic == "requests":
+        if topic == "requests" and offset in self.conflicts:
+            self.deliver_conflict(node, now)
+        elif topic == "requests":
+            if not node.steps and node.known() is None:
+                node.seen = FP_A  # run_item for RequestSeen
             items: list[Signal] = [
                 Requested(
                     tx_id=TX,
@@ -654,6 +794,7 @@ class Model:
                     predecessor_applied=(i - 1) in node.applied_seen,
                     successor_compensated=self.mode is Mode.SEQUENTIAL
                     and (i + 1) in node.compensated_seen,
+                    fingerprint=FP_A,
                 )
                 for i in sorted(node.steps)
             ]
@@ -675,6 +816,28 @@ class Model:
                 if node.sequential_known:
                     signal = SuccessorCompensated(TX, step - 1, now)
                     self.run_signal(node, node.ledger.get(step - 1), signal)
+
+    def deliver_conflict(self, node: Node, now: int) -> None:
+        """A resubmission of the transaction id with another payload: one more step, which
+        lands on a participant without a step in the first request when there is one."""
+        assert node.known() == FP_A  # the first request is always read first
+        steps = [*node.steps, self.n] if not node.steps else node.steps
+        for i in steps:
+            signal = Requested(
+                tx_id=TX,
+                step=i,
+                action="increment",
+                args={"step": i, "other": True},
+                mode=self.mode,
+                n_steps=self.n + 1,
+                deadline_ms=self.deadline + 1_000,
+                now_ms=now,
+                predecessor_applied=True,
+                fingerprint=FP_B,
+            )
+            entry = node.ledger.get(i)
+            p = plan(entry, entry is None and node.marker, signal, node.known())
+            assert nothing(p), f"a conflicting request was acted on: {p}"
 
     def crash(self, node: Node, data: st.DataObject) -> None:
         """The runtime restarts: its memory is rebuilt from the ledger, offsets go back.
@@ -730,13 +893,14 @@ class Model:
         """``_run_signal`` with a model storage that counts effects."""
         step = signal.step
         rolled_back = isinstance(signal, Requested) and entry is None and node.marker
+        known = node.known() if isinstance(signal, Requested) else None
         if (
             isinstance(signal, SuccessorCompensated)
             and step in node.steps
             and (entry is None or entry.status is LedgerStatus.WAITING)
         ):
             node.lost_successor.add(step)  # the barrier drops it
-        p = plan(entry, rolled_back, signal)
+        p = plan(entry, rolled_back, signal, known)
         target = p.entry
         if p.effect is not Effect.NONE:
             assert target is not None, p
@@ -906,7 +1070,11 @@ def run_model(data: st.DataObject, *, single: bool) -> Model:
     may_abort = data.draw(st.booleans(), label="operator")
     for _ in range(data.draw(st.integers(0, 80), label="length")):
         model.clock += data.draw(st.integers(0, 60))
-        actions: list[tuple[str, int, str]] = [("coordinate", 0, ""), ("republish", 0, "")] + [
+        actions: list[tuple[str, int, str]] = [
+            ("coordinate", 0, ""),
+            ("republish", 0, ""),
+            ("conflict", 0, ""),
+        ] + [
             ("deliver", j, t)
             for j, node in enumerate(nodes)
             for t in TOPICS
@@ -925,6 +1093,9 @@ def run_model(data: st.DataObject, *, single: bool) -> Model:
         if kind == "coordinate":
             model.coordinate()
         elif kind == "republish":
+            model.requests += 1
+        elif kind == "conflict":
+            model.conflicts.add(model.requests)
             model.requests += 1
         elif kind == "abort":
             model.decide(Outcome.ROLLBACK)
