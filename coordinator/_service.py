@@ -45,6 +45,7 @@ from streams import (
     encode,
 )
 from streams import _faults as faults
+from streams._duration import DEFAULT_RETENTION_MS
 from streams._kafka import (
     Consumer,
     KafkaSettings,
@@ -74,9 +75,6 @@ class CoordinatorStats:
     forgotten: int = 0
     expired_requests: int = 0
 
-
-DEFAULT_RETENTION_MS = 7 * 24 * 3_600_000
-"""How long a finished saga is remembered past its deadline (and its last change)."""
 
 # Forgetting is a chore, not a reason to make one transaction huge.
 _FORGET_PER_BATCH = 5000

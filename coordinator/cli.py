@@ -75,6 +75,30 @@ def connect_timeout_option(fn: F) -> F:
     )(fn)
 
 
+def _parse_retention(_ctx: click.Context, _param: click.Parameter, value: str) -> int:
+    from streams._duration import parse_duration_ms
+
+    try:
+        return parse_duration_ms(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--retention") from None
+
+
+def retention_option(what: str) -> Callable[[F], F]:
+    """``--retention`` (a duration) as ``retention_ms``; the same default everywhere."""
+    from streams._duration import DEFAULT_RETENTION
+
+    return click.option(
+        "--retention",
+        "retention_ms",
+        default=DEFAULT_RETENTION,
+        show_default=True,
+        callback=_parse_retention,
+        help=f"{what} (90s, 30m, 12h, 7d); use one value for the coordinator and "
+        "every participant.",
+    )
+
+
 def kafka_options(fn: F) -> F:
     fn = click.option(
         "--kafka-config",
@@ -180,6 +204,7 @@ def coordinator() -> None:
     help="Comma-separated names of the participants that exist; a request naming "
     "another rolls back at once (default: accept any name).",
 )
+@retention_option("Forget sagas (memory, status topic) finished longer ago than this")
 @connect_timeout_option
 def coordinator_run(
     bootstrap: str | None,
@@ -187,9 +212,15 @@ def coordinator_run(
     kafka_config: str | None,
     instance_id: str,
     participants: str | None,
+    retention_ms: int,
     connect_timeout: float,
 ) -> None:
-    """Consume requests and step events, decide commit or rollback, publish status."""
+    """Consume requests and step events, decide commit or rollback, publish status.
+
+    Sagas that ended committed or rolled back are forgotten --retention after their
+    deadline and last change; a request whose deadline passed longer ago than that
+    goes to the DLQ as expired.
+    """
     from coordinator._service import CoordinatorService
 
     known = (
@@ -197,7 +228,9 @@ def coordinator_run(
     )
     settings = settings_from(bootstrap, prefix, kafka_config)
     wait_for_broker(settings, timeout=connect_timeout)
-    service = CoordinatorService(settings, instance_id=instance_id, participants=known)
+    service = CoordinatorService(
+        settings, instance_id=instance_id, participants=known, retention_ms=retention_ms
+    )
     service.install_signal_handlers()
     service.run()
 
@@ -248,13 +281,7 @@ def participant() -> None:
 )
 @click.option("--handlers", default=None, help="Dotted path of a module with custom HANDLERS.")
 @click.option("--schema", "db_schema", default=None, help="SQL schema of the tables and ledger.")
-@click.option(
-    "--retention",
-    default="7d",
-    show_default=True,
-    help="Remove ledger entries of transactions finished longer ago than this "
-    "(90s, 30m, 12h, 7d); keep it equal to the coordinator's.",
-)
+@retention_option("Remove ledger entries of transactions finished longer ago than this")
 @connect_timeout_option
 def participant_run(
     bootstrap: str | None,
@@ -269,7 +296,7 @@ def participant_run(
     targets: str,
     handlers: str | None,
     db_schema: str | None,
-    retention: str,
+    retention_ms: int,
     connect_timeout: float,
 ) -> None:
     """Apply this participant's steps, confirm on commit, compensate on rollback.
@@ -282,12 +309,7 @@ def participant_run(
     """
     from participants import ParticipantRuntime, open_storage
     from participants._open import storage_url
-    from streams._duration import parse_duration_ms
 
-    try:
-        retention_ms = parse_duration_ms(retention)
-    except ValueError as exc:
-        raise click.BadParameter(str(exc), param_hint="--retention") from None
     if url is not None and url_password(url):
         logging.getLogger("saga.participant").warning(
             "the storage password is on the command line, where every local user can read "
