@@ -7,6 +7,11 @@ needs for speed.
 
 A dead letter was rightly rejected when it
 
+* is an excerpt (header ``saga.truncated``, or a ``saga.source.key.length`` plus
+  ``saga.source.value.length`` over :data:`~streams._limits.MAX_RECORD_BYTES`):
+  the original was over the size limit, whatever its first bytes decode to (a
+  valid object followed by a megabyte of blanks decodes fine when cut), or
+* is itself, key and value together, over that limit, or
 * does not decode as a record of its source topic (header
   ``saga.source.topic``), or
 * is keyed by something other than its ``tx_id``, or
@@ -16,6 +21,12 @@ A dead letter was rightly rejected when it
 
 Any other dead letter is a valid record that was wrongly rejected: an I6
 violation, reported on its transaction.
+
+The first two count as ``invalid`` (the record does not decode), like the third.
+
+:func:`rejected_at` gives the other use of the DLQ: where the coordinator's
+rejected records sit in the log, so that the audit leaves them out
+(:mod:`._audit`, "Validity").
 """
 
 from __future__ import annotations
@@ -23,9 +34,11 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Final
 
 from streams._codec import decode, decode_as
 from streams._errors import InvalidRecord
+from streams._limits import MAX_RECORD_BYTES
 from streams._records import (
     Decision,
     Record,
@@ -36,7 +49,10 @@ from streams._records import (
 )
 from streams._topics import Topics
 
-__all__ = ["DeadLetter", "DlqVerdict", "TxFacts", "judge"]
+__all__ = ["COORDINATOR", "DeadLetter", "DlqVerdict", "TxFacts", "judge", "rejected_at"]
+
+COORDINATOR: Final = "coordinator"
+"""``saga.component`` of the coordinator's dead letters."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +68,38 @@ class DeadLetter:
     def header(self, name: str) -> str | None:
         raw = self.headers.get(name)
         return raw.decode("utf-8", "replace") if raw is not None else None
+
+    def _int_header(self, name: str) -> int | None:
+        text = self.header(name)
+        if text is None or not text.isascii():
+            return None
+        try:
+            return int(text)
+        except ValueError:
+            return None
+
+    @property
+    def source(self) -> tuple[str, int, int] | None:
+        """``(topic, partition, offset)`` of the rejected record, when the headers say."""
+        topic = self.header("saga.source.topic")
+        partition = self._int_header("saga.source.partition")
+        offset = self._int_header("saga.source.offset")
+        if topic is None or partition is None or offset is None:
+            return None
+        return (topic, partition, offset)
+
+    @property
+    def oversized(self) -> bool:
+        """The rejected record was over :data:`~streams._limits.MAX_RECORD_BYTES`: the
+        letter is an excerpt (``saga.truncated``, or the source lengths say so), or is
+        itself that large."""
+        if self.header("saga.truncated") == "1":
+            return True
+        key_length = self._int_header("saga.source.key.length") or 0
+        value_length = self._int_header("saga.source.value.length") or 0
+        if key_length + value_length > MAX_RECORD_BYTES:
+            return True
+        return len(self.key or b"") + len(self.value or b"") > MAX_RECORD_BYTES
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +149,9 @@ def judge(
     for letter in letters:
         verdict.records += 1
         verdict.by_component[letter.header("saga.component") or "unknown"] += 1
+        if letter.oversized:
+            verdict.invalid += 1  # over the size limit, whatever its excerpt decodes to
+            continue
         source = letter.header("saga.source.topic")
         kinds = _kinds(topics, source)
         try:
@@ -125,6 +176,25 @@ def judge(
         else:
             verdict.findings.setdefault(record.tx_id, []).append(why)
     return verdict
+
+
+def rejected_at(letters: Iterable[DeadLetter], topics: Topics) -> dict[str, set[tuple[int, int]]]:
+    """``{topic: {(partition, offset)}}`` of the records of requests, events and decisions
+    the coordinator rejected, from its dead letters' ``saga.source.*`` headers.
+
+    Only letters whose ``saga.component`` is the coordinator count: it is the one
+    consumer that reads those three topics whole and the one writer of their
+    dead letters. Letters without readable coordinates are left out.
+    """
+    audited = (topics.requests, topics.events, topics.decisions)
+    found: dict[str, set[tuple[int, int]]] = {}
+    for letter in letters:
+        if letter.header("saga.component") != COORDINATOR:
+            continue
+        source = letter.source
+        if source is not None and source[0] in audited:
+            found.setdefault(source[0], set()).add((source[1], source[2]))
+    return found
 
 
 def _wrongly_rejected(letter: DeadLetter, record: Record, tx: TxFacts | None) -> str | None:

@@ -23,9 +23,10 @@ from streams import (
     Topics,
     encode,
 )
+from streams._limits import DLQ_EXCERPT_BYTES, MAX_RECORD_BYTES
 from streams.reconcile import parse_check, parse_duration_ms, parse_ledger, parse_table
 from streams.reconcile._config import parse_offsets, parse_since
-from streams.reconcile._dlq import DeadLetter, TxFacts, judge
+from streams.reconcile._dlq import DeadLetter, TxFacts, judge, rejected_at
 from streams.reconcile._replay import plan_resends
 from streams.reconcile._sources import jdbc_address
 from streams.reconcile.bench import expected_classes
@@ -165,6 +166,61 @@ def test_dead_letters() -> None:
     assert "valid saga.step" in verdict.findings["t2"][0]
     assert "valid saga.abort" in verdict.findings["t3"][0]
     assert verdict.violations == 3
+
+
+def test_a_dead_letter_over_the_size_limit_was_rightly_rejected() -> None:
+    """The excerpt of a record over the limit may decode as a valid record (a valid
+    object, then blanks): the original was over the limit, so it was rightly rejected."""
+    request = SagaRequest("t1", "s", Mode.PARALLEL, (Step("a", "x"),), 10, 0)
+    excerpt = (encode(request) + b" " * DLQ_EXCERPT_BYTES)[:DLQ_EXCERPT_BYTES]
+    truncated = _letter(T.requests, "t1", excerpt, offset=1)
+    truncated.headers.update(
+        {
+            "saga.truncated": b"1",
+            "saga.source.key.length": b"2",
+            "saga.source.value.length": str(MAX_RECORD_BYTES).encode(),
+        }
+    )
+    by_lengths = _letter(T.requests, "t1", excerpt, offset=2)  # no saga.truncated header
+    by_lengths.headers["saga.source.value.length"] = str(MAX_RECORD_BYTES + 1).encode()
+    whole = _letter(T.requests, "t1", encode(request) + b" " * MAX_RECORD_BYTES, offset=3)
+    within = _letter(T.requests, "t1", excerpt, offset=4)  # the same bytes, not cut: valid
+
+    def facts(txs: set[str]) -> dict[str, TxFacts]:
+        return {"t1": TxFacts(decided=False, first_request=None, first_request_offset=None)}
+
+    verdict = judge([truncated, by_lengths, whole], T, facts)
+    assert (verdict.records, verdict.invalid, verdict.violations) == (3, 3, 0)
+    assert judge([within], T, facts).violations == 1
+
+
+def test_where_the_coordinator_rejected_records() -> None:
+    """Only the coordinator's letters, only for the audited topics, only with coordinates."""
+
+    def letter(source: str, partition: str, offset: str, component: bytes) -> DeadLetter:
+        headers = {
+            "saga.source.topic": source.encode(),
+            "saga.source.partition": partition.encode(),
+            "saga.source.offset": offset.encode(),
+            "saga.component": component,
+        }
+        return DeadLetter(0, 0, b"k", b"v", headers)
+
+    letters = [
+        letter(T.requests, "2", "7", b"coordinator"),
+        letter(T.requests, "2", "7", b"coordinator"),  # the same record twice
+        letter(T.events, "0", "1", b"coordinator"),
+        letter(T.decisions, "1", "12", b"coordinator"),
+        letter(T.status, "0", "3", b"coordinator"),  # not audited
+        letter(T.events, "0", "2", b"participant"),  # not the coordinator's verdict
+        letter(T.events, "0", "x", b"coordinator"),  # no coordinates
+        DeadLetter(0, 0, b"k", b"v", {"saga.component": b"coordinator"}),
+    ]
+    assert rejected_at(letters, T) == {
+        T.requests: {(2, 7)},
+        T.events: {(0, 1)},
+        T.decisions: {(1, 12)},
+    }
 
 
 def test_benchmark_mix_adds_up() -> None:
