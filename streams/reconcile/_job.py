@@ -3,12 +3,17 @@
 1. Pre-flight (before Spark, so mistakes cost seconds): the jars folder, Kafka
    and every topic, every store named by ``--ledger`` / ``--table``.
 2. Fix the offset range of each topic (the snapshot), start Spark.
-3. Read requests, events and decisions up to the snapshot, parse and fold them
+3. Read the dead letters: the records of requests, events and decisions the
+   coordinator rejected are invalid for the audit (:func:`._dlq.rejected_at`).
+4. Read requests, events and decisions up to the snapshot, parse and fold them
    into one row per transaction (:mod:`._audit`); join the ledgers (I4).
-4. Judge the dead letters (I6, :mod:`._dlq`) and classify every transaction.
-5. Write ``findings/`` (Parquet), run the business checks, plan the replay,
+5. Judge the dead letters (I6, :mod:`._dlq`) and classify every transaction.
+6. Write ``findings/`` (Parquet), run the business checks, plan the replay,
    and with ``replay`` re-publish (:mod:`._replay`).
-6. Write ``summary.json`` and ``replay.jsonl``.
+7. Write ``summary.json`` and ``replay.jsonl``.
+
+``invalid_records`` in the summary counts, per topic, the records the audit
+left out: those that fail its checks and those the coordinator rejected.
 
 Exit status: 0 clean (``in_flight`` allowed), 1 violations, stuck sagas or a
 failed business check, 2 could not run (:class:`._spark.ReconcileError`).
@@ -148,18 +153,23 @@ def _audit_and_replay(
 
     topics = config.settings.topics
     window = config.since_ms is not None
+    with spark_boundary("reading the dead-letter topic"):
+        letters = _dead_letters(spark, config, log)
+    rejected = _dlq.rejected_at(letters, topics)
+
+    def read_topic(topic: str) -> tuple[Any, Any]:
+        """The topic's records in the range, and where its rejected ones sit (or None)."""
+        frame = kafka_frame(spark, config, log, topic, config.since_ms)
+        at = rejected.get(topic)
+        where = spark.createDataFrame(sorted(at), "partition INT, offset BIGINT") if at else None
+        return frame, where
+
     say(f"auditing {sum(log.spans().values())} offsets of {topics.prefix}.*")
     with spark_boundary("reading the log"):
         union = (
-            _audit.parse_requests(kafka_frame(spark, config, log, topics.requests, config.since_ms))
-            .unionByName(
-                _audit.parse_events(kafka_frame(spark, config, log, topics.events, config.since_ms))
-            )
-            .unionByName(
-                _audit.parse_decisions(
-                    kafka_frame(spark, config, log, topics.decisions, config.since_ms)
-                )
-            )
+            _audit.parse_requests(*read_topic(topics.requests))
+            .unionByName(_audit.parse_events(*read_topic(topics.events)))
+            .unionByName(_audit.parse_decisions(*read_topic(topics.decisions)))
         )
         frame = _audit.per_transaction(
             union, as_of_ms=as_of, grace_ms=config.grace_ms, window=window
@@ -205,7 +215,7 @@ def _audit_and_replay(
 
     base = frame.drop("events").persist(StorageLevel.MEMORY_AND_DISK)
     try:
-        return _finish(spark, config, log, base, ledger_info, as_of, t0, t_ready, say)
+        return _finish(spark, config, log, base, letters, ledger_info, as_of, t0, t_ready, say)
     finally:
         base.unpersist()
         if ledgers is not None:
@@ -217,6 +227,7 @@ def _finish(
     config: ReconcileConfig,
     log: LogRange,
     base: Any,
+    letters: list[_dlq.DeadLetter],
     ledger_info: list[dict[str, Any]],
     as_of: int,
     t0: float,
@@ -226,8 +237,7 @@ def _finish(
     from pyspark.sql import functions as F
 
     topics = config.settings.topics
-    with spark_boundary("reading the dead-letter topic"):
-        letters = _dead_letters(spark, config, log)
+    with spark_boundary("judging the dead letters"):
         say(f"judging {len(letters)} dead letter(s)")
         verdict = _dlq.judge(letters, topics, lambda txs: _facts(spark, config, base, txs))
     if verdict.findings:

@@ -51,6 +51,9 @@ GRACE = 60_000
 OLD = NOW - 600_000  # long enough ago for anything to be stuck
 RECENT = NOW - 5_000  # within the grace period
 PARTICIPANTS = ("bank", "shop", "loyalty")  # PostgreSQL, MongoDB, Redis
+_ELSEWHERE = 1_000_000
+"""Offsets past the end of the seeded log: the seeded dead letters stand for records
+that are not in it (the audit leaves out a record its coordinator dead-lettered)."""
 
 
 # ---------------------------------------------------------------- seeding
@@ -288,7 +291,12 @@ def seed_findings(s: Seeder) -> dict[str, tuple[str, tuple[str, ...]]]:
     s.decision("v-dlq", "commit")
     s.event("v-dlq", 0, "committed", OLD + 3_000)
     valid = encode(StepEvent("v-dlq", 0, "bank", StepStatus.COMMITTED, OLD + 3_000))
-    s.send(s.settings.topics.dlq, "v-dlq", valid, _dlq_headers(s.settings.topics.events, 7))
+    s.send(
+        s.settings.topics.dlq,
+        "v-dlq",
+        valid,
+        _dlq_headers(s.settings.topics.events, _ELSEWHERE + 7),
+    )
     expected["v-dlq"] = ("violation", ("I6",))
     return expected
 
@@ -303,13 +311,13 @@ def seed_noise(s: Seeder) -> None:
     s.send(t.events, "someone-else", encode(stray))
     s.send(t.decisions, "ok-commit", b'{"v": 2, "type": "saga.decision"}')
     # Dead letters: garbage, a conflicting resubmission, an abort after the decision.
-    s.send(t.dlq, "junk", b"\xff\xfe", _dlq_headers(t.requests, 3))
+    s.send(t.dlq, "junk", b"\xff\xfe", _dlq_headers(t.requests, _ELSEWHERE + 3))
     conflicting = SagaRequest(
         "ok-commit", "test", Mode.PARALLEL, (Step("bank", "delete", {}),), OLD + 30_000, OLD
     )
-    s.send(t.dlq, "ok-commit", encode(conflicting), _dlq_headers(t.requests, 99))
+    s.send(t.dlq, "ok-commit", encode(conflicting), _dlq_headers(t.requests, _ELSEWHERE + 99))
     late_abort = SagaAbort("ok-rollback", "too late", OLD + 5_000)
-    s.send(t.dlq, "ok-rollback", encode(late_abort), _dlq_headers(t.requests, 98))
+    s.send(t.dlq, "ok-rollback", encode(late_abort), _dlq_headers(t.requests, _ELSEWHERE + 98))
 
 
 def _dlq_headers(source: str, offset: int) -> list[tuple[str, bytes]]:
