@@ -17,7 +17,13 @@ Every ledger becomes rows of :data:`LEDGER_SCHEMA`, whatever its layout:
 * Redis ``<prefix>:ledger:<participant>:tx:<tx_id>`` (``participants._redis``): a
   hash of step number to a JSON entry.
 
-``step = -1`` (the transaction-level rollback marker) is left out everywhere.
+The transaction-level markers are left out everywhere: the rollback marker
+(``step = -1`` in SQL, ``rolled_back`` in MongoDB's transaction document and the
+Redis hash) and the seen marker of a request without a step here (``step = -2``,
+``seen``). Redis keys other than the ledger hashes (``in_flight``, ``finished``)
+do not match the ``:tx:`` pattern. Entries a participant pruned after its
+retention are absent here, as their transactions are from the coordinator's
+memory.
 This module imports the store drivers (psycopg, pymongo, redis) lazily, inside
 the functions that need them.
 """
