@@ -74,6 +74,7 @@ class CoordinatorStats:
     restored: int = 0
     forgotten: int = 0
     expired_requests: int = 0
+    refreshed: int = 0
 
 
 # Forgetting is a chore, not a reason to make one transaction huge.
@@ -86,6 +87,8 @@ class _Partition:
     deadlines: list[tuple[int, str]] = field(default_factory=list)
     # (when the saga may be forgotten, tx_id); entries go stale when a saga changes
     forget: list[tuple[int, str]] = field(default_factory=list)
+    # tx_id -> when its unchanged status was last published again (kept sagas only)
+    refreshed: dict[str, int] = field(default_factory=dict)
 
 
 class CoordinatorService(Stoppable):
@@ -105,11 +108,14 @@ class CoordinatorService(Stoppable):
     the sagas of the last retention period. A placeholder (events, or an abort,
     whose request never came) is forgotten ``retention_ms`` after its last change.
     Sagas still pending, being confirmed or compensated, or ``failed`` (an
-    operator must act) are kept. A request whose deadline passed more than
-    ``retention_ms`` ago is rejected to the DLQ as expired: it may belong to a
-    forgotten saga, so nothing is decided for it (its participants do not apply
-    it either: its deadline has passed). The participants keep their ledgers by
-    the same rule, so no decision ever reaches a step the coordinator forgot.
+    operator must act) are kept, and their status is published again every half
+    retention: the status topic deletes records older than twice the retention
+    (``saga topics create --retention``), and must never lose what is kept. A
+    request whose deadline passed more than ``retention_ms`` ago is rejected to
+    the DLQ as expired: it may belong to a forgotten saga, so nothing is decided
+    for it (its participants do not apply it either: its deadline has passed).
+    The participants keep their ledgers by the same rule, so no decision ever
+    reaches a step the coordinator forgot.
     """
 
     def __init__(
@@ -136,6 +142,7 @@ class CoordinatorService(Stoppable):
         super().__init__()
         self._partitions: dict[int, _Partition] = {}
         self._partition_count = 0  # of every saga topic; read at start
+        self._next_refresh_ms = 0  # when to look for kept sagas to publish again
         self._consumer = Consumer(
             settings,
             group_id=f"{self.topics.prefix}.coordinator",
@@ -162,13 +169,19 @@ class CoordinatorService(Stoppable):
         """Consume, decide and produce until stopped; raises FatalKafkaError when fenced."""
         self._producer.init()
         self._partition_count = self._consumer.list_partitions(self.topics.requests)
+        self._next_refresh_ms = self.clock() + self.retention_ms // 4
         self._consumer.subscribe([self.topics.requests, self.topics.events, self.topics.decisions])
         log.info("coordinator %s running on %s", self.instance_id, self.settings.bootstrap)
         try:
             while not self.stopping:
                 messages = self._consumer.poll_batch(self.batch_size, self.poll_timeout_s)
                 now = self.clock()
-                if messages or self._deadline_due(now) or self._forget_due(now):
+                if (
+                    messages
+                    or self._deadline_due(now)
+                    or self._forget_due(now)
+                    or now >= self._next_refresh_ms
+                ):
                     if messages:
                         faults.hit("coordinator.after_read")
                     self._process(messages, now)
@@ -358,6 +371,7 @@ class CoordinatorService(Stoppable):
                     feed(p, tx_id, Tick(now), None)
 
         forgotten = self._due_to_forget(now, changed)
+        outputs.extend(self._due_to_refresh(now, changed))
         if not self._commit_batch(messages, changed, outputs, rejected, forgotten):
             for p, at, tx_id in forgotten:  # still due: the next batch tries again
                 if (owner := self._partitions.get(p)) is not None:
@@ -366,6 +380,7 @@ class CoordinatorService(Stoppable):
         for p, _, tx_id in forgotten:
             if (owner := self._partitions.get(p)) is not None:
                 owner.sagas.pop(tx_id, None)
+                owner.refreshed.pop(tx_id, None)
         self.stats.forgotten += len(forgotten)
         for p, deadline, tx_id in new_deadlines:
             if (owner := self._partitions.get(p)) is not None:
@@ -379,6 +394,33 @@ class CoordinatorService(Stoppable):
                     before is None or self._forget_at(before) != forget_at
                 ):
                     heapq.heappush(owner.forget, (forget_at, tx_id))
+
+    def _due_to_refresh(
+        self, now: int, changed: dict[str, tuple[int, Saga]]
+    ) -> list[tuple[int, Decision | SagaStatus, bytes]]:
+        """Statuses of kept sagas to publish again, so the status topic never deletes them.
+
+        A sweep every quarter retention over the owned sagas; one whose status was
+        last published (``updated_ms``, or its last refresh) half a retention ago or
+        more is published again, unchanged. Only sagas kept that long are concerned:
+        pending with a long deadline, stuck, or ``failed``.
+        """
+        if now < self._next_refresh_ms:
+            return []
+        self._next_refresh_ms = now + max(1, self.retention_ms // 4)
+        half = self.retention_ms // 2
+        out: list[tuple[int, Decision | SagaStatus, bytes]] = []
+        for p, part in self._partitions.items():
+            for tx_id, saga in part.sagas.items():
+                if tx_id in changed or self._forget_at(saga) is not None:
+                    continue
+                published = max(saga.updated_ms, part.refreshed.get(tx_id, 0))
+                if published + half <= now:
+                    status = saga.status()
+                    out.append((p, status, encode(status)))
+                    part.refreshed[tx_id] = now
+        self.stats.refreshed += len(out)
+        return out
 
     def _due_to_forget(
         self, now: int, changed: dict[str, tuple[int, Saga]]

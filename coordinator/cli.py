@@ -166,16 +166,18 @@ def topics() -> None:
     help="Partitions per topic: the unit of parallelism.",
 )
 @click.option("--replication-factor", type=click.IntRange(1, 16), default=1, show_default=True)
+@retention_option("The coordinator's retention: the status topic keeps records twice as long")
 def topics_create(
     bootstrap: str | None,
     prefix: str | None,
     kafka_config: str | None,
     partitions: int,
     replication_factor: int,
+    retention_ms: int,
 ) -> None:
     """Create requests, events, decisions, status (compacted) and dlq with one partition count."""
     settings = settings_from(bootstrap, prefix, kafka_config)
-    created = create_topics(settings, partitions, replication_factor)
+    created = create_topics(settings, partitions, replication_factor, retention_ms=retention_ms)
     for name in settings.topics.all:
         click.echo(
             f"{name}: {'created' if name in created else 'exists'} ({partitions} partitions)"

@@ -60,6 +60,7 @@ from confluent_kafka.admin import AdminClient
 from confluent_kafka.admin._config import ConfigResource
 from confluent_kafka.cimpl import NewTopic
 
+from ._duration import DEFAULT_RETENTION_MS
 from ._errors import ConfigurationError, FatalKafkaError, SagaError, TransientError
 from ._limits import DLQ_EXCERPT_BYTES, MAX_RECORD_BYTES
 from ._topics import Topics
@@ -498,11 +499,14 @@ class _ProducerBase:
         headers: Sequence[tuple[str, bytes]] | None = None,
         on_delivery: DeliveryCallback | None = None,
         partition: int | None = None,
+        timestamp_ms: int | None = None,
     ) -> None:
         """Queue one record; it is sent in the background.
 
         ``partition`` overrides the key's partition: only tools and tests that send a
         record where it does not belong need it (consumers reject such a record).
+        ``timestamp_ms`` sets the record's time (default: now), for tools that write
+        a history as it would have been written.
 
         Returns once the record is queued, not delivered. When the local queue
         is full, serves delivery reports and retries for up to 30 s. A str key
@@ -530,19 +534,14 @@ class _ProducerBase:
         deadline = time.monotonic() + _BUFFER_FULL_TIMEOUT_S
         while True:
             try:
-                if partition is None:
-                    self._client.produce(
-                        topic, value=value, key=key, headers=header_list, on_delivery=handler
-                    )
-                else:
-                    self._client.produce(
-                        topic,
-                        value=value,
-                        key=key,
-                        headers=header_list,
-                        on_delivery=handler,
-                        partition=partition,
-                    )
+                extra: dict[str, Any] = {}
+                if partition is not None:
+                    extra["partition"] = partition
+                if timestamp_ms is not None:
+                    extra["timestamp"] = timestamp_ms
+                self._client.produce(
+                    topic, value=value, key=key, headers=header_list, on_delivery=handler, **extra
+                )
                 break
             except BufferError:
                 if time.monotonic() >= deadline:
@@ -1186,7 +1185,13 @@ def _admin(settings: KafkaSettings, *, quiet: bool = False) -> AdminClient:
         raise ConfigurationError(f"cannot create a Kafka admin client: {exc}") from exc
 
 
-def _topic_config(name: str, topics: Topics, replication_factor: int) -> dict[str, str]:
+def _topic_config(
+    name: str,
+    topics: Topics,
+    replication_factor: int,
+    retention_ms: int,
+    status_segment_bytes: int,
+) -> dict[str, str]:
     config: dict[str, str] = {}
     if replication_factor >= 3:
         # acks=all then survives one broker down without losing acknowledged writes.
@@ -1194,15 +1199,21 @@ def _topic_config(name: str, topics: Topics, replication_factor: int) -> dict[st
     if name in topics.compacted:
         config.update(
             {
-                "cleanup.policy": "compact",
+                # Compacted: the latest state of each transaction. And deleted by time:
+                # a record older than twice the retention goes with its segment, whether
+                # or not the cleaner ran, so restores and new clients read the sagas of
+                # the last retention period, never all history. The coordinator forgets
+                # finished sagas at the retention (a tombstone) and publishes the status of
+                # each saga it keeps again every half retention, so nothing it keeps is
+                # ever deleted.
+                "cleanup.policy": "compact,delete",
+                "retention.ms": str(2 * retention_ms),
                 # Keep recent updates uncompacted briefly so readers catching up
                 # see the sequence; old ones collapse to the latest state.
                 "min.compaction.lag.ms": "60000",
-                # Small segments roll often, so the cleaner keeps the topic near the live
-                # set: the coordinator forgets finished sagas with tombstones (retention),
-                # and restores and new clients read only what is left.
-                "segment.ms": "600000",
-                "segment.bytes": str(16 * 1024 * 1024),
+                # A restore reads at most one segment per partition beyond the live set.
+                "segment.ms": str(min(600_000, retention_ms)),
+                "segment.bytes": str(status_segment_bytes),
                 # A tombstone stays an hour after compaction: long enough for a reader
                 # that was catching up to see it, short enough not to pile up.
                 "delete.retention.ms": "3600000",
@@ -1274,13 +1285,17 @@ def create_topics(
     partitions: int,
     replication_factor: int = 1,
     timeout: float = 30.0,
+    *,
+    retention_ms: int = DEFAULT_RETENTION_MS,
+    status_segment_bytes: int = 16 * 1024 * 1024,
 ) -> list[str]:
     """Create the five saga topics, all with ``partitions`` partitions; returns those created.
 
     Idempotent: topics that already exist with the same partition count are
     left alone (an existing status topic must be compacted). The status topic
-    is created with ``cleanup.policy=compact``. Returns once the broker's
-    metadata shows every topic.
+    is created with ``cleanup.policy=compact,delete`` and ``retention.ms`` twice
+    ``retention_ms`` (the coordinator's retention), in segments of at most
+    ``status_segment_bytes``. Returns once the broker's metadata shows every topic.
 
     Raises:
         ConfigurationError: ``partitions < 1``, an existing topic has another
@@ -1310,7 +1325,9 @@ def create_topics(
                 name,
                 num_partitions=partitions,
                 replication_factor=replication_factor,
-                config=_topic_config(name, topics, replication_factor),
+                config=_topic_config(
+                    name, topics, replication_factor, retention_ms, status_segment_bytes
+                ),
             )
             for name in missing
         ]

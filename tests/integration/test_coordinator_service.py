@@ -210,3 +210,29 @@ def test_a_finished_saga_is_forgotten_after_the_retention_and_stays_forgotten(
         assert (letter.header("saga.error") or b"").startswith(b"request expired")
     finally:
         driven.close()
+
+
+def test_a_kept_saga_is_published_again_every_half_retention(settings: KafkaSettings) -> None:
+    """The status topic deletes records older than twice the retention: what the
+    coordinator keeps (here a saga pending with a long deadline) must be republished."""
+    topics = settings.topics
+    tx = _tx_on(0)
+    t0 = int(time.time() * 1000)
+    driven = _Driven(settings, retention_ms=10_000)
+    try:
+        driven.send(topics.requests, tx, encode(_request(tx, now=t0, timeout_ms=600_000)))
+        driven.step(t0 + 100, expected=1)
+        service = driven.service
+        assert service.stats.refreshed == 0
+        driven.step(t0 + 5_099, expected=0)  # not half a retention since it was published
+        assert service.stats.refreshed == 0
+        service._next_refresh_ms = 0  # the next sweep is due
+        driven.step(t0 + 5_100, expected=0)
+        assert service.stats.refreshed == 1
+        driven.step(t0 + 7_700, expected=0)  # the sweep after, a quarter retention later
+        assert service.stats.refreshed == 1  # published 2.6 s ago: not yet again
+        statuses = [m for m in _read_all(settings, topics.status, 2) if m.key == tx.encode()]
+        assert len(statuses) == 2 and statuses[0].value == statuses[1].value
+        assert service._partitions[0].sagas[tx].state is SagaState.PENDING
+    finally:
+        driven.close()

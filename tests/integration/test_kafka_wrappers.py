@@ -110,8 +110,24 @@ def test_create_topics_makes_five_topics_and_compacts_status(settings: KafkaSett
     assert created == list(topics.all)
     for name in topics.all:
         assert describe_partitions(settings, name) == PARTITIONS
-    assert topic_config(settings, topics.status)["cleanup.policy"] == "compact"
+    status = topic_config(settings, topics.status)
+    assert status["cleanup.policy"] == "compact,delete"
+    # twice the default retention (7 days): what the coordinator keeps is republished
+    # every half retention, so it is never deleted
+    assert status["retention.ms"] == str(14 * 86_400_000)
     assert topic_config(settings, topics.events)["cleanup.policy"] == "delete"
+
+
+def test_the_status_topic_follows_the_retention_it_is_created_with(
+    settings: KafkaSettings,
+) -> None:
+    create_topics(settings, PARTITIONS, retention_ms=60_000, status_segment_bytes=1 << 20)
+    status = topic_config(settings, settings.topics.status)
+    assert (status["retention.ms"], status["segment.ms"], status["segment.bytes"]) == (
+        "120000",
+        "60000",
+        str(1 << 20),
+    )
 
 
 def test_create_topics_again_is_a_no_op(settings: KafkaSettings) -> None:
