@@ -15,6 +15,12 @@ A dead letter was rightly rejected when it
 * does not decode as a record of its source topic (header
   ``saga.source.topic``), or
 * is keyed by something other than its ``tx_id``, or
+* was on a partition other than the one murmur2 gives its key (its transaction's
+  other records are elsewhere), or
+* is a request whose deadline had passed when it was rejected
+  (``saga.rejected.at_ms``): the coordinator rejects a request whose deadline
+  passed more than its retention ago as expired, and such a request can never be
+  applied anyway, or
 * is a request whose transaction already had a different first request (a
   conflicting resubmission), or
 * is an abort of a transaction that has a decision.
@@ -38,6 +44,7 @@ from typing import Final
 
 from streams._codec import decode, decode_as
 from streams._errors import InvalidRecord
+from streams._kafka import partition_for
 from streams._limits import MAX_RECORD_BYTES
 from streams._records import (
     Decision,
@@ -69,7 +76,7 @@ class DeadLetter:
         raw = self.headers.get(name)
         return raw.decode("utf-8", "replace") if raw is not None else None
 
-    def _int_header(self, name: str) -> int | None:
+    def int_header(self, name: str) -> int | None:
         text = self.header(name)
         if text is None or not text.isascii():
             return None
@@ -82,8 +89,8 @@ class DeadLetter:
     def source(self) -> tuple[str, int, int] | None:
         """``(topic, partition, offset)`` of the rejected record, when the headers say."""
         topic = self.header("saga.source.topic")
-        partition = self._int_header("saga.source.partition")
-        offset = self._int_header("saga.source.offset")
+        partition = self.int_header("saga.source.partition")
+        offset = self.int_header("saga.source.offset")
         if topic is None or partition is None or offset is None:
             return None
         return (topic, partition, offset)
@@ -95,8 +102,8 @@ class DeadLetter:
         itself that large."""
         if self.header("saga.truncated") == "1":
             return True
-        key_length = self._int_header("saga.source.key.length") or 0
-        value_length = self._int_header("saga.source.value.length") or 0
+        key_length = self.int_header("saga.source.key.length") or 0
+        value_length = self.int_header("saga.source.value.length") or 0
         if key_length + value_length > MAX_RECORD_BYTES:
             return True
         return len(self.key or b"") + len(self.value or b"") > MAX_RECORD_BYTES
@@ -142,8 +149,14 @@ def judge(
     letters: Iterable[DeadLetter],
     topics: Topics,
     facts: Callable[[set[str]], Mapping[str, TxFacts]],
+    *,
+    partitions: int | None = None,
 ) -> DlqVerdict:
-    """Judge every dead letter; ``facts`` answers for the transactions of valid ones."""
+    """Judge every dead letter; ``facts`` answers for the transactions of valid ones.
+
+    ``partitions`` is the topics' partition count (for the partition rule; without
+    it, that rule is not applied).
+    """
     verdict = DlqVerdict()
     candidates: list[tuple[DeadLetter, Record]] = []
     for letter in letters:
@@ -160,7 +173,7 @@ def judge(
             verdict.invalid += 1
             continue
         key = letter.key.decode("utf-8", "replace") if letter.key is not None else None
-        if key != record.tx_id:
+        if key != record.tx_id or _misplaced(letter, partitions) or _expired(letter, record):
             verdict.justified += 1
             continue
         candidates.append((letter, record))
@@ -176,6 +189,23 @@ def judge(
         else:
             verdict.findings.setdefault(record.tx_id, []).append(why)
     return verdict
+
+
+def _misplaced(letter: DeadLetter, partitions: int | None) -> bool:
+    source = letter.source
+    if partitions is None or source is None or letter.key is None:
+        return False
+    return partition_for(letter.key, partitions) != source[1]
+
+
+def _expired(letter: DeadLetter, record: Record) -> bool:
+    rejected = letter.int_header("saga.rejected.at_ms")
+    return (
+        isinstance(record, SagaRequest)
+        and (letter.header("saga.error") or "").startswith("request expired")
+        and rejected is not None
+        and record.deadline_ms < rejected
+    )
 
 
 def rejected_at(letters: Iterable[DeadLetter], topics: Topics) -> dict[str, set[tuple[int, int]]]:

@@ -239,7 +239,12 @@ def _finish(
     topics = config.settings.topics
     with spark_boundary("judging the dead letters"):
         say(f"judging {len(letters)} dead letter(s)")
-        verdict = _dlq.judge(letters, topics, lambda txs: _facts(spark, config, base, txs))
+        verdict = _dlq.judge(
+            letters,
+            topics,
+            lambda txs: _facts(spark, config, base, txs),
+            partitions=len(log.ranges.get(topics.requests, {})) or None,
+        )
     if verdict.findings:
         dlq_rows = [
             (tx, [("I6", reason) for reason in reasons]) for tx, reasons in verdict.findings.items()

@@ -56,7 +56,13 @@ class Sender:
     def __init__(self, settings: KafkaSettings) -> None:
         self.settings = settings
         self.topics = settings.topics
-        self._producer = Producer(settings, client_id="chaos.runner")
+        # Poison includes records near 1 MB, over the producer's default limit.
+        roomy = KafkaSettings(
+            bootstrap=settings.bootstrap,
+            prefix=settings.prefix,
+            extra={**settings.extra, "message.max.bytes": "2000000"},
+        )
+        self._producer = Producer(roomy, client_id="chaos.runner")
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._poller = threading.Thread(target=self._poll, name="sender-poll", daemon=True)
@@ -78,6 +84,7 @@ class Sender:
         label: str,
         injected: str | None = None,
         on_done: Callable[[Delivery], None] | None = None,
+        partition: int | None = None,
     ) -> Delivery:
         keyed = key.encode() if isinstance(key, str) else key
         record = Delivery(topic, keyed, value, label)
@@ -94,7 +101,9 @@ class Sender:
                 on_done(record)
 
         headers = [(INJECTED_HEADER, injected.encode())] if injected else None
-        self._producer.produce(topic, key, value, headers=headers, on_delivery=delivered)
+        self._producer.produce(
+            topic, key, value, headers=headers, on_delivery=delivered, partition=partition
+        )
         return record
 
     def flush(self, timeout: float = 60) -> None:

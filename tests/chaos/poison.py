@@ -91,4 +91,105 @@ def batch(tag: str, real_tx: str, now_ms: int) -> list[Poison]:
         ),
         ("decision: keyed by another tx", "decisions", f"{p}-other", rollback),
         ("decision: a step event", "decisions", real_tx, applied),
+        *hostile(p, valid, real_tx, now_ms),
     ]
+
+
+def _deep(levels: int) -> bytes:
+    return b"[" * levels + b"]" * levels
+
+
+def hostile(p: str, valid: dict[str, Any], real_tx: str, now_ms: int) -> list[Poison]:
+    """Records that once stopped a process for good: deep, huge, out of range, trailing."""
+    step = valid["steps"][0]
+    marked = {**valid, "steps": [{**step, "args": {**step["args"], "x": "@"}}]}
+
+    def request(tx: str, **fields: Any) -> bytes:
+        return orjson.dumps({**marked, "tx_id": tx, **fields})
+
+    failed = {
+        "v": 1,
+        "type": "saga.step",
+        "tx_id": real_tx,
+        "step": 0,
+        "participant": PARTICIPANTS["sql"],
+        "status": "failed",
+        "at_ms": now_ms,
+    }
+    abort = {"v": 1, "type": "saga.abort", "tx_id": real_tx, "at_ms": now_ms}
+    return [
+        (
+            "request: args nested 300 levels",
+            "requests",
+            f"{p}-deep",
+            request(f"{p}-deep").replace(b'"@"', _deep(300)),
+        ),
+        (
+            "request: args nested 600 levels",
+            "requests",
+            f"{p}-deeper",
+            request(f"{p}-deeper").replace(b'"@"', _deep(600)),
+        ),
+        (
+            "request: meta nested 40 levels",
+            "requests",
+            f"{p}-meta",
+            request(f"{p}-meta", meta={"m": "@"}).replace(b'"@"', _deep(40)),
+        ),
+        ("request: 1 MB of x", "requests", f"{p}-big", b"x" * 1_040_000),
+        (
+            "request: integer beyond 64 bits",
+            "requests",
+            f"{p}-bigint",
+            request(f"{p}-bigint").replace(b'"@"', b"1180591620717411303425"),
+        ),
+        (
+            "request: trailing bytes",
+            "requests",
+            f"{p}-trail",
+            request(f"{p}-trail").replace(b'"@"', b"1") + b" trailing",
+        ),
+        (
+            "request: two objects",
+            "requests",
+            f"{p}-two",
+            request(f"{p}-two").replace(b'"@"', b"1") * 2,
+        ),
+        (
+            "request: tx_id ending in a newline",
+            "requests",
+            f"{p}-nl\n",
+            request(f"{p}-nl\n").replace(b'"@"', b"1"),
+        ),
+        (
+            "abort: 1 MB reason",
+            "requests",
+            real_tx,
+            orjson.dumps({**abort, "reason": "r" * 1_030_000}),
+        ),
+        (
+            "abort: reason over the limit",
+            "requests",
+            real_tx,
+            orjson.dumps({**abort, "reason": "r" * 1001}),
+        ),
+        (
+            "event: failed, 1 MB reason",
+            "events",
+            real_tx,
+            orjson.dumps({**failed, "reason": "f" * 1_030_000}),
+        ),
+        (
+            "event: failed, reason over the limit",
+            "events",
+            real_tx,
+            orjson.dumps({**failed, "reason": "f" * 5000}),
+        ),
+        ("decision: 1 MB of {", "decisions", real_tx, b"{" * 1_040_000),
+    ]
+
+
+def misplaced(tag: str, now_ms: int) -> list[Poison]:
+    """Valid requests that move money, each to be sent to a partition not its key's."""
+    tx = f"poison-{tag}-wrong-partition"
+    return [("request: on the wrong partition", "requests", tx, orjson.dumps(_request(tx, now_ms)))]

@@ -73,6 +73,10 @@ class Profile:
     min_kills: int = 1
     partitions: int = 4
     duplicate_share: float = 0.03
+    faults: bool = True  # False: no faults, replays nor negative controls (hostile input only)
+    poison_batches: int = 3  # per round, one record of every poison kind each
+    poison_gap_s: tuple[float, float] = (3.0, 15.0)
+    min_poison: int = 0
 
 
 PROFILES = {
@@ -99,6 +103,23 @@ PROFILES = {
         nc_sagas=80,
         min_sagas=20_000,
         min_kills=20,
+    ),
+    # Hostile input, no faults: every kind of poison, many times, mixed into valid sagas.
+    "hostile": Profile(
+        "hostile",
+        baseline_sagas=50,
+        rounds=1,
+        round_sagas=1000,
+        round_max=1100,
+        rate=25,
+        replay_every=1,
+        recovery_window_s=240,
+        nc_sagas=0,
+        min_sagas=1000,
+        faults=False,
+        poison_batches=36,
+        poison_gap_s=(0.3, 1.2),
+        min_poison=1000,
     ),
 }
 
@@ -250,7 +271,7 @@ class Runner:
 
             # Spark starts while the negative controls run (it takes a while on 2 cores).
             spark = concurrent.futures.ThreadPoolExecutor(1).submit(self._spark, main)
-            negative = self._negative_controls(verdicts)
+            negative = self._negative_controls(verdicts) if p.faults else {}
             audits = self._audits(main, verdicts, negative, spark)
             reports = self._report(
                 main,
@@ -348,8 +369,8 @@ class Runner:
                 self.log(f"barrier trio {t.tx_id} ({t.src} -> {t.dst}): {note}")
 
         def poisons() -> None:
-            for k in range(3):
-                time.sleep(self.rnd.uniform(3, 15))
+            for k in range(p.poison_batches):
+                time.sleep(self.rnd.uniform(*p.poison_gap_s))
                 n = main.inject_poison(f"r{r}p{k}")
                 self.log(f"{n} poison records on requests, events and decisions")
 
@@ -358,11 +379,12 @@ class Runner:
             target=self._replays, args=(main, r), kwargs={"pair": r % p.replay_every == 0},
             daemon=True,
         )  # fmt: skip
-        threads.append(replay)
+        if p.faults:
+            threads.append(replay)
         for t in threads:
             t.start()
 
-        for spec in self._round_faults(r):
+        for spec in self._round_faults(r) if p.faults else []:
             if spec[0] == "kill" and spec[1] == "kafka":
                 replay.join(600)  # the replays need the broker; they are done first
             time.sleep(self.rnd.uniform(0.5, 2.0))
@@ -720,7 +742,7 @@ class Runner:
             audit = audits.get(name, {})
             res["reconcile"] = audit
             res["detected"] = bool(res.get("detected"))
-        missing_types = [f for f in FAULT_TYPES if not faults.get(f)]
+        missing_types = [f for f in FAULT_TYPES if p.faults and not faults.get(f)]
         kills = {c: self.book.kills.get(c, 0) for c in COMPONENTS}
         sagas = len(main.submitted_ids())
         report: dict[str, Any] = {
@@ -762,7 +784,7 @@ class Runner:
             "zombies": self.book.zombies,
             "unexpected_exits": main.cluster.unexpected_exits(),
             "money": v.money,
-            "poison": v.poison,
+            "poison": {**v.poison, "kinds": len({d.label for d in main.poison})},
             "examples": v.examples,
             "missing_fault_types": missing_types,
             "fault_log": [
@@ -778,12 +800,15 @@ class Runner:
             "requirements": {
                 "every_fault_type": not missing_types,
                 "min_sagas": sagas >= p.min_sagas,
-                "min_kills": all(kills[c] >= p.min_kills for c in COMPONENTS),
+                "min_kills": not p.faults or all(kills[c] >= p.min_kills for c in COMPONENTS),
+                "min_poison": v.poison.get("sent", 0) >= p.min_poison
+                and (not p.min_poison or len({d.label for d in main.poison}) >= 20),
+                "no_unexpected_exits": p.faults or not main.cluster.unexpected_exits(),
             },
         }
         report["passed"] = (
             report["violations"] == 0
-            and report["negative_controls_detected"]
+            and (report["negative_controls_detected"] or not p.faults)
             and all(report["requirements"].values())
         )
         return report

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from streams import Mode, SagaAbort, SagaRequest, encode
 from streams._errors import SagaError
-from streams._kafka import Consumer, KafkaSettings, create_topics, delete_topics
+from streams._kafka import Consumer, KafkaSettings, create_topics, delete_topics, partition_for
 from tests._infra import Services
 from tests.chaos import poison
 from tests.chaos.checker import CheckInput, Verdict, check
@@ -287,6 +287,13 @@ class System:
         sent = 0
         for label, kind, key, value in poison.batch(f"{tag}", real, now):
             record = self.sender.send(topic[kind], key, value, label=label)
+            with self._lock:
+                self.poison.append(record)
+            self.records.add(f"poison.{kind}")
+            sent += 1
+        for label, kind, key, value in poison.misplaced(tag, now):
+            wrong = (partition_for(key or "", self.partitions) + 1) % self.partitions
+            record = self.sender.send(topic[kind], key, value, label=label, partition=wrong)
             with self._lock:
                 self.poison.append(record)
             self.records.add(f"poison.{kind}")

@@ -23,6 +23,7 @@ from streams import (
     Topics,
     encode,
 )
+from streams._kafka import partition_for
 from streams._limits import DLQ_EXCERPT_BYTES, MAX_RECORD_BYTES
 from streams.reconcile import parse_check, parse_duration_ms, parse_ledger, parse_table
 from streams.reconcile._config import parse_offsets, parse_since
@@ -192,6 +193,36 @@ def test_a_dead_letter_over_the_size_limit_was_rightly_rejected() -> None:
     verdict = judge([truncated, by_lengths, whole], T, facts)
     assert (verdict.records, verdict.invalid, verdict.violations) == (3, 3, 0)
     assert judge([within], T, facts).violations == 1
+
+
+def test_a_misplaced_or_expired_request_was_rightly_rejected() -> None:
+    """A valid request on another partition than its key's, or one rejected as expired
+    after its deadline, was rightly rejected; the same request otherwise was not."""
+    tx = "t-misplaced"
+    request = SagaRequest(tx, "s", Mode.PARALLEL, (Step("a", "x"),), 10, 0)
+    home = partition_for(tx, 4)
+
+    def placed(partition: int) -> DeadLetter:
+        letter = _letter(T.requests, tx, encode(request))
+        letter.headers["saga.source.partition"] = str(partition).encode()
+        return letter
+
+    def rejected(reason: bytes, at_ms: int) -> DeadLetter:
+        letter = placed(home)
+        letter.headers.update({"saga.error": reason, "saga.rejected.at_ms": str(at_ms).encode()})
+        return letter
+
+    def facts(txs: set[str]) -> dict[str, TxFacts]:
+        return {tx: TxFacts(decided=False, first_request=None, first_request_offset=None)}
+
+    wrong, right = placed((home + 1) % 4), placed(home)
+    assert judge([wrong], T, facts, partitions=4).violations == 0
+    assert judge([right], T, facts, partitions=4).violations == 1
+    assert judge([wrong], T, facts).violations == 1  # no partition count: no such rule
+    expired = rejected(b"request expired: its deadline passed", 11)
+    assert judge([expired], T, facts, partitions=4).violations == 0
+    assert judge([rejected(b"request expired: ...", 10)], T, facts).violations == 1
+    assert judge([rejected(b"something else", 11)], T, facts).violations == 1
 
 
 def test_where_the_coordinator_rejected_records() -> None:
