@@ -25,7 +25,8 @@ help:
 	@echo "make lint          ruff and mypy"
 	@echo "make unit          the unit tests only (no services)"
 	@echo "make reconcile-bench  the reconciliation job's throughput on a generated log"
-	@echo "make chaos-short   fault injection, short profile (CI): every fault type once, a few minutes"
+	@echo "make chaos-short   fault injection, short profile (CI): every fault type once, a few minutes;"
+	@echo "                   then 1,000+ hostile records of 29 kinds in 1,000+ valid sagas"
 	@echo "make chaos         fault injection, long profile: 20,000 sagas, 20 kills of each component"
 
 $(VENV)/.installed: pyproject.toml
@@ -79,9 +80,10 @@ reconcile-bench: venv infra-up
 
 # Fault injection (tests/chaos): kills and restarts the services infra-up started, so it
 # runs after the other tests. CHAOS_SEED=N replays a run; the report goes to CHAOS_REPORT
-# (default reports/chaos.json).
+# (default reports/chaos.json; the hostile profile's reports/chaos-hostile.json).
 chaos-short: venv infra-up
-	@$(WITH_ENV) $(VENV)/bin/pytest -m chaos -q -s tests/chaos/test_chaos.py::test_short_profile
+	@$(WITH_ENV) $(VENV)/bin/pytest -m chaos -q -s tests/chaos/test_chaos.py::test_short_profile \
+		tests/chaos/test_chaos.py::test_hostile_profile
 
 chaos: venv infra-up
 	@$(WITH_ENV) $(VENV)/bin/pytest -m chaos -q -s tests/chaos/test_chaos.py::test_long_profile

@@ -247,6 +247,9 @@ share.coordinator.state.topic.min.isr=1
 group.initial.rebalance.delay.ms=0
 log.segment.bytes=67108864
 log.retention.hours=168
+# how often segments past a topic's retention.ms are deleted (the status topic's
+# retention is twice the coordinator's; 5 minutes by default)
+log.retention.check.interval.ms=30000
 EOF
   if [ ! -f "$D/kafka/data/meta.properties" ]; then
     local cluster_id

@@ -34,7 +34,10 @@ def _run(services: Services, infra_mode: str, name: str) -> dict[str, Any]:
             pytrace=False,
         )
     seed = int(os.environ["CHAOS_SEED"]) if os.environ.get("CHAOS_SEED") else None
-    report_path = Path(os.environ.get("CHAOS_REPORT") or DEFAULT_REPORT)
+    default = (
+        DEFAULT_REPORT if name != "hostile" else DEFAULT_REPORT.with_name("chaos-hostile.json")
+    )
+    report_path = Path(os.environ.get("CHAOS_REPORT") or default)
     return run_profile(services, PROFILES[name], seed=seed, report_path=report_path)
 
 
