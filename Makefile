@@ -12,7 +12,7 @@ INFRA  := infra/services.sh
 # Exports the running services' addresses (SAGA_KAFKA_BOOTSTRAP, ...) into a recipe.
 WITH_ENV := eval "$$($(INFRA) env)" &&
 
-.PHONY: help venv lint unit test demo bench bench-short reconcile-bench chaos chaos-short infra-up infra-down infra-status clean
+.PHONY: help venv lint unit test demo bench bench-short reconcile-bench state-bench chaos chaos-short infra-up infra-down infra-status clean
 
 help:
 	@echo "make test          install everything, start the local services, lint, run the test suite"
@@ -25,6 +25,7 @@ help:
 	@echo "make lint          ruff and mypy"
 	@echo "make unit          the unit tests only (no services)"
 	@echo "make reconcile-bench  the reconciliation job's throughput on a generated log"
+	@echo "make state-bench   coordinator restart and client start after 10,000 vs 1,000,000 sagas"
 	@echo "make chaos-short   fault injection, short profile (CI): every fault type once, a few minutes;"
 	@echo "                   then 1,000+ hostile records of 29 kinds in 1,000+ valid sagas"
 	@echo "make chaos         fault injection, long profile: 20,000 sagas, 20 kills of each component"
@@ -77,6 +78,12 @@ bench-short: venv infra-up
 SAGAS ?= 1000000
 reconcile-bench: venv infra-up
 	@$(WITH_ENV) $(PY) -m streams.reconcile.bench --sagas $(SAGAS)
+
+# Bounded state: a coordinator's restart-to-ready time and memory, and a new client's
+# start-to-ready time, after 10,000 and after 1,000,000 sagas of history (about 15 min).
+STATE_ARGS ?=
+state-bench: venv infra-up
+	@$(WITH_ENV) $(PY) -m tests.state_bench $(STATE_ARGS)
 
 # Fault injection (tests/chaos): kills and restarts the services infra-up started, so it
 # runs after the other tests. CHAOS_SEED=N replays a run; the report goes to CHAOS_REPORT
