@@ -36,7 +36,14 @@ from streams import (
     StepStatus,
     encode,
 )
-from streams._kafka import Consumer, KafkaSettings, Producer, create_topics, delete_topics
+from streams._kafka import (
+    Consumer,
+    KafkaSettings,
+    Producer,
+    create_topics,
+    delete_topics,
+    partition_for,
+)
 from streams.reconcile import ReconcileConfig, parse_check, parse_ledger, parse_table, run
 from streams.reconcile._spark import check_jars, start_spark
 from tests._infra import Services, unique_name
@@ -51,6 +58,7 @@ GRACE = 60_000
 OLD = NOW - 600_000  # long enough ago for anything to be stuck
 RECENT = NOW - 5_000  # within the grace period
 PARTICIPANTS = ("bank", "shop", "loyalty")  # PostgreSQL, MongoDB, Redis
+PARTITIONS = 3  # of every topic
 _ELSEWHERE = 1_000_000
 """Offsets past the end of the seeded log: the seeded dead letters stand for records
 that are not in it (the audit leaves out a record its coordinator dead-lettered)."""
@@ -295,7 +303,7 @@ def seed_findings(s: Seeder) -> dict[str, tuple[str, tuple[str, ...]]]:
         s.settings.topics.dlq,
         "v-dlq",
         valid,
-        _dlq_headers(s.settings.topics.events, _ELSEWHERE + 7),
+        _dlq_headers(s.settings.topics.events, "v-dlq", _ELSEWHERE + 7),
     )
     expected["v-dlq"] = ("violation", ("I6",))
     return expected
@@ -311,20 +319,33 @@ def seed_noise(s: Seeder) -> None:
     s.send(t.events, "someone-else", encode(stray))
     s.send(t.decisions, "ok-commit", b'{"v": 2, "type": "saga.decision"}')
     # Dead letters: garbage, a conflicting resubmission, an abort after the decision.
-    s.send(t.dlq, "junk", b"\xff\xfe", _dlq_headers(t.requests, _ELSEWHERE + 3))
+    s.send(t.dlq, "junk", b"\xff\xfe", _dlq_headers(t.requests, "junk", _ELSEWHERE + 3))
     conflicting = SagaRequest(
         "ok-commit", "test", Mode.PARALLEL, (Step("bank", "delete", {}),), OLD + 30_000, OLD
     )
-    s.send(t.dlq, "ok-commit", encode(conflicting), _dlq_headers(t.requests, _ELSEWHERE + 99))
+    s.send(
+        t.dlq,
+        "ok-commit",
+        encode(conflicting),
+        _dlq_headers(t.requests, "ok-commit", _ELSEWHERE + 99),
+    )
     late_abort = SagaAbort("ok-rollback", "too late", OLD + 5_000)
-    s.send(t.dlq, "ok-rollback", encode(late_abort), _dlq_headers(t.requests, _ELSEWHERE + 98))
+    s.send(
+        t.dlq,
+        "ok-rollback",
+        encode(late_abort),
+        _dlq_headers(t.requests, "ok-rollback", _ELSEWHERE + 98),
+    )
 
 
-def _dlq_headers(source: str, offset: int) -> list[tuple[str, bytes]]:
+def _dlq_headers(source: str, key: str, offset: int) -> list[tuple[str, bytes]]:
+    """A coordinator's dead-letter headers for the record keyed ``key`` at ``offset`` of
+    ``source``, on the partition its key gives (the DLQ judge checks it)."""
+    partition = partition_for(key, PARTITIONS)
     return [
         ("saga.error", b"rejected"),
         ("saga.source.topic", source.encode()),
-        ("saga.source.partition", b"0"),
+        ("saga.source.partition", str(partition).encode()),
         ("saga.source.offset", str(offset).encode()),
         ("saga.component", b"coordinator"),
     ]
@@ -436,7 +457,7 @@ def spark(services: Services, tmp_path_factory: pytest.TempPathFactory) -> Itera
 @pytest.fixture
 def settings(services: Services) -> Iterator[KafkaSettings]:
     s = KafkaSettings(bootstrap=services.kafka_bootstrap, prefix=unique_name("rc"))
-    create_topics(s, 3)
+    create_topics(s, PARTITIONS)
     yield s
     delete_topics(s, list(s.topics.all))
 
@@ -727,7 +748,7 @@ def test_a_time_window_and_an_offset_range(
         producer.flush(30)
     with Consumer(settings, client_id="test-ends") as reader:
         ends = {
-            topic: {p: reader.watermarks(topic, p)[1] for p in range(3)}
+            topic: {p: reader.watermarks(topic, p)[1] for p in range(PARTITIONS)}
             for topic in (t.requests, t.events, t.decisions)
         }
     time.sleep(1.5)  # record timestamps are the producer's clock
