@@ -19,6 +19,7 @@ import math
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -35,7 +36,7 @@ from streams import (
     decode_as,
     encode,
 )
-from streams._kafka import Consumer, KafkaSettings, Producer
+from streams._kafka import Consumer, KafkaSettings, Message, Producer
 from streams._lifecycle import wall_clock_ms
 
 log = logging.getLogger("saga.client")
@@ -145,6 +146,11 @@ class StatusView:
         self._error: BaseException | None = None
         self._listeners: list[Callable[[SagaStatus], None]] = []
         self._consumer = Consumer(settings, group_id=None, client_id="saga.client.status")
+        # Requests the coordinator rejected (dead letters from now on), by tx_id: a
+        # conflicting or expired request is answered by nothing on the status topic.
+        self._dlq = settings.topics.dlq
+        self._requests = settings.topics.requests
+        self._rejected: OrderedDict[str, tuple[str, bytes | None]] = OrderedDict()
         partitions = self._consumer.list_partitions(self._topic)
         self._ends: dict[int, int] = {}
         start: list[tuple[str, int, int]] = []
@@ -156,6 +162,8 @@ class StatusView:
                     self._ends[p] = high
             else:
                 start.append((self._topic, p, high))
+        for p in range(self._consumer.list_partitions(self._dlq)):
+            start.append((self._dlq, p, self._consumer.watermarks(self._dlq, p)[1]))
         self._consumer.assign(start)
         if not self._ends:
             self._caught_up.set()
@@ -169,6 +177,9 @@ class StatusView:
                 if batch:
                     with self._cond:
                         for m in batch:
+                            if m.topic == self._dlq:
+                                self._note_rejection(m)
+                                continue
                             if m.value is None:
                                 # A tombstone: the coordinator forgot the saga (retention).
                                 if m.key is not None:
@@ -192,6 +203,14 @@ class StatusView:
         finally:
             self._consumer.close()
 
+    def _note_rejection(self, m: Message) -> None:
+        if m.header("saga.source.topic") != self._requests.encode() or m.key is None:
+            return
+        reason = (m.header("saga.error") or b"rejected").decode("utf-8", "replace")
+        self._rejected[m.key.decode("utf-8", "replace")] = (reason, m.value)
+        while len(self._rejected) > _REJECTIONS_KEPT:
+            self._rejected.popitem(last=False)
+
     def _check_caught_up(self) -> None:
         positions = self._consumer.position([(self._topic, p) for p in self._ends])
         if all(pos is not None and pos >= self._ends[p] for (_, p), pos in positions.items()):
@@ -213,8 +232,16 @@ class StatusView:
         with self._cond:
             return dict(self._latest)
 
-    def wait_final(self, tx_id: str, timeout: float) -> SagaStatus | None:
-        """The final status of ``tx_id``, or ``None`` if it is not final within ``timeout``."""
+    def wait_final(
+        self, tx_id: str, timeout: float, fingerprint: str | None = None
+    ) -> SagaStatus | None:
+        """The final status of ``tx_id``, or ``None`` if it is not final within ``timeout``.
+
+        With ``fingerprint`` (of the request this process sent), a dead letter of that
+        very request ends the wait at once: :class:`ConflictingRequest` when the
+        transaction id was already used for another payload, :class:`InvalidRecord`
+        with the coordinator's reason otherwise.
+        """
         deadline = time.monotonic() + timeout
         with self._cond:
             while True:
@@ -223,6 +250,8 @@ class StatusView:
                 status = self._latest.get(tx_id)
                 if status is not None and status.state.final:
                     return status
+                if fingerprint is not None and tx_id in self._rejected:
+                    _raise_if_ours(tx_id, fingerprint, *self._rejected[tx_id])
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return None
@@ -233,6 +262,28 @@ class StatusView:
         self._thread.join(10)
 
 
+_REJECTIONS_KEPT = 10_000
+"""How many rejected requests a status view remembers (the latest)."""
+_SENT_KEPT = 100_000
+"""How many of its requests' fingerprints a client remembers (the latest)."""
+
+
+def _raise_if_ours(tx_id: str, fingerprint: str, reason: str, value: bytes | None) -> None:
+    """Raise for a dead letter of the request with ``fingerprint``; others are not ours."""
+    try:
+        rejected = decode_as(value, SagaRequest)
+    except InvalidRecord:
+        return
+    if not isinstance(rejected, SagaRequest) or rejected.fingerprint() != fingerprint:
+        return
+    if "different payload" in reason:
+        raise ConflictingRequest(
+            f"transaction {tx_id} was already submitted with a different payload, so the "
+            "coordinator rejected this request: use a new tx_id for a different transaction"
+        )
+    raise InvalidRecord(f"the coordinator rejected transaction {tx_id}'s request: {reason}")
+
+
 class SagaClient:
     """Submit sagas and follow them; safe to share between threads."""
 
@@ -241,7 +292,9 @@ class SagaClient:
         self.topics = settings.topics
         self._producer = Producer(settings, client_id="saga.client")
         self._view = StatusView(settings, from_beginning=status_from_beginning)
-        self._submitted: dict[str, str] = {}
+        # tx_id -> fingerprint of the requests this client sent, the latest _SENT_KEPT:
+        # a client that runs for months must not hold every saga it ever sent.
+        self._submitted: OrderedDict[str, str] = OrderedDict()
         self._lock = threading.Lock()
 
     def __enter__(self) -> SagaClient:
@@ -309,6 +362,9 @@ class SagaClient:
                     "payload: use a new tx_id for a different transaction"
                 )
             self._submitted[request.tx_id] = fingerprint
+            self._submitted.move_to_end(request.tx_id)
+            while len(self._submitted) > _SENT_KEPT:
+                self._submitted.popitem(last=False)
         self._producer.produce(self.topics.requests, request.tx_id, encode(request))
         if wait_delivery:
             self._producer.flush(30)
@@ -323,9 +379,14 @@ class SagaClient:
     def result(self, tx_id: str, timeout: float = DEFAULT_TIMEOUT_S) -> SagaStatus:
         """Wait for the final status (committed, rolled_back or failed).
 
-        Raises :class:`SagaTimeout` when the saga is still running after ``timeout``.
+        Raises :class:`SagaTimeout` when the saga is still running after ``timeout``;
+        for a request this client sent that the coordinator rejected,
+        :class:`ConflictingRequest` (its tx_id was used for another payload) or
+        :class:`InvalidRecord` (any other reason, e.g. expired), within a second or two.
         """
-        status = self._view.wait_final(tx_id, timeout)
+        with self._lock:
+            fingerprint = self._submitted.get(tx_id)
+        status = self._view.wait_final(tx_id, timeout, fingerprint)
         if status is None:
             raise _still_running(tx_id, timeout, self._view.get(tx_id))
         return status

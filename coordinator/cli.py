@@ -24,7 +24,15 @@ from typing import Any, NoReturn, TypeVar
 
 import click
 
-from streams import ConfigurationError, InvalidRecord, SagaError, SagaTimeout, schema, to_dict
+from streams import (
+    ConfigurationError,
+    ConflictingRequest,
+    InvalidRecord,
+    SagaError,
+    SagaTimeout,
+    schema,
+    to_dict,
+)
 from streams._kafka import KafkaSettings, create_topics, wait_for_broker
 from streams._secrets import install_log_redaction, redact, remember_settings, url_password
 
@@ -913,7 +921,7 @@ def run() -> None:
         sys.exit(exc.exit_code)
     except SagaTimeout as exc:
         _fail(str(exc), 4)
-    except ConfigurationError as exc:
+    except (ConfigurationError, ConflictingRequest) as exc:
         _fail(str(exc), 2)
     except SagaError as exc:
         _fail(str(exc), 1)

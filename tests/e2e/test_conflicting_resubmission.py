@@ -10,6 +10,9 @@ remembered its fingerprint (the seen marker), so the second applies nothing.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,7 +21,8 @@ import pytest
 import redis
 import sqlalchemy as sa
 
-from streams import SagaState, Step, encode
+from coordinator import SagaClient
+from streams import ConflictingRequest, SagaState, Step, encode
 from streams._kafka import partition_for
 from tests._infra import Services, eventually
 from tests._system import SagaSystem, engine_for
@@ -148,3 +152,51 @@ def test_a_resubmission_with_another_payload_changes_nothing(system: SagaSystem)
     status = eventually(lambda: system.read_topic(system.settings.topics.status), timeout=30)
     last = [s for s in status if getattr(s, "tx_id", None) == TX][-1]
     assert last.state is SagaState.COMMITTED
+
+
+def test_the_client_and_saga_submit_report_a_conflict_within_seconds(
+    system: SagaSystem, tmp_path: Path
+) -> None:
+    system.coordinator()
+    system.participant("bank", ["accounts"])
+    tx = "conflict-2"
+    with system.client() as client:
+        client.submit([bank_step()], saga="reward", timeout=60, tx_id=tx)
+        assert client.result(tx, timeout=90).state is SagaState.COMMITTED
+
+    # A client that does not read the status history (as `saga submit` does) cannot tell
+    # before sending; the coordinator's dead letter for its request tells it after.
+    with SagaClient(system.settings, status_from_beginning=False) as late:
+        late.submit([bank_step(2)], saga="reward", timeout=60, tx_id=tx)
+        started = time.monotonic()
+        with pytest.raises(ConflictingRequest, match="different payload"):
+            late.result(tx, timeout=60)
+        assert time.monotonic() - started < 10
+
+    submission = tmp_path / "conflict.json"
+    submission.write_text(
+        json.dumps(
+            {
+                "tx_id": tx,
+                "saga": "reward",
+                "timeout_s": 60,
+                "steps": [
+                    {"participant": "bank", "action": "increment", "args": bank_step(3).args}
+                ],
+            }
+        )
+    )
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "coordinator", "submit", str(submission), "--wait"],
+        env=system.env(),
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert "already submitted with a different payload" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert time.monotonic() - started < 20
+    assert balance(system) == 101
