@@ -280,6 +280,15 @@ _BUILDERS: Final[dict[str, _Builder]] = {
 }
 
 
+_INTEGER_FIELDS: Final[dict[str, tuple[str, ...]]] = {
+    SagaRequest.TYPE: ("v", "deadline_ms", "created_ms"),
+    SagaAbort.TYPE: ("v", "at_ms"),
+    StepEvent.TYPE: ("v", "step", "at_ms"),
+    Decision.TYPE: ("v", "at_ms"),
+    SagaStatus.TYPE: ("v", "created_ms", "updated_ms", "deadline_ms"),
+}
+
+
 def _decode(value: bytes | None, allowed: tuple[str, ...] | None) -> Record:
     # `not value` rather than len(): it also holds for a value of a wrong type.
     if not value:
@@ -318,6 +327,11 @@ def _decode(value: bytes | None, allowed: tuple[str, ...] | None) -> Record:
     except fastjsonschema.JsonSchemaException as exc:
         message = getattr(exc, "message", None) or str(exc)
         raise _invalid(f"{type_name}: {message}") from None
+    for name in _INTEGER_FIELDS[type_name]:
+        # JSON Schema counts 10.0 as an integer; the contract (and the audit's Spark
+        # reader, which parses these fields as BIGINT) wants an integer literal.
+        if name in data and type(data[name]) is not int:
+            raise _invalid(f"{type_name}: {name} must be an integer literal, got {data[name]!r}")
     _check_values(data)
     return _BUILDERS[type_name](data)
 
