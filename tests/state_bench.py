@@ -31,6 +31,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from statistics import median
 from typing import Any
 
 from coordinator import SagaClient
@@ -294,23 +295,21 @@ def run_size(args: argparse.Namespace, sagas: int) -> dict[str, Any]:
         )
         commit_coordinator_offsets(settings, args.partitions)
         left = status_records(settings, args.partitions)
-        coordinator = [
-            measure_coordinator(
-                settings, args.retention, args.out.parent / f"state-bench-{sagas}.log"
-            )
-            for _ in range(args.repeat)
-        ]
-        client = [measure_client(settings) for _ in range(args.repeat)]
-        best = min(coordinator, key=lambda c: c["ready_s"])
+        client: list[dict[str, Any]] = []
+        coordinator: list[dict[str, Any]] = []
+        for _ in range(args.repeat):
+            client.append(measure_client(settings))
+            log = args.out.parent / f"state-bench-{sagas}.log"
+            coordinator.append(measure_coordinator(settings, args.retention, log))
         return {
             "sagas": sagas,
             "records_written": dict(counts),
             "status_records_left": left,
-            "coordinator_ready_s": best["ready_s"],
-            "coordinator_rss_mb": max(c["rss_mb"] for c in coordinator),
-            "coordinator_restored": best["restored"],
-            "client_ready_s": min(c["ready_s"] for c in client),
-            "client_sagas": client[0]["sagas"],
+            "coordinator_ready_s": median(c["ready_s"] for c in coordinator),
+            "coordinator_rss_mb": median(c["rss_mb"] for c in coordinator),
+            "coordinator_restored": int(median(c["restored"] for c in coordinator)),
+            "client_ready_s": median(c["ready_s"] for c in client),
+            "client_sagas": int(median(c["sagas"] for c in client)),
             "runs": {"coordinator": coordinator, "client": client},
         }
     finally:
@@ -323,13 +322,13 @@ def main() -> None:
     parser.add_argument(
         "--rate", type=float, default=1000.0, help="sagas per second of the history"
     )
-    parser.add_argument("--retention", default="2s", help="the coordinator's --retention")
+    parser.add_argument("--retention", default="30s", help="the coordinator's --retention")
     parser.add_argument("--partitions", type=int, default=4)
     parser.add_argument(
         "--live", type=int, default=5000, help="sagas written just before measuring"
     )
     parser.add_argument("--segment-bytes", type=int, default=1 << 20, help="status topic segments")
-    parser.add_argument("--repeat", type=int, default=3, help="measurements per size (best kept)")
+    parser.add_argument("--repeat", type=int, default=3, help="measurements per size (median)")
     parser.add_argument("--wait", type=float, default=900, help="seconds to wait for retention")
     parser.add_argument("--out", type=Path, default=ROOT / "reports" / "state-bench.json")
     args = parser.parse_args()
