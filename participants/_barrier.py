@@ -139,6 +139,9 @@ class Requested:
     predecessor_applied: bool = False  # sequential: step - 1 was seen applied already
     successor_compensated: bool = False  # sequential: step + 1 was seen compensated already
     fingerprint: str | None = None  # of the request (SagaRequest.fingerprint())
+    # Set by the runtime when applying this step made the storage raise (not a business
+    # rejection): the step is recorded and reported failed without running the action.
+    fail_reason: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

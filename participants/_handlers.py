@@ -20,8 +20,10 @@ Every function runs inside the same local transaction as the step's ledger
 record, with the storage's native session (an SQLAlchemy ``Connection``, a
 pymongo ``ClientSession``-bound database, a Redis pipeline). ``try_`` returns
 what ``cancel`` needs (JSON-serialisable) and raises :class:`Reject` for a
-business rejection; any other exception is a bug in the handler and stops the
-participant rather than guess.
+business rejection. Any other exception is a bug in the handler: the step's local
+transaction is rolled back and the step fails with the exception as its reason
+(the saga rolls back), and the participant goes on with its other work -- a record
+that triggers the bug must not stop it for good.
 """
 
 from __future__ import annotations

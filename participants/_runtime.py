@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tenacity import (
     RetryCallState,
@@ -58,7 +58,9 @@ from participants._storage import (
 )
 from streams import (
     MAX_REASON_CHARS,
+    ConfigurationError,
     Decision,
+    FatalKafkaError,
     InvalidRecord,
     Mode,
     SagaAbort,
@@ -246,6 +248,8 @@ class ParticipantRuntime(Stoppable):
     def _execute(self, items: list[WorkItem]) -> list[Report]:
         try:
             return self._execute_retrying(items)
+        except (ConfigurationError, FatalKafkaError):
+            raise  # the storage refuses us (credentials, schema): exit, a restart can fix it
         except Exception as exc:  # one item must not stop the others, nor the process
             if len(items) == 1:
                 return self._poisoned(items[0], exc)
@@ -259,6 +263,8 @@ class ParticipantRuntime(Stoppable):
         for item in items:
             try:
                 reports += self._execute_retrying([item])
+            except (ConfigurationError, FatalKafkaError):
+                raise
             except Exception as exc:  # only after the batch failed
                 reports += self._poisoned(item, exc)
         return reports
@@ -266,18 +272,25 @@ class ParticipantRuntime(Stoppable):
     def _poisoned(self, item: WorkItem, exc: Exception) -> list[Report]:
         """An item the storage fails on for good: its step fails; nothing else stops.
 
-        The item's local transaction did not commit, so nothing of it took effect; a
-        request's step is reported ``failed`` and the saga rolls back (a repeat fails
-        the same way, and the rollback finds no ledger entry: a null compensation).
+        The item's local transaction did not commit, so nothing of it took effect. A
+        request's step is then recorded ``failed`` in the ledger, without running its
+        action, and reported so: the saga rolls back, the rollback finds the entry (and
+        reports the step compensated), and a repeat of the request fails the same way.
         A decision that cannot be carried out is left to the audit, which reports the
         saga stuck and can replay the decision once the cause is fixed.
         """
         self.stats.poisoned += 1
         reason = f"could not be handled: {type(exc).__name__}: {exc}"
         log.error("%s of %s: %s", type(item).__name__, item.tx_id, reason)
-        if isinstance(item, Requested):
+        if not isinstance(item, Requested):
+            return []
+        try:
+            return self._execute_retrying([replace(item, fail_reason=reason[:MAX_REASON_CHARS])])
+        except (ConfigurationError, FatalKafkaError):
+            raise
+        except Exception as again:  # the ledger itself fails on it: report, record nothing
+            log.error("could not record the failure of %s: %s", item.tx_id, again)
             return [Report(item.tx_id, item.step, StepStatus.FAILED, reason)]
-        return []
 
     def _execute_retrying(self, items: list[WorkItem]) -> list[Report]:
         def before_sleep(state: RetryCallState) -> None:

@@ -207,6 +207,8 @@ def _run_signal(
         action, args = target.action, target.args or {}
         if p.effect is Effect.APPLY:
             try:
+                if isinstance(signal, Requested) and signal.fail_reason is not None:
+                    raise BusinessRejection(signal.fail_reason)
                 before = actions.apply(unit.native, action, args)
             except BusinessRejection as exc:
                 unit.rollback_effect()

@@ -27,6 +27,7 @@ from streams import (
     Outcome,
     SagaAbort,
     SagaState,
+    Step,
     StepEvent,
     StepStatus,
     encode,
@@ -356,3 +357,50 @@ def encode_unchecked(record: SagaAbort | StepEvent | Decision) -> bytes:
     from streams import to_dict
 
     return orjson.dumps(to_dict(record), option=orjson.OPT_SORT_KEYS)
+
+
+# ------------------------------------------------------------------ a step no storage can handle
+
+
+def test_a_step_the_storage_fails_on_fails_alone_and_the_participant_goes_on(
+    services: Services, pg_schema: tuple[str, str], tmp_path: Path
+) -> None:
+    """A valid record whose step makes the storage raise (here a custom handler's bug)
+    fails that step, so its saga rolls back; the participant stays up, and the other
+    sagas of the same batch commit."""
+    from tests._workload import seed
+
+    _, schema = pg_schema
+    system = SagaSystem(services, tmp_path, schema, partitions=1)
+    seed(system)
+    system.create_topics()
+    try:
+        system.coordinator()
+        system.start(
+            "participant-bank",
+            [
+                "participant", "run", "--name", "bank", "--storage", "sql",
+                "--url", services.postgres_url, "--schema", schema, "--targets", "accounts",
+                "--handlers", "tests.e2e.exploding_handlers",
+            ],
+        )  # fmt: skip
+        debit = {"target": "accounts", "key": "acc0", "field": "balance", "by": -1}
+        with system.client() as client:
+            good = [client.build([Step("bank", "increment", debit)], timeout=60) for _ in range(5)]
+            bad = client.build(
+                [Step("bank", "increment", debit), Step("bank", "explode", {"boom": True})],
+                timeout=60,
+            )
+            for request in [*good[:2], bad, *good[2:]]:  # one batch, most likely
+                client.send(request, wait_delivery=False)
+            client.flush()
+            finals = {r.tx_id: client.result(r.tx_id, timeout=90) for r in [*good, bad]}
+        assert all(finals[r.tx_id].state is SagaState.COMMITTED for r in good), finals
+        failed = finals[bad.tx_id]
+        assert failed.state is SagaState.ROLLED_BACK, failed
+        assert failed.reason is not None
+        assert "step 1 failed: could not be handled: RuntimeError" in failed.reason
+        assert all(p.alive for p in system.procs), [p.log()[-2000:] for p in system.procs]
+    finally:
+        system.stop_all()
+        system.delete_topics()
