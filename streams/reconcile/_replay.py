@@ -12,7 +12,9 @@
   has passed, when a participant can no longer apply it (it reports ``failed``
   or, after the rollback, ``compensated``).
 
-Decisions go out (and are acknowledged) before requests. Records are produced
+Only records the codec accepts, on their key's partition, are re-published
+(:func:`replayable`): the audit may see as stuck a hostile record the coordinator
+has not read yet. Decisions go out (and are acknowledged) before requests. Records are produced
 through :class:`streams._kafka.Producer` (murmur2, like every saga producer), so
 each lands on its transaction's partition. Replaying twice, or again after the
 job was killed half-way, re-sends only what is still stuck, and each consumer
@@ -26,7 +28,10 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from streams._kafka import KafkaSettings, Producer
+from streams._codec import decode_keyed
+from streams._errors import InvalidRecord
+from streams._kafka import Consumer, KafkaSettings, Producer, partition_for
+from streams._records import Decision, SagaRequest
 
 __all__ = ["Resend", "plan_resends", "send"]
 
@@ -85,6 +90,31 @@ def plan_resends(
     return decisions + requests
 
 
+def replayable(r: Resend, key: bytes | None, value: bytes | None, partitions: int) -> bool:
+    """Whether the original record is one the coordinator accepts, by the codec itself.
+
+    The audit's Spark checks cannot see everything (nesting, numbers inside ``args``,
+    the partition), and a record the coordinator has not read yet has no dead letter
+    to tell: re-published, a request sent to another partition than its key's would
+    land on its key's and become a real transaction. So every record is checked here
+    with :func:`~streams._codec.decode_keyed` and its partition before it is sent.
+    """
+    kinds = (SagaRequest,) if r.kind == "request" else (Decision,)
+    try:
+        decode_keyed(key, value, *kinds)
+    except InvalidRecord:
+        return False
+    return key is not None and partition_for(key, partitions) == r.partition
+
+
+def _partition_count(settings: KafkaSettings) -> int:
+    reader = Consumer(settings, group_id=None, client_id=f"{settings.prefix}.reconcile.replay")
+    try:
+        return reader.list_partitions(settings.topics.requests)
+    finally:
+        reader.close()
+
+
 def send(
     settings: KafkaSettings,
     resends: list[Resend],
@@ -103,6 +133,7 @@ def send(
     sent = [False] * len(resends)
     total = len(resends)
     producer = Producer(settings, client_id=f"{settings.prefix}.reconcile")
+    partitions = _partition_count(settings)
     try:
         done = 0
         interval = 1.0 / rate if rate else 0.0
@@ -115,6 +146,8 @@ def send(
                 if original is None or original[1] is None:
                     continue  # gone (retention) since the audit read it
                 key, value = original
+                if not replayable(r, key, value, partitions):
+                    continue  # the coordinator will reject it (or has): never re-publish it
                 if rate:
                     pause = next_at - time.monotonic()
                     if pause > 0:
@@ -136,7 +169,9 @@ def send(
                 for i in batch:
                     key_of = (resends[i].topic, resends[i].partition, resends[i].offset)
                     original = records.get(key_of)
-                    sent[i] = original is not None and original[1] is not None
+                    sent[i] = original is not None and replayable(
+                        resends[i], original[0], original[1], partitions
+                    )
                 done = sum(sent)
                 progress(done, total)
     finally:

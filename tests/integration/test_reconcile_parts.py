@@ -225,6 +225,29 @@ def test_a_misplaced_or_expired_request_was_rightly_rejected() -> None:
     assert judge([rejected(b"something else", 11)], T, facts).violations == 1
 
 
+def test_only_records_the_coordinator_accepts_are_replayed() -> None:
+    """A hostile request the coordinator has not read yet may look stuck to the audit;
+    re-published, one on another partition than its key's would become a real saga."""
+    from streams.reconcile._replay import Resend, replayable
+
+    tx = "t-replay"
+    request = encode(SagaRequest(tx, "s", Mode.PARALLEL, (Step("a", "x"),), 10, 0))
+    home = partition_for(tx, 4)
+
+    def resend(kind: str, partition: int) -> Resend:
+        topic = T.requests if kind == "request" else T.decisions
+        return Resend(tx, kind, topic, partition, 5, "stuck_no_decision")  # type: ignore[arg-type]
+
+    assert replayable(resend("request", home), tx.encode(), request, 4)
+    assert not replayable(resend("request", (home + 1) % 4), tx.encode(), request, 4)
+    assert not replayable(resend("request", home), b"other", request, 4)
+    deep = request.replace(b'"args":{}', b'"args":{"x":' + b"[" * 40 + b"]" * 40 + b"}")
+    assert deep != request and not replayable(resend("request", home), tx.encode(), deep, 4)
+    decision = encode(Decision(tx, Outcome.ROLLBACK, "deadline passed", 11))
+    assert replayable(resend("decision", home), tx.encode(), decision, 4)
+    assert not replayable(resend("decision", home), tx.encode(), request, 4)
+
+
 def test_where_the_coordinator_rejected_records() -> None:
     """Only the coordinator's letters, only for the audited topics, only with coordinates."""
 
