@@ -24,10 +24,12 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from streams import (
+    ConfigurationError,
     ConflictingRequest,
     InvalidRecord,
     Mode,
     SagaAbort,
+    SagaError,
     SagaRequest,
     SagaStatus,
     SagaTimeout,
@@ -145,6 +147,7 @@ class StatusView:
         self._caught_up = threading.Event()
         self._error: BaseException | None = None
         self._listeners: list[Callable[[SagaStatus], None]] = []
+        self._rejection_listeners: list[Callable[[str], None]] = []
         self._consumer = Consumer(settings, group_id=None, client_id="saga.client.status")
         # Requests the coordinator rejected (dead letters from now on), by tx_id: a
         # conflicting or expired request is answered by nothing on the status topic.
@@ -162,8 +165,11 @@ class StatusView:
                     self._ends[p] = high
             else:
                 start.append((self._topic, p, high))
-        for p in range(self._consumer.list_partitions(self._dlq)):
-            start.append((self._dlq, p, self._consumer.watermarks(self._dlq, p)[1]))
+        try:
+            for p in range(self._consumer.list_partitions(self._dlq)):
+                start.append((self._dlq, p, self._consumer.watermarks(self._dlq, p)[1]))
+        except ConfigurationError as exc:  # no DLQ topic, or not allowed to read it
+            log.info("not following rejected requests (%s): result() waits instead", exc)
         self._consumer.assign(start)
         if not self._ends:
             self._caught_up.set()
@@ -207,9 +213,12 @@ class StatusView:
         if m.header("saga.source.topic") != self._requests.encode() or m.key is None:
             return
         reason = (m.header("saga.error") or b"rejected").decode("utf-8", "replace")
-        self._rejected[m.key.decode("utf-8", "replace")] = (reason, m.value)
+        tx_id = m.key.decode("utf-8", "replace")
+        self._rejected[tx_id] = (reason, m.value)
         while len(self._rejected) > _REJECTIONS_KEPT:
             self._rejected.popitem(last=False)
+        for listener in self._rejection_listeners:
+            listener(tx_id)
 
     def _check_caught_up(self) -> None:
         positions = self._consumer.position([(self._topic, p) for p in self._ends])
@@ -223,6 +232,18 @@ class StatusView:
         """Call ``listener`` (in the reader thread, quickly) with every new status."""
         with self._cond:
             self._listeners.append(listener)
+
+    def listen_rejections(self, listener: Callable[[str], None]) -> None:
+        """Call ``listener(tx_id)`` (in the reader thread) when a request is dead-lettered."""
+        with self._cond:
+            self._rejection_listeners.append(listener)
+
+    def check_rejected(self, tx_id: str, fingerprint: str | None) -> None:
+        """Raise as :meth:`wait_final` does if the request with ``fingerprint`` was rejected."""
+        with self._cond:
+            rejected = self._rejected.get(tx_id)
+        if fingerprint is not None and rejected is not None:
+            _raise_if_ours(tx_id, fingerprint, *rejected)
 
     def get(self, tx_id: str) -> SagaStatus | None:
         with self._cond:
@@ -376,6 +397,11 @@ class SagaClient:
         """The latest published status of ``tx_id`` (``None``: not seen yet)."""
         return self._view.get(tx_id)
 
+    def _check_rejected(self, tx_id: str) -> None:
+        with self._lock:
+            fingerprint = self._submitted.get(tx_id)
+        self._view.check_rejected(tx_id, fingerprint)
+
     def result(self, tx_id: str, timeout: float = DEFAULT_TIMEOUT_S) -> SagaStatus:
         """Wait for the final status (committed, rolled_back or failed).
 
@@ -418,6 +444,20 @@ class AsyncSagaClient:
         self._waiters: dict[str, list[asyncio.Future[SagaStatus]]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._client._view.listen(self._on_status)
+        self._client._view.listen_rejections(self._on_rejection)
+
+    def _on_rejection(self, tx_id: str) -> None:
+        # Reader thread: the event loop checks whether it was this client's request.
+        if self._loop is not None and tx_id in self._waiters:
+            self._loop.call_soon_threadsafe(self._reject, tx_id)
+
+    def _reject(self, tx_id: str) -> None:
+        try:
+            self._client._check_rejected(tx_id)
+        except SagaError as exc:
+            for fut in self._waiters.pop(tx_id, []):
+                if not fut.done():
+                    fut.set_exception(exc)
 
     def _on_status(self, status: SagaStatus) -> None:
         # Reader thread: hand final states to the event loop, which owns the futures.
@@ -475,13 +515,18 @@ class AsyncSagaClient:
         return self._client.status(tx_id)
 
     async def result(self, tx_id: str, timeout: float = DEFAULT_TIMEOUT_S) -> SagaStatus:
-        """Wait for the final status; thousands of waits share the one status reader."""
+        """Wait for the final status; thousands of waits share the one status reader.
+
+        Raises as :meth:`SagaClient.result` does, including for a request of this
+        client's that the coordinator rejected.
+        """
         self._loop = asyncio.get_running_loop()
         fut: asyncio.Future[SagaStatus] = self._loop.create_future()
         self._waiters.setdefault(tx_id, []).append(fut)
         current = self._client.status(tx_id)  # final before we started waiting?
         if current is not None and current.state.final:
             self._resolve(current)
+        self._reject(tx_id)  # or rejected before we started waiting?
         try:
             return await asyncio.wait_for(fut, timeout)
         except TimeoutError:

@@ -9,6 +9,7 @@ remembered its fingerprint (the seen marker), so the second applies nothing.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -21,7 +22,7 @@ import pytest
 import redis
 import sqlalchemy as sa
 
-from coordinator import SagaClient
+from coordinator import AsyncSagaClient, SagaClient
 from streams import ConflictingRequest, SagaState, Step, encode
 from streams._kafka import partition_for
 from tests._infra import Services, eventually
@@ -172,6 +173,16 @@ def test_the_client_and_saga_submit_report_a_conflict_within_seconds(
         with pytest.raises(ConflictingRequest, match="different payload"):
             late.result(tx, timeout=60)
         assert time.monotonic() - started < 10
+
+    async def async_conflict() -> None:
+        async with AsyncSagaClient(system.settings, status_from_beginning=False) as aclient:
+            await aclient.submit([bank_step(4)], saga="reward", timeout=60, tx_id=tx)
+            with pytest.raises(ConflictingRequest, match="different payload"):
+                await aclient.result(tx, timeout=60)
+
+    started = time.monotonic()
+    asyncio.run(async_conflict())
+    assert time.monotonic() - started < 15
 
     submission = tmp_path / "conflict.json"
     submission.write_text(
