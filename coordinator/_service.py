@@ -44,18 +44,17 @@ from streams import (
     decode_keyed,
     encode,
 )
-from streams import _faults as faults
 from streams._duration import DEFAULT_RETENTION_MS
+from streams._faults import NO_FAULTS, Faults
 from streams._kafka import (
-    Consumer,
     KafkaSettings,
     Message,
     TransactionAborted,
-    TransactionalProducer,
     partition_for,
     send_to_dlq,
 )
 from streams._lifecycle import Clock, Stoppable, wall_clock_ms
+from streams.log import KafkaLog, Log
 
 log = logging.getLogger("saga.coordinator")
 
@@ -116,6 +115,10 @@ class CoordinatorService(Stoppable):
     for it (its participants do not apply it either: its deadline has passed).
     The participants keep their ledgers by the same rule, so no decision ever
     reaches a step the coordinator forgot.
+
+    ``log`` makes its Kafka clients (default: :class:`~streams.log.KafkaLog` of
+    ``settings``; tests pass :class:`streams.testing.InMemoryLog`); ``faults`` are
+    the crash suite's hooks (no-ops by default).
     """
 
     def __init__(
@@ -129,8 +132,12 @@ class CoordinatorService(Stoppable):
         transaction_timeout_ms: int = 10_000,
         retention_ms: int = DEFAULT_RETENTION_MS,
         clock: Clock = wall_clock_ms,
+        log: Log | None = None,
+        faults: Faults = NO_FAULTS,
     ) -> None:
         self.settings = settings
+        self._log: Log = log if log is not None else KafkaLog(settings)
+        self._faults = faults
         self.retention_ms = retention_ms
         self.topics = settings.topics
         self.instance_id = instance_id
@@ -143,9 +150,8 @@ class CoordinatorService(Stoppable):
         self._partitions: dict[int, _Partition] = {}
         self._partition_count = 0  # of every saga topic; read at start
         self._next_refresh_ms = 0  # when to look for kept sagas to publish again
-        self._consumer = Consumer(
-            settings,
-            group_id=f"{self.topics.prefix}.coordinator",
+        self._consumer = self._log.consumer(
+            f"{self.topics.prefix}.coordinator",
             client_id=f"{self.topics.prefix}.coordinator.{instance_id}",
             # A transaction's request, events and decisions share one partition number,
             # and only the owner of its requests partition keeps its state: the range
@@ -157,9 +163,8 @@ class CoordinatorService(Stoppable):
             on_revoke=self._on_revoke,
             on_lost=self._on_revoke,
         )
-        self._producer = TransactionalProducer(
-            settings,
-            transactional_id=f"{self.topics.prefix}.coordinator.{instance_id}",
+        self._producer = self._log.transactional_producer(
+            f"{self.topics.prefix}.coordinator.{instance_id}",
             transaction_timeout_ms=transaction_timeout_ms,
         )
 
@@ -183,7 +188,7 @@ class CoordinatorService(Stoppable):
                     or now >= self._next_refresh_ms
                 ):
                     if messages:
-                        faults.hit("coordinator.after_read")
+                        self._faults.hit("coordinator.after_read")
                     self._process(messages, now)
         finally:
             self._consumer.close()
@@ -235,9 +240,8 @@ class CoordinatorService(Stoppable):
     def _restore(self, partitions: list[int]) -> dict[int, list[Saga]]:
         """Read the status topic's partitions to their end; the latest record per tx wins."""
         latest: dict[int, dict[str, SagaStatus]] = {p: {} for p in partitions}
-        reader = Consumer(
-            self.settings,
-            group_id=None,
+        reader = self._log.consumer(
+            None,
             client_id=f"{self.topics.prefix}.coordinator.{self.instance_id}.restore",
         )
         try:
@@ -497,7 +501,7 @@ class CoordinatorService(Stoppable):
             if offsets:
                 self._producer.send_offsets(self._consumer, offsets)
             if decisions:
-                faults.hit("coordinator.before_commit")
+                self._faults.hit("coordinator.before_commit")
             self._producer.commit()
         except TransactionAborted as exc:
             log.warning("transaction aborted, re-processing the batch: %s", exc)

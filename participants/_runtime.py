@@ -71,10 +71,11 @@ from streams import (
     decode_keyed,
     encode,
 )
-from streams import _faults as faults
 from streams._duration import DEFAULT_RETENTION_MS
-from streams._kafka import Consumer, KafkaSettings, Message, Producer, partition_for
+from streams._faults import NO_FAULTS, Faults
+from streams._kafka import KafkaSettings, Message, partition_for
 from streams._lifecycle import Clock, Stoppable, wall_clock_ms
+from streams.log import KafkaLog, Log
 
 log = logging.getLogger("saga.participant")
 
@@ -92,7 +93,12 @@ class ParticipantStats:
 
 
 class ParticipantRuntime(Stoppable):
-    """Runs one participant until :meth:`stop` (or SIGTERM/SIGINT)."""
+    """Runs one participant until :meth:`stop` (or SIGTERM/SIGINT).
+
+    ``log`` makes its Kafka clients (default: :class:`~streams.log.KafkaLog` of
+    ``settings``; tests pass :class:`streams.testing.InMemoryLog`); ``faults`` are
+    the crash suite's hooks (no-ops by default).
+    """
 
     def __init__(
         self,
@@ -108,8 +114,12 @@ class ParticipantRuntime(Stoppable):
         retention_ms: int = DEFAULT_RETENTION_MS,
         prune_interval_ms: int = 60_000,
         prune_limit: int = 1000,
+        log: Log | None = None,
+        faults: Faults = NO_FAULTS,
     ) -> None:
         self.name = name
+        self._log: Log = log if log is not None else KafkaLog(settings)
+        self._faults = faults
         self.storage = storage
         self.settings = settings
         self.topics = settings.topics
@@ -138,9 +148,8 @@ class ParticipantRuntime(Stoppable):
         self._reload_sequential = False
         # per events or decisions partition: (offset, seen_ms) not yet committed
         self._event_offsets: dict[tuple[str, int], deque[tuple[int, int]]] = {}
-        self._consumer = Consumer(
-            settings,
-            group_id=f"{self.topics.prefix}.participant.{name}",
+        self._consumer = self._log.consumer(
+            f"{self.topics.prefix}.participant.{name}",
             client_id=f"{self.topics.prefix}.participant.{name}",
             # One worker must see a transaction's request and its events (sequential
             # sagas: step i waits for step i-1's `applied`): the range assignor gives
@@ -152,7 +161,7 @@ class ParticipantRuntime(Stoppable):
             on_revoke=self._on_revoke,
             on_lost=self._on_revoke,
         )
-        self._producer = Producer(settings, client_id=f"{self.topics.prefix}.participant.{name}")
+        self._producer = self._log.producer(client_id=f"{self.topics.prefix}.participant.{name}")
 
     # ------------------------------------------------------------ lifecycle
 
@@ -214,10 +223,12 @@ class ParticipantRuntime(Stoppable):
             for tx in self.storage.in_flight_sequential():
                 self._sequential.setdefault(tx, now)
         items = unique(self._work_items(messages, now))
-        if faults.unsafe("auto-commit"):  # TEST-ONLY negative control: offsets before the work
+        if self._faults.unsafe(
+            "auto-commit"
+        ):  # TEST-ONLY negative control: offsets before the work
             self._commit({(m.topic, m.partition): m.offset + 1 for m in messages})
         reports = self._execute(items) if items else []
-        faults.hit("participant.after_local_commit")
+        self._faults.hit("participant.after_local_commit")
         for r in reports:
             event = StepEvent(
                 tx_id=r.tx_id,
@@ -238,7 +249,7 @@ class ParticipantRuntime(Stoppable):
                 trailing.append((m.offset, now))
             else:
                 offsets[(m.topic, m.partition)] = m.offset + 1
-        faults.hit("participant.after_events")
+        self._faults.hit("participant.after_events")
         self._commit(offsets)
         self.stats.batches += 1
         self.stats.records += len(messages)

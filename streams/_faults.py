@@ -1,7 +1,11 @@
-"""Fault points for crash tests: kill this process at a named point in the protocol.
+"""Fault hooks for crash tests, injected into the services; no-ops by default.
 
-Off unless configured. The command line configures it from ``SAGA_FAULTS``
-(library code never reads the environment), e.g.::
+The services (coordinator, participant runtime, storage) take a :class:`Faults`
+object and call :meth:`Faults.hit` at named points of the protocol and
+:meth:`Faults.unsafe` where a test may break a guarantee on purpose. Production
+uses :data:`NO_FAULTS`, which does nothing. Only the command line builds a
+:class:`KillFaults`, and only when ``SAGA_FAULTS`` or ``SAGA_UNSAFE_TEST_SWITCHES``
+is set (library code never reads the environment), e.g.::
 
     SAGA_FAULTS="participant.after_local_commit:3"   # SIGKILL on the 3rd time the point is hit
 
@@ -10,10 +14,9 @@ Points: ``participant.after_local_commit`` (storage committed, events not sent),
 ``coordinator.after_read`` (records read, nothing decided),
 ``coordinator.before_commit`` (decisions produced, transaction not committed).
 
-Unsafe test switches (``SAGA_UNSAFE_TEST_SWITCHES``, read only by the command
-line, like ``SAGA_FAULTS``) break a guarantee on purpose, so that the chaos
-suite can show its checker catches the breakage (its negative controls). Never
-set them outside that suite:
+Unsafe test switches (``SAGA_UNSAFE_TEST_SWITCHES``) break a guarantee on
+purpose, so that the chaos suite can show its checker catches the breakage (its
+negative controls). Never set them outside that suite:
 
 * ``barrier-off``: a participant ignores its ledger for requests: a repeated
   request is applied again and a request after its rollback is applied;
@@ -26,10 +29,12 @@ from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Mapping
+from typing import Final, Protocol
 
 from streams._errors import ConfigurationError
 
-POINTS = frozenset(
+POINTS: Final = frozenset(
     {
         "participant.after_local_commit",
         "participant.after_events",
@@ -38,58 +43,85 @@ POINTS = frozenset(
     }
 )
 
-UNSAFE_SWITCHES = frozenset({"barrier-off", "auto-commit"})
-
-_armed: dict[str, int] = {}
-_unsafe: set[str] = set()
+UNSAFE_SWITCHES: Final = frozenset({"barrier-off", "auto-commit"})
 
 
-def configure(spec: str | None) -> None:
-    """Arm fault points from ``"point:n[,point:n]"``; ``None`` or empty disarms all."""
-    _armed.clear()
-    if not spec:
-        return
-    for part in spec.split(","):
-        name, _, count = part.strip().partition(":")
-        if name not in POINTS:
-            raise ConfigurationError(
-                f"unknown fault point {name!r} in SAGA_FAULTS; known: {', '.join(sorted(POINTS))}"
-            )
-        try:
-            _armed[name] = max(1, int(count or "1"))
-        except ValueError as exc:
-            raise ConfigurationError(
-                f"fault point {name!r} needs a whole number of hits, got {count!r}"
-            ) from exc
+class Faults(Protocol):
+    """What a service asks of its fault hooks."""
+
+    def hit(self, point: str) -> None:
+        """Pass through the fault point ``point``."""
+
+    def unsafe(self, switch: str) -> bool:
+        """Whether the unsafe test switch ``switch`` is on."""
 
 
-def hit(name: str) -> None:
-    """Count a pass through ``name``; SIGKILL this process when its count runs out."""
-    left = _armed.get(name)
-    if left is None:
-        return
-    if left <= 1:
-        os.kill(os.getpid(), signal.SIGKILL)
-    _armed[name] = left - 1
+class NoFaults:
+    """The production hooks: no point does anything, no switch is on."""
+
+    def hit(self, point: str) -> None:
+        return None
+
+    def unsafe(self, switch: str) -> bool:
+        return False
 
 
-def configure_unsafe(spec: str | None) -> None:
-    """Turn on the unsafe test switches named in ``"a,b"``; ``None`` or empty turns all off."""
-    _unsafe.clear()
-    if not spec:
-        return
-    for part in spec.split(","):
-        name = part.strip()
-        if not name:
-            continue
-        if name not in UNSAFE_SWITCHES:
-            raise ConfigurationError(
-                f"unknown switch {name!r} in SAGA_UNSAFE_TEST_SWITCHES; "
-                f"known: {', '.join(sorted(UNSAFE_SWITCHES))}"
-            )
-        _unsafe.add(name)
+NO_FAULTS: Final[Faults] = NoFaults()
 
 
-def unsafe(name: str) -> bool:
-    """Whether the unsafe test switch ``name`` is on (never, outside the chaos suite)."""
-    return name in _unsafe
+class KillFaults:
+    """Hooks that SIGKILL this process at an armed point, and report switches on.
+
+    ``points`` is ``"point:n[,point:n]"`` (kill on the n-th pass), ``switches``
+    is ``"a,b"``; unknown names raise :class:`~streams.ConfigurationError`.
+    """
+
+    def __init__(self, points: str | None = None, switches: str | None = None) -> None:
+        self._armed: dict[str, int] = {}
+        self._unsafe: set[str] = set()
+        for part in (points or "").split(","):
+            name, _, count = part.strip().partition(":")
+            if not name:
+                continue
+            if name not in POINTS:
+                raise ConfigurationError(
+                    f"unknown fault point {name!r} in SAGA_FAULTS; "
+                    f"known: {', '.join(sorted(POINTS))}"
+                )
+            try:
+                self._armed[name] = max(1, int(count or "1"))
+            except ValueError as exc:
+                raise ConfigurationError(
+                    f"fault point {name!r} needs a whole number of hits, got {count!r}"
+                ) from exc
+        for part in (switches or "").split(","):
+            name = part.strip()
+            if not name:
+                continue
+            if name not in UNSAFE_SWITCHES:
+                raise ConfigurationError(
+                    f"unknown switch {name!r} in SAGA_UNSAFE_TEST_SWITCHES; "
+                    f"known: {', '.join(sorted(UNSAFE_SWITCHES))}"
+                )
+            self._unsafe.add(name)
+
+    def hit(self, point: str) -> None:
+        """Count a pass through ``point``; SIGKILL this process when its count runs out."""
+        left = self._armed.get(point)
+        if left is None:
+            return
+        if left <= 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        self._armed[point] = left - 1
+
+    def unsafe(self, switch: str) -> bool:
+        return switch in self._unsafe
+
+
+def faults_from_env(environ: Mapping[str, str]) -> Faults:
+    """The hooks the command line runs with: :data:`NO_FAULTS` unless the test variables are set."""
+    points = environ.get("SAGA_FAULTS")
+    switches = environ.get("SAGA_UNSAFE_TEST_SWITCHES")
+    if not points and not switches:
+        return NO_FAULTS
+    return KillFaults(points, switches)

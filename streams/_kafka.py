@@ -50,7 +50,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Final, Literal, Self, TypeVar
+from typing import TYPE_CHECKING, Any, Final, Literal, Self, TypeVar
 
 import confluent_kafka as ck
 from confluent_kafka.admin import AdminClient
@@ -89,6 +89,9 @@ __all__ = [
 _log = logging.getLogger("saga.kafka")
 # librdkafka's own log lines (connection failures, retries, ...) go here.
 _librdkafka_log = logging.getLogger("saga.kafka.librdkafka")
+
+if TYPE_CHECKING:
+    from streams.log import LogProducer
 
 _T = TypeVar("_T")
 
@@ -687,6 +690,7 @@ class TransactionalProducer(_ProducerBase):
         compression: Compression = "lz4",
         linger_ms: int = 5,
         transaction_timeout_ms: int = 60_000,
+        on_wedged: Callable[[str], None] | None = None,
     ) -> None:
         if not transactional_id:
             raise ConfigurationError("a transactional producer needs a transactional.id")
@@ -706,29 +710,31 @@ class TransactionalProducer(_ProducerBase):
         )
         # (what, monotonic deadline) while a transactional call runs: see _watch.
         self._busy: tuple[str, float] | None = None
+        self._on_wedged = on_wedged
         threading.Thread(target=self._watch, name="saga-txn-watchdog", daemon=True).start()
 
     def _watch(self) -> None:
-        """Exit the process when a transactional call outlives its timeout by far.
+        """Report a transactional call that outlives its timeout by far to ``on_wedged``.
 
         librdkafka does not always honour the timeout of its transactional calls:
         after a broker restart ``send_offsets_to_transaction`` can block for good
         (librdkafka issues #5456 and #5511; found by the chaos suite). The call
-        cannot be interrupted and the client cannot be used again, so the process
-        exits with status 1, as on a fatal error: the restarted instance fences
-        this one's ``transactional.id`` and aborts its open transaction.
+        cannot be interrupted and the client cannot be used again. This thread only
+        reports it (once); the process decides: the command line exits with status
+        1, as on a fatal error, and the restarted instance fences this one's
+        ``transactional.id`` and aborts its open transaction.
         """
         while not self._closed:
             busy = self._busy
             if busy is not None and time.monotonic() > busy[1]:
                 message = (
                     f"{busy[0]} has not returned {_WEDGED_AFTER_S:.0f}s after its timeout: "
-                    "the Kafka client is wedged (librdkafka issue #5456); exiting so that a "
-                    "restarted process takes over"
+                    "the Kafka client is wedged (librdkafka issue #5456)"
                 )
                 _log.critical("%s", message)
-                print(f"saga: {message}", file=sys.stderr, flush=True)
-                os._exit(1)
+                if self._on_wedged is not None:
+                    self._on_wedged(message)
+                return
             time.sleep(1.0)
 
     @property
@@ -789,7 +795,7 @@ class TransactionalProducer(_ProducerBase):
 
     def send_offsets(
         self,
-        consumer: Consumer,
+        consumer: Any,
         offsets: Mapping[Partition, int],
         timeout: float = 30.0,
     ) -> None:
@@ -813,6 +819,8 @@ class TransactionalProducer(_ProducerBase):
         for partition, offset in offsets.items():
             if offset < 0:
                 raise ValueError(f"offset {offset} for {partition} is not a position")
+        if not isinstance(consumer, Consumer):
+            raise TypeError("send_offsets needs the Kafka Consumer whose group the offsets are for")
         positions = _tps_at(offsets)
         try:
             metadata = consumer._client.consumer_group_metadata()
@@ -1484,7 +1492,7 @@ def partition_for(key: str | bytes, partitions: int) -> int:
 
 
 def send_to_dlq(
-    producer: Producer | TransactionalProducer,
+    producer: LogProducer,
     topics: Topics,
     message: Message,
     reason: str,
