@@ -5,7 +5,13 @@ Public API::
     SagaClient, AsyncSagaClient   submit sagas, wait for results, abort
     StatusView                    follow the status topic
     CoordinatorService            the coordinator process (``saga coordinator run``)
+    CoordinatorStats              what a running service counted
     decide, Saga                  the pure state machine
+    RequestReceived, StepReported,
+    AbortRequested, Tick          its inputs
+    Ignored                       its note for an input that changes nothing
+
+See docs/architecture.md for how these fit together.
 """
 
 from coordinator._client import AsyncSagaClient, SagaClient, StatusView

@@ -1,0 +1,136 @@
+"""The public names of ``coordinator``, ``streams`` and ``streams.reconcile``, pinned.
+
+A name in ``__all__`` is a promise to users: adding one is a decision, removing
+or renaming one breaks their imports. Each list below is written out in full so
+that such a change shows up in review as an edit of this file, not as a side
+effect of a refactoring. (``participants`` and ``streams.kafka`` are pinned by
+their own tests.)
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+import pytest
+
+pytestmark = pytest.mark.unit
+
+PINNED: dict[str, list[str]] = {
+    "coordinator": [
+        "AbortRequested",
+        "AsyncSagaClient",
+        "CoordinatorService",
+        "CoordinatorStats",
+        "Ignored",
+        "RequestReceived",
+        "Saga",
+        "SagaClient",
+        "StatusView",
+        "StepReported",
+        "Tick",
+        "decide",
+    ],
+    "streams": [
+        "MAX_NAME_CHARS",
+        "MAX_NESTING",
+        "MAX_REASON_CHARS",
+        "MAX_RECORD_BYTES",
+        "MAX_SAGA_CHARS",
+        "MAX_STEPS",
+        "RECORD_TYPES",
+        "SCHEMA_NAMES",
+        "TX_ID_PATTERN",
+        "WIRE_VERSION",
+        "BusinessRejection",
+        "ConfigurationError",
+        "ConflictingRequest",
+        "Decision",
+        "FatalKafkaError",
+        "InvalidRecord",
+        "KafkaSettings",
+        "Mode",
+        "Outcome",
+        "Record",
+        "SagaAbort",
+        "SagaError",
+        "SagaRequest",
+        "SagaState",
+        "SagaStatus",
+        "SagaTimeout",
+        "Step",
+        "StepEvent",
+        "StepProgress",
+        "StepStatus",
+        "Topics",
+        "TransientError",
+        "decode",
+        "decode_as",
+        "decode_keyed",
+        "encode",
+        "schema",
+        "to_dict",
+    ],
+    "streams.reconcile": [
+        "CLASSES",
+        "DEFAULT_GRACE_MS",
+        "INVARIANTS",
+        "BusinessCheck",
+        "LedgerSource",
+        "ReconcileConfig",
+        "ReconcileError",
+        "RunResult",
+        "StoreSpec",
+        "TableSource",
+        "parse_check",
+        "parse_duration_ms",
+        "parse_ledger",
+        "parse_table",
+        "run",
+    ],
+}
+
+
+def _module(name: str) -> ModuleType:
+    return importlib.import_module(name)
+
+
+@pytest.mark.parametrize("package", sorted(PINNED))
+def test_all_is_exactly_the_pinned_list(package: str) -> None:
+    exported = list(_module(package).__all__)
+    assert exported == PINNED[package], (
+        f"{package}.__all__ changed: added {sorted(set(exported) - set(PINNED[package]))}, "
+        f"removed {sorted(set(PINNED[package]) - set(exported))}; if this is intended, "
+        "update the pinned list (and the package docstring, and the changelog)"
+    )
+
+
+@pytest.mark.parametrize("package", sorted(PINNED))
+def test_all_is_sorted_and_without_duplicates(package: str) -> None:
+    # ruff's RUF022 order: SCREAMING_CASE constants, then CamelCase, then the rest.
+    names = PINNED[package]
+    assert len(set(names)) == len(names)
+
+    def group(name: str) -> int:
+        if name.isupper():
+            return 0
+        return 1 if name[0].isupper() else 2
+
+    assert names == sorted(names, key=lambda n: (group(n), n))
+
+
+@pytest.mark.parametrize("package", sorted(PINNED))
+def test_every_exported_name_exists_and_is_public(package: str) -> None:
+    module = _module(package)
+    for name in module.__all__:
+        assert not name.startswith("_"), f"{package} exports the private name {name}"
+        assert hasattr(module, name), f"{package}.__all__ names {name}, which it lacks"
+        value = getattr(module, name)
+        assert not isinstance(value, ModuleType), f"{package}.{name} is a module, not an API"
+
+
+@pytest.mark.parametrize("package", sorted(PINNED))
+def test_star_import_gives_the_pinned_names(package: str) -> None:
+    namespace: dict[str, object] = {}
+    exec(f"from {package} import *", namespace)
+    assert sorted(n for n in namespace if n != "__builtins__") == sorted(PINNED[package])
