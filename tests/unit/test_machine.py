@@ -18,6 +18,7 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from coordinator._machine import (
+    _RANK,
     UNKNOWN_PARTICIPANT,
     AbortRequested,
     Ignored,
@@ -52,14 +53,10 @@ DEADLINE = 10_000
 CREATED = 1_000
 PARTICIPANTS = ("ledger", "inventory", "loyalty")
 
-RANK = {
-    StepStatus.PENDING: 0,
-    StepStatus.APPLIED: 1,
-    StepStatus.FAILED: 1,
-    StepStatus.COMPENSATION_FAILED: 2,
-    StepStatus.COMMITTED: 3,
-    StepStatus.COMPENSATED: 3,
-}
+# The machine's own order of step progress (not a copy of it): the tests below check
+# that it orders the statuses as the protocol does and that ``decide`` follows it.
+RANK = _RANK
+REPORTED = [s for s in StepStatus if s is not StepStatus.PENDING]  # pending is never reported
 
 # ------------------------------------------------------------------ helpers
 
@@ -755,6 +752,38 @@ def test_steps_never_move_backwards(first: StepStatus, later: StepStatus) -> Non
     again, out = decide(saga, ev(0, later, at=CREATED + 50))
     assert live(again).steps[0] is before
     assert decisions(out) == []
+
+
+def test_the_rank_table_orders_the_statuses_as_the_protocol_does() -> None:
+    assert set(RANK) == set(StepStatus), "every status needs a rank"
+    # a report always moves a step out of pending
+    assert all(RANK[StepStatus.PENDING] < RANK[s] for s in REPORTED)
+    # applied and failed answer the same question: the first answer wins
+    assert RANK[StepStatus.APPLIED] == RANK[StepStatus.FAILED]
+    # a failed compensation is past the answer but may still be retried
+    assert RANK[StepStatus.APPLIED] < RANK[StepStatus.COMPENSATION_FAILED]
+    assert RANK[StepStatus.COMPENSATION_FAILED] < RANK[StepStatus.COMPENSATED]
+    # committed and compensated are final: nothing ranks above them
+    top = max(RANK.values())
+    assert RANK[StepStatus.COMMITTED] == RANK[StepStatus.COMPENSATED] == top
+
+
+@pytest.mark.parametrize(
+    ("first", "later"),
+    [(f, lt) for f in [None, *REPORTED] for lt in REPORTED],
+    ids=lambda s: str(s) if s is not None else "nothing",
+)
+def test_decide_moves_a_step_exactly_as_the_rank_table_says(
+    first: StepStatus | None, later: StepStatus
+) -> None:
+    saga = started(2)
+    if first is not None:
+        saga, _ = feed(saga, ev(0, first))
+    before = live(saga).steps[0]
+    after, _ = decide(saga, ev(0, later, at=CREATED + 50))
+    retry = before is StepStatus.COMPENSATION_FAILED and later is StepStatus.COMPENSATED
+    expected = later if RANK[later] > RANK[before] or retry else before
+    assert live(after).steps[0] is expected, f"{before} then {later}"
 
 
 def test_a_compensation_retry_may_move_sideways() -> None:
