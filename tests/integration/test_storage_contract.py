@@ -49,7 +49,7 @@ from test_sql_storage import (
     sqlite_database,
 )
 
-from participants import _mongo
+from participants import _mongo, _mongo_shared, _mongo_unit
 from participants._barrier import (
     LedgerStatus,
     PredecessorApplied,
@@ -57,7 +57,8 @@ from participants._barrier import (
     SuccessorCompensated,
 )
 from participants._handlers import Handler, Reject
-from participants._mongo import DocumentWrite, MongoSession, MongoStorage, _MongoUnit
+from participants._mongo import DocumentWrite, MongoSession, MongoStorage
+from participants._mongo_unit import _MongoUnit
 from participants._open import open_storage
 from participants._redis import RedisSession, RedisStorage
 from participants._sql import SqlSession, SqlStorage
@@ -1422,7 +1423,7 @@ class TestMongo:
         self, mongo: MongoHarness, monkeypatch: pytest.MonkeyPatch
     ) -> None:
         delete = requested("tx-1", "delete", {"target": "accounts", "key": 1})
-        crash_once(monkeypatch, _mongo, "_purge")
+        crash_once(monkeypatch, _mongo_unit, "_purge")
         with pytest.raises(Crash):
             mongo.storage.execute([delete])
         [entry] = mongo.storage.ledger("tx-1")
@@ -1462,7 +1463,9 @@ class TestMongo:
         assert mongo.storage.ledger() == []  # only the intents record the writes
         assert (mongo.raw("accounts", 1) or {})["balance"] == 101
         # A new process: nothing in memory.
-        monkeypatch.setattr(_mongo, "_UNRECORDED", _mongo._Unrecorded())
+        fresh = _mongo_shared._Unrecorded()
+        for module in (_mongo, _mongo_shared, _mongo_unit):
+            monkeypatch.setattr(module, "_UNRECORDED", fresh)
         restarted = mongo.make(intent_lease_ms=0)
         # A decision finds its step through the transaction document...
         assert restarted.execute([commit("tx-1")]) == [report("tx-1", StepStatus.COMMITTED)]

@@ -1,0 +1,142 @@
+"""What the MongoDB storages of one process share: document locks, the memo of markers
+known to be recorded, and the step documents created but not inserted yet.
+
+See *Concurrency* and the write protocol in :mod:`participants._mongo`.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Final, Generic, TypeVar
+
+from pymongo import errors as mongo_errors
+from pymongo.collection import Collection
+
+from participants._mongo_errors import _DUPLICATE_KEY
+from participants._mongo_values import Document
+
+if TYPE_CHECKING:
+    from participants._mongo import MongoStorage
+
+
+SETTLED_CACHE_SIZE: Final = 100_000
+"""Business documents whose marker this process knows to be recorded in the ledger."""
+
+
+_K = TypeVar("_K")
+_V = TypeVar("_V")
+
+
+class _DocumentLocks:
+    """Process-wide re-entrant locks per ``(scope, collection, key)``, created on demand."""
+
+    def __init__(self) -> None:
+        self._mutex = threading.Lock()
+        self._locks: dict[tuple[str, str, str], tuple[threading.RLock, int]] = {}
+
+    def acquire(self, name: tuple[str, str, str]) -> None:
+        with self._mutex:
+            lock, users = self._locks.get(name, (threading.RLock(), 0))
+            self._locks[name] = (lock, users + 1)
+        lock.acquire()
+
+    def release(self, name: tuple[str, str, str]) -> None:
+        with self._mutex:
+            lock, users = self._locks[name]
+            if users == 1:
+                del self._locks[name]
+            else:
+                self._locks[name] = (lock, users - 1)
+        lock.release()
+
+
+class _Lru(Generic[_K, _V]):
+    """A small thread-safe least-recently-used map."""
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+        self._mutex = threading.Lock()
+        self._data: OrderedDict[_K, _V] = OrderedDict()
+
+    def get(self, key: _K) -> _V | None:
+        with self._mutex:
+            value = self._data.get(key)
+            if value is not None:
+                self._data.move_to_end(key)
+            return value
+
+    def put(self, key: _K, value: _V) -> None:
+        with self._mutex:
+            self._data[key] = value
+            self._data.move_to_end(key)
+            while len(self._data) > self._size:
+                self._data.popitem(last=False)
+
+    def pop(self, key: _K) -> None:
+        with self._mutex:
+            self._data.pop(key, None)
+
+    def clear(self) -> None:
+        with self._mutex:
+            self._data.clear()
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class _StepRecord:
+    """A step document to insert: its write took effect, with ``marker``, on document ``lock``."""
+
+    owner: MongoStorage
+    doc: Document
+    lock: tuple[str, str, str]
+    marker: str
+
+
+class _Unrecorded:
+    """Process-wide: the step documents created by a write that are not inserted yet.
+
+    A storage inserts the step documents of the new steps it applied in batches
+    (:meth:`MongoStorage.flush_records`); until then the write's intent and
+    marker make them recoverable, and whoever touches the written document first
+    inserts the record (:meth:`_MongoUnit.settle`), so a marker is never
+    overwritten before the ledger records its write. One record per document at
+    most: the next write of the document waits for it.
+    """
+
+    def __init__(self) -> None:
+        self._mutex = threading.Lock()
+        self._records: dict[tuple[str, str, str], _StepRecord] = {}
+
+    def add(self, record: _StepRecord) -> None:
+        with self._mutex:
+            self._records[record.lock] = record
+
+    def get(self, lock: tuple[str, str, str]) -> _StepRecord | None:
+        with self._mutex:
+            return self._records.get(lock)
+
+    def done(self, record: _StepRecord) -> None:
+        with self._mutex:
+            if self._records.get(record.lock) is record:
+                del self._records[record.lock]
+
+
+def _insert_records(ledger: Collection[Document], records: Sequence[_StepRecord]) -> None:
+    """Insert deferred step documents (one already there was recorded by someone else)."""
+    try:
+        ledger.insert_many([record.doc for record in records], ordered=False)
+    except mongo_errors.BulkWriteError as exc:
+        errors = exc.details.get("writeErrors") or []
+        if not errors or any(error.get("code") != _DUPLICATE_KEY for error in errors):
+            raise
+    for record in records:
+        _SETTLED.put(record.lock, record.marker)
+        _UNRECORDED.done(record)
+
+
+_LOCKS: Final = _DocumentLocks()
+_SETTLED: Final = _Lru[tuple[str, str, str], str](SETTLED_CACHE_SIZE)
+"""Document lock name -> a marker it carried whose write this process knows is recorded."""
+_UNRECORDED: Final = _Unrecorded()
