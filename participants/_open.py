@@ -16,6 +16,7 @@ from urllib.parse import quote
 
 from participants._storage import Storage
 from streams import ConfigurationError
+from streams._faults import NO_FAULTS, Faults
 from streams._secrets import redact_url, remember, url_password
 
 KINDS = ("sql", "mongo", "redis")
@@ -120,6 +121,7 @@ def open_storage(
     targets: Sequence[str],
     handlers: str | None = None,
     schema: str | None = None,
+    faults: Faults = NO_FAULTS,
 ) -> Storage:
     """A storage adapter of ``kind`` (sql, mongo, redis) for participant ``name``.
 
@@ -129,6 +131,7 @@ def open_storage(
     else ``saga``); the Redis key prefix (default ``saga``).
     Each adapter imports its driver only when it is chosen. The URL's password
     is hidden from every later message and log line (:mod:`streams._secrets`).
+    ``faults`` are the crash tests' hooks (:mod:`streams._faults`), no-ops by default.
     """
     remember(url_password(url))
     if not targets:

@@ -1,24 +1,46 @@
 """What every storage adapter implements, and the one algorithm that drives it.
 
 A participant hands its storage a batch of *work items* (signals about its own
-steps). For each item the storage opens an isolated scope inside the batch's
-local atomic unit (an SQL savepoint, a Redis WATCH/MULTI, a MongoDB transaction
-or per-document write), and :func:`run_item` does the rest through the
-:class:`Unit` interface: read the ledger entry, ask the barrier for a plan, run
-the business effect, write the ledger entry. The batch's changes and ledger
-records commit together; only then does the runtime emit the events.
+steps). :class:`LedgerStorage` owns the work: the batch loop, the error boundary,
+re-running an item that lost a race, and the policy for a rejected confirmation.
+For each item it asks the adapter for a :class:`Unit`, an isolated scope inside
+the batch's local atomic unit (an SQL savepoint, a Redis WATCH/MULTI, a MongoDB
+transaction or per-document write), and :func:`run_item` does the rest through
+it: read the ledger entry, ask the barrier for a plan, run the business effect,
+write the ledger entry. Ledger entries are stored with the one codec of
+:mod:`participants._ledger`. Only once the batch is done does the runtime emit
+the events.
 
-Adapters implement :class:`Storage` (batch lifecycle) and :class:`Unit` (one
-item's reads and writes). Built-in actions are described by
-:mod:`participants._actions`; custom actions by :mod:`participants._handlers`.
+How an adapter plugs in (see :class:`LedgerStorage` for the details)::
+
+    class MyUnit(Unit[MySession]):          # one item's reads and writes, native: MySession
+        def entry(...), entries(...), tx_rolled_back(...), known_fingerprint(...),
+        def write(...), rollback_effect(...)
+        # optional: finish(error) to keep/undo the item, close() to release it
+
+    class MyStorage(LedgerStorage[MySession, MyBatch]):
+        driver_errors = (MyDriverError,)
+        def prepare(self): ...                    # create the ledger, check the targets
+        def open_batch(self, items, attempt): ... # context manager: the batch's scope
+        def open_unit(self, batch, item, previous): ...
+        def translate(self, exc, what): ...       # driver error -> saga error (NoReturn)
+        def ledger(...), in_flight_sequential(), prune(...)
+        # optional: run_again(unit, exc), mark_seen(batch, items), close()
+
+Built-in actions are described by :mod:`participants._actions`; custom actions
+by :mod:`participants._handlers`.
 """
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, ClassVar, Generic, NoReturn
+
+from typing_extensions import TypeVar
 
 from participants._barrier import (
     Decided,
@@ -31,8 +53,16 @@ from participants._barrier import (
     SuccessorCompensated,
     plan,
 )
-from streams import BusinessRejection, Outcome, StepStatus
-from streams import _faults as faults
+from participants._ledger import rolled_back_marker, seen_marker
+from streams import BusinessRejection, Outcome, StepStatus, TransientError
+from streams._faults import NO_FAULTS, Faults
+
+log = logging.getLogger("saga.participant")
+
+NativeT = TypeVar("NativeT", default=Any)
+"""The native session an adapter hands to actions and custom handlers."""
+BatchT = TypeVar("BatchT", default=None)
+"""What an adapter keeps for one batch (its connection, its view of the ledger)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +102,7 @@ class Report:
     reason: str | None = None
 
 
-class Actions(ABC):
+class Actions(ABC, Generic[NativeT]):
     """Runs actions against a storage's native session; built-in and custom alike.
 
     ``apply`` returns the before-image the compensation needs (JSON-serialisable)
@@ -81,49 +111,58 @@ class Actions(ABC):
     """
 
     @abstractmethod
-    def apply(self, native: Any, action: str, args: Mapping[str, Any]) -> Any: ...
+    def apply(self, native: NativeT, action: str, args: Mapping[str, Any]) -> Any: ...
 
     @abstractmethod
     def compensate(
-        self, native: Any, action: str, args: Mapping[str, Any], before: Any
+        self, native: NativeT, action: str, args: Mapping[str, Any], before: Any
     ) -> None: ...
 
     @abstractmethod
-    def confirm(self, native: Any, action: str, args: Mapping[str, Any]) -> None: ...
+    def confirm(self, native: NativeT, action: str, args: Mapping[str, Any]) -> None: ...
 
 
-class Unit(ABC):
+class Unit(ABC, Generic[NativeT]):
     """One work item's isolated scope inside a batch's local atomic unit.
 
     Reads lock what they read where the storage can (``SELECT ... FOR UPDATE``),
-    so two workers never act on one step at once.
+    so two workers never act on one step at once. The markers are written with
+    :meth:`write` unless an adapter stores them its own way.
     """
 
-    native: Any
-    """The storage's own session/connection, handed to custom handlers."""
+    native: NativeT
+    """The storage's own session, handed to actions and custom handlers."""
 
     @abstractmethod
     def entry(self, tx_id: str, step: int) -> LedgerEntry | None: ...
 
     @abstractmethod
     def entries(self, tx_id: str) -> list[LedgerEntry]:
-        """This participant's step entries of a transaction (not the marker)."""
+        """This participant's step entries of a transaction (not the markers)."""
 
     @abstractmethod
     def tx_rolled_back(self, tx_id: str) -> bool:
         """Whether a rollback was recorded before this participant knew its steps."""
 
-    @abstractmethod
-    def mark_tx_rolled_back(self, tx_id: str, now_ms: int) -> None: ...
+    def mark_tx_rolled_back(self, tx_id: str, now_ms: int) -> None:
+        """Record the rollback marker (the transaction has no step entry here)."""
+        self.write(rolled_back_marker(tx_id, now_ms))
 
     @abstractmethod
     def known_fingerprint(self, tx_id: str) -> str | None:
         """The request fingerprint recorded for the transaction (a step entry or the seen
         marker); ``None`` when none is (unknown here, or recorded before fingerprints)."""
 
-    @abstractmethod
     def mark_tx_seen(self, item: RequestSeen) -> None:
         """Record the seen marker (see :class:`RequestSeen`); the transaction is unknown."""
+        self.write(
+            seen_marker(
+                item.tx_id,
+                fingerprint=item.fingerprint,
+                deadline_ms=item.deadline_ms,
+                now_ms=item.now_ms,
+            )
+        )
 
     @abstractmethod
     def write(self, entry: LedgerEntry) -> None: ...
@@ -132,9 +171,24 @@ class Unit(ABC):
     def rollback_effect(self) -> None:
         """Undo this item's business change (not the batch's): the step is rejected."""
 
+    def finish(self, error: BaseException | None) -> None:
+        """The item's attempt ended: keep its work (``error`` is ``None``) or undo what
+        this unit holds (``error`` ended it: a rejected confirmation, a lost race, a
+        failure). May raise :class:`RunBatchAgain`."""
+
+    def close(self) -> None:
+        """Release what the unit holds; called after :meth:`finish`, always."""
+
+
+class RunBatchAgain(Exception):
+    """Raised inside a batch by an adapter: roll the batch back and run it again (the
+    adapter's :meth:`LedgerStorage.open_batch` sees the next ``attempt``)."""
+
 
 class Storage(ABC):
-    """A participant's storage: the ledger and the business data, changed together."""
+    """A participant's storage as the runtime sees it: the ledger and the business data,
+    changed together. Adapters derive from :class:`LedgerStorage`, which implements
+    :meth:`execute`."""
 
     name: str
 
@@ -144,10 +198,14 @@ class Storage(ABC):
 
     @abstractmethod
     def execute(self, items: Sequence[WorkItem]) -> list[Report]:
-        """Run a batch in one local atomic unit (per-item isolation); return the events.
+        """Run a batch; return the events to emit.
 
-        Raises :class:`streams.TransientError` when the storage is unavailable:
-        nothing of the batch took effect and the caller retries it.
+        Every item takes effect together with its ledger entries, or not at all;
+        whether the whole batch is one local atomic unit depends on the adapter
+        (:attr:`LedgerStorage.atomic_batch`). Raises :class:`streams.TransientError`
+        when the storage is unavailable: the caller retries the batch, which is
+        safe either way because the items that took effect find their ledger
+        entries and report again.
         """
 
     @abstractmethod
@@ -171,8 +229,185 @@ class Storage(ABC):
         """Release connections."""
 
 
-def run_item(unit: Unit, actions: Actions, item: WorkItem) -> list[Report]:
-    """Drive one work item through the barrier inside ``unit``; return what to report."""
+class LedgerStorage(Storage, Generic[NativeT, BatchT]):
+    """The storage base class: it owns the work, an adapter supplies its unit.
+
+    What it owns:
+
+    * the batch loop (:meth:`execute`): :meth:`setup` on first use, the adapter's
+      batch scope, every item in order (repeats included: a repeat re-reports its
+      step), runs of :class:`RequestSeen` handed to :meth:`mark_seen` together;
+    * re-running an item whose unit lost a race (:meth:`run_again`), at most
+      :attr:`max_attempts` times, then a :class:`~streams.TransientError`;
+    * re-running a whole batch when the adapter raises :class:`RunBatchAgain`;
+    * the confirm policy: a custom confirmation that raises
+      :class:`~streams.BusinessRejection` leaves its step applied, reports
+      nothing and logs it; a replayed commit decision tries it again;
+    * the error boundary (:meth:`boundary`): the adapter's :attr:`driver_errors`
+      are translated by its :meth:`translate` into the saga error tree;
+    * the fault hooks (``faults``), passed to :func:`run_item`.
+
+    What an adapter supplies: ``name``, ``where`` (the store, for messages, never
+    a password), ``actions`` (built-in and custom, for its native session),
+    :attr:`driver_errors`, :attr:`atomic_batch`, and the methods :meth:`prepare`,
+    :meth:`open_batch`, :meth:`open_unit`, :meth:`translate`, :meth:`ledger`,
+    :meth:`in_flight_sequential` and :meth:`prune` (the last three inside
+    :meth:`boundary`). Ledger entries are stored with :mod:`participants._ledger`.
+    """
+
+    where: str
+    """The store, for messages (never a password)."""
+    actions: Actions[NativeT]
+    driver_errors: ClassVar[tuple[type[BaseException], ...]] = ()
+    """The driver's exceptions that :meth:`translate` turns into saga errors."""
+    atomic_batch: ClassVar[bool] = False
+    """Whether a batch is one local atomic unit (else every item is one on its own)."""
+    max_attempts: int = 25
+    """How often one item is run again after losing a race."""
+
+    def __init__(self, *, faults: Faults = NO_FAULTS) -> None:
+        self.faults = faults
+        self._ready = False
+
+    # -- what an adapter supplies
+
+    @abstractmethod
+    def prepare(self) -> None:
+        """Create the ledger if absent and check the targets; idempotent (see :meth:`setup`)."""
+
+    @abstractmethod
+    def open_batch(self, items: Sequence[WorkItem], attempt: int) -> AbstractContextManager[BatchT]:
+        """The batch's scope: entered before its first item, left after its last.
+
+        Leaving it normally commits what the batch's scope holds; an exception
+        rolls it back. ``attempt`` counts the runs of this batch (0 first; see
+        :class:`RunBatchAgain`).
+        """
+
+    @abstractmethod
+    def open_unit(
+        self, batch: BatchT, item: WorkItem, previous: Unit[NativeT] | None
+    ) -> Unit[NativeT]:
+        """A fresh unit for one attempt of ``item``; ``previous`` is the unit of the
+        attempt before (it lost a race, see :meth:`run_again`), else ``None``."""
+
+    @abstractmethod
+    def translate(self, exc: BaseException, what: str) -> NoReturn:
+        """Raise the saga error for driver error ``exc`` met while trying to ``what``:
+        :class:`~streams.TransientError` (retry), :class:`~streams.ConfigurationError`
+        (fix the setup) or :class:`~streams.BusinessRejection`."""
+
+    def run_again(self, unit: Unit[NativeT], exc: Exception) -> bool:
+        """Whether ``exc``, which ended ``unit``'s attempt, means *run the item again*
+        (another writer won a race); the default: never."""
+        return False
+
+    def mark_seen(self, batch: BatchT, items: Sequence[RequestSeen]) -> None:
+        """Record a run of requests without a step here; by default one by one through
+        :func:`run_item`. An adapter may write them together."""
+        for item in items:
+            self.run_one(batch, item)
+
+    # -- what it owns
+
+    def setup(self) -> None:
+        """Create the ledger if absent and check the configured targets exist; idempotent.
+
+        Raises :class:`~streams.ConfigurationError` naming what to fix, and
+        :class:`~streams.TransientError` when the store is unreachable.
+        """
+        self.prepare()
+        self._ready = True
+
+    def execute(self, items: Sequence[WorkItem]) -> list[Report]:
+        """Run the batch (see :meth:`Storage.execute` and the class doc)."""
+        if not self._ready:
+            self.setup()
+        attempt = 0
+        while True:
+            try:
+                with self.boundary("run a batch"):
+                    return self._batch(items, attempt)
+            except RunBatchAgain:
+                attempt += 1
+                if attempt >= self.max_attempts:
+                    raise
+
+    def _batch(self, items: Sequence[WorkItem], attempt: int) -> list[Report]:
+        reports: list[Report] = []
+        with self.open_batch(items, attempt) as batch:
+            seen: list[RequestSeen] = []
+            for item in items:
+                if isinstance(item, RequestSeen):
+                    seen.append(item)
+                    continue
+                if seen:  # before any item that may read those ledgers
+                    self.mark_seen(batch, seen)
+                    seen = []
+                reports.extend(self.run_one(batch, item))
+            if seen:
+                self.mark_seen(batch, seen)
+        return reports
+
+    def run_one(self, batch: BatchT, item: WorkItem) -> list[Report]:
+        """Run one item in a unit of its own, again while it loses races."""
+        previous: Unit[NativeT] | None = None
+        for _ in range(self.max_attempts):
+            unit = self.open_unit(batch, item, previous)
+            try:
+                reports = run_item(unit, self.actions, item, self.faults)
+            except BusinessRejection as exc:
+                # run_item turns rejections of apply and compensate into events; only a
+                # custom confirm gets here. The step stays applied, nothing is reported,
+                # and a replayed commit decision tries the confirmation again.
+                unit.finish(exc)
+                log.error(
+                    "participant %r: confirming %s was rejected and is left for a replayed "
+                    "decision: %s",
+                    self.name,
+                    item.tx_id,
+                    exc.reason,
+                )
+                return []
+            except Exception as exc:
+                unit.finish(exc)
+                if not self.run_again(unit, exc):
+                    raise
+                previous = unit
+                continue
+            except BaseException as exc:
+                unit.finish(exc)
+                raise
+            else:
+                unit.finish(None)
+                return reports
+            finally:
+                unit.close()
+        raise TransientError(
+            f"participant {self.name!r}: {item.tx_id} kept conflicting with other writers on "
+            f"{self.where} ({self.max_attempts} attempts); retrying the batch is safe"
+        )
+
+    @contextmanager
+    def boundary(self, what: str) -> Iterator[None]:
+        """Translate the driver's errors into the saga error tree (:meth:`translate`)."""
+        try:
+            yield
+        except self.driver_errors as exc:
+            self.translate(exc, what)
+
+
+def run_item(
+    unit: Unit[NativeT],
+    actions: Actions[NativeT],
+    item: WorkItem,
+    faults: Faults = NO_FAULTS,
+) -> list[Report]:
+    """Drive one work item through the barrier inside ``unit``; return what to report.
+
+    ``faults.unsafe("barrier-off")`` (a test's negative control only) makes requests
+    ignore the ledger.
+    """
     if isinstance(item, RequestSeen):
         if unit.known_fingerprint(item.tx_id) is None and not unit.entries(item.tx_id):
             unit.mark_tx_seen(item)
@@ -186,13 +421,17 @@ def run_item(unit: Unit, actions: Actions, item: WorkItem) -> list[Report]:
         reports: list[Report] = []
         for known in entries:
             signal = Decided(item.tx_id, known.step, item.outcome, item.now_ms)
-            reports.extend(_run_signal(unit, actions, known, signal))
+            reports.extend(_run_signal(unit, actions, known, signal, faults))
         return reports
-    return _run_signal(unit, actions, unit.entry(item.tx_id, item.step), item)
+    return _run_signal(unit, actions, unit.entry(item.tx_id, item.step), item, faults)
 
 
 def _run_signal(
-    unit: Unit, actions: Actions, entry: LedgerEntry | None, signal: Signal
+    unit: Unit[NativeT],
+    actions: Actions[NativeT],
+    entry: LedgerEntry | None,
+    signal: Signal,
+    faults: Faults,
 ) -> list[Report]:
     rolled_back = (
         isinstance(signal, Requested) and entry is None and unit.tx_rolled_back(signal.tx_id)
