@@ -20,6 +20,9 @@ COPY pyproject.toml README.md ./
 COPY coordinator ./coordinator
 COPY participants ./participants
 COPY streams ./streams
+# The tools (saga demo, saga bench) ship in the same distribution; their drivers
+# come with the tools extra, which the image does not install.
+COPY sagatools ./sagatools
 RUN pip install . && cd / && rm -rf /src
 
 RUN useradd --create-home --uid 10001 saga

@@ -33,15 +33,15 @@ help:
 $(VENV)/.installed: pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@$(PY) -m pip install -q --upgrade pip
-	@echo "installing saga-olep and its dev tools into $(VENV)"
-	@$(PY) -m pip install -q -e '.[dev]'
+	@echo "installing saga-olep with its tools and dev tools into $(VENV)"
+	@$(PY) -m pip install -q -e '.[dev,tools]'
 	@touch $@
 
 venv: $(VENV)/.installed
 
 lint: venv
-	$(VENV)/bin/ruff check coordinator participants streams tests
-	$(VENV)/bin/ruff format --check coordinator participants streams tests
+	$(VENV)/bin/ruff check coordinator participants streams sagatools tests
+	$(VENV)/bin/ruff format --check coordinator participants streams sagatools tests
 	$(VENV)/bin/mypy
 
 unit: venv

@@ -31,7 +31,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from coordinator._client import SagaClient
+from coordinator import SagaClient
 from streams import (
     ConfigurationError,
     Decision,
@@ -41,7 +41,7 @@ from streams import (
     TransientError,
     decode_as,
 )
-from streams._kafka import Consumer, KafkaSettings, create_topics, wait_for_broker
+from streams.kafka import Consumer, KafkaSettings, create_topics, wait_for_broker
 
 ACCOUNTS = 200
 OPENING_BALANCE = 1_000

@@ -1,0 +1,114 @@
+"""What every ``saga`` command shares: Kafka options, settings, seconds, one-sentence failures.
+
+Imported by :mod:`coordinator.cli`, its command modules (``coordinator._cli_*``)
+and the tools' commands (:mod:`sagatools.cli`); it imports no storage driver.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from collections.abc import Callable
+from typing import Any, NoReturn, TypeVar
+
+import click
+
+from streams._secrets import redact, remember_settings
+from streams.kafka import KafkaSettings
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+DEFAULT_CONNECT_TIMEOUT_S = 30.0
+TOOLS_HINT = "install the tools extra: pip install 'saga-olep[tools]'"
+MAX_TIMEOUT_S = 1_000_000_000  # as coordinator._client.MAX_TIMEOUT_S (not imported: start-up cost)
+
+
+def fail(message: str, code: int = 1) -> NoReturn:
+    click.echo(f"saga: {redact(message)}", err=True)
+    sys.exit(code)
+
+
+class Seconds(click.FloatRange):
+    """A positive, finite number of seconds (click's FLOAT accepts nan and inf)."""
+
+    name = "seconds"
+
+    def __init__(self, maximum: float = MAX_TIMEOUT_S) -> None:
+        super().__init__(0, maximum, min_open=True)
+        self.maximum = maximum
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        try:
+            seconds = float(value)
+        except (TypeError, ValueError):
+            seconds = math.nan
+        if not (math.isfinite(seconds) and 0 < seconds <= self.maximum):
+            self.fail(
+                f"{value!r} is not a positive number of seconds (at most {self.maximum:,.0f}); "
+                "give one such as 30",
+                param,
+                ctx,
+            )
+        return seconds
+
+
+def connect_timeout_option(fn: F) -> F:
+    return click.option(
+        "--connect-timeout",
+        type=Seconds(3600),
+        default=DEFAULT_CONNECT_TIMEOUT_S,
+        show_default=True,
+        envvar="SAGA_CONNECT_TIMEOUT",
+        help="Seconds to wait at start-up for Kafka to answer before exiting with one "
+        "sentence [env SAGA_CONNECT_TIMEOUT].",
+    )(fn)
+
+
+def _parse_retention(_ctx: click.Context, _param: click.Parameter, value: str) -> int:
+    from streams._duration import parse_duration_ms
+
+    try:
+        return parse_duration_ms(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--retention") from None
+
+
+def retention_option(what: str) -> Callable[[F], F]:
+    """``--retention`` (a duration) as ``retention_ms``; the same default everywhere."""
+    from streams._duration import DEFAULT_RETENTION
+
+    return click.option(
+        "--retention",
+        "retention_ms",
+        default=DEFAULT_RETENTION,
+        show_default=True,
+        callback=_parse_retention,
+        help=f"{what} (90s, 30m, 12h, 7d); use one value for the coordinator and "
+        "every participant.",
+    )
+
+
+def kafka_options(fn: F) -> F:
+    fn = click.option(
+        "--kafka-config",
+        type=click.Path(dir_okay=False),
+        default=None,
+        help="File of key=value Kafka client settings (security.protocol, sasl.*, ssl.*).",
+    )(fn)
+    fn = click.option(
+        "--prefix", default=None, help="Topic prefix [env SAGA_TOPIC_PREFIX; default: saga]."
+    )(fn)
+    fn = click.option(
+        "--bootstrap", default=None, help="Kafka bootstrap servers [env SAGA_KAFKA_BOOTSTRAP]."
+    )(fn)
+    return fn
+
+
+def settings_from(
+    bootstrap: str | None, prefix: str | None, kafka_config: str | None
+) -> KafkaSettings:
+    settings = KafkaSettings.from_sources(bootstrap, prefix, kafka_config, os.environ)
+    # sasl.password, ssl.key.password, ...: never shown by a message or log line.
+    remember_settings(settings.extra)
+    return settings

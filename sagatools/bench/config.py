@@ -1,0 +1,82 @@
+"""The benchmark's settings (``saga bench`` options) and the names its phases share."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Final
+
+from streams import ConfigurationError
+from streams.kafka import KafkaSettings
+
+PHASES: Final = ("main", "latency", "rollback", "direct", "log")
+SAGA_PHASES: Final = ("main", "latency", "rollback")
+PARTICIPANTS: Final = ("bank", "wallet", "rewards")
+STORAGE_OF: Final = {"bank": "sql", "wallet": "mongo", "rewards": "redis"}
+TARGET_OF: Final = {"bank": "accounts", "wallet": "wallets", "rewards": "points"}
+OPENING_BALANCE: Final = 10**12  # debits never reach the minimum: only designed failures fail
+MAX_AMOUNT: Final = 100
+SERVICES: Final = ("kafka", "postgres", "redis", "ferretdb")
+CLIENT: Final = "client (bench)"
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    kafka: KafkaSettings
+    postgres_url: str
+    mongo_url: str
+    redis_url: str
+    phases: tuple[str, ...] = PHASES
+    warmup: float = 10.0
+    duration: float = 60.0
+    latency_duration: float = 30.0
+    rollback_duration: float = 30.0
+    baseline_duration: float = 20.0
+    rate: float = 500.0
+    window: int = 1000
+    fail_share: float = 0.0
+    rollback_fail_share: float = 0.2
+    partitions: int = 4
+    workers: int = 1
+    accounts: int = 10_000
+    batch: int = 500
+    saga_timeout: float = 60.0
+    drain_timeout: float = 120.0
+    schema: str = "saga_bench"
+    report: Path = Path("reports/bench.json")
+    logs: Path = Path(".infra/logs/bench")
+    seed: int = 7
+    keep_topics: bool = False
+    service_pids: Mapping[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        unknown = [p for p in self.phases if p not in PHASES]
+        if unknown or not self.phases:
+            raise ConfigurationError(
+                f"unknown phase {', '.join(unknown) or '(none given)'}: "
+                f"pick from {', '.join(PHASES)}"
+            )
+        if self.warmup < 0 or min(self.duration, self.latency_duration) <= 0:
+            raise ConfigurationError("durations must be positive seconds (the warm-up may be 0)")
+        if min(self.rollback_duration, self.baseline_duration) <= 0:
+            raise ConfigurationError("durations must be positive seconds (the warm-up may be 0)")
+        if self.rate <= 0 or self.window < 1 or self.batch < 1 or self.accounts < 1:
+            raise ConfigurationError("--rate, --window, --batch and --accounts must be positive")
+        if not 0 <= self.fail_share <= 1 or not 0 <= self.rollback_fail_share <= 1:
+            raise ConfigurationError("a failure share is a fraction between 0 and 1")
+        unknown = [n for n in self.service_pids if n not in SERVICES]
+        if unknown:
+            raise ConfigurationError(
+                f"--service-pid names {', '.join(unknown)}: use one of {', '.join(SERVICES)}"
+            )
+        if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]{0,62}", self.schema) is None:
+            raise ConfigurationError(
+                f"--schema {self.schema!r} must be a letter or _ followed by up to 62 "
+                "letters, digits or _"
+            )
+
+
+def account(i: int) -> str:
+    return f"a{i:06d}"

@@ -1,0 +1,65 @@
+"""The coordinator and participant processes of a saga phase, started as a user would."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+
+from sagatools.bench.config import PARTICIPANTS, STORAGE_OF, TARGET_OF, BenchConfig
+from streams import ConfigurationError
+from streams.kafka import KafkaSettings
+
+
+@contextmanager
+def saga_processes(
+    cfg: BenchConfig, settings: KafkaSettings, logs: Path
+) -> Iterator[dict[str, subprocess.Popen[bytes]]]:
+    """The coordinator and ``workers`` processes per participant, as the user would run them."""
+    logs.mkdir(parents=True, exist_ok=True)
+    common = ["--bootstrap", settings.bootstrap, "--prefix", settings.prefix]
+    urls = {"sql": cfg.postgres_url, "mongo": cfg.mongo_url, "redis": cfg.redis_url}
+    commands: dict[str, list[str]] = {
+        "coordinator": [
+            *("coordinator", "run", *common, "--instance-id", "bench"),
+            *("--participants", ",".join(PARTICIPANTS)),
+        ]
+    }
+    for name in PARTICIPANTS:
+        storage = STORAGE_OF[name]
+        for w in range(cfg.workers):
+            commands[f"{name}#{w} ({storage})"] = [
+                *("participant", "run", *common, "--name", name, "--storage", storage),
+                *("--url", urls[storage], "--schema", cfg.schema, "--targets", TARGET_OF[name]),
+            ]
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+    try:
+        for name, args in commands.items():
+            log_name = name.split(" ")[0].replace("#", "-")
+            with (logs / f"{log_name}.log").open("wb") as log:
+                procs[name] = subprocess.Popen(
+                    [sys.executable, "-m", "coordinator", *args],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+        yield procs
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.terminate()
+        for p in procs.values():
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(10)
+
+
+def check_alive(procs: Mapping[str, subprocess.Popen[bytes]], logs: Path) -> None:
+    for name, p in procs.items():
+        if p.poll() is not None:
+            raise ConfigurationError(
+                f"the {name} process exited early (status {p.returncode}); see its log in {logs}"
+            )

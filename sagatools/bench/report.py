@@ -1,0 +1,240 @@
+"""The bench's JSON report and its rendering as two tables (within 80 columns)."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from sagatools.bench.baselines import DirectResult, LogResult
+from sagatools.bench.config import PARTICIPANTS, BenchConfig
+from sagatools.bench.phases import SagaPhaseResult
+
+
+def _git_commit() -> dict[str, Any]:
+    root = Path(__file__).resolve().parents[2]
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return {"commit": None, "dirty": None}
+    return {"commit": commit, "dirty": bool(dirty)}
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None or b <= 0:
+        return None
+    return round(a / b, 3)
+
+
+def build_report(
+    cfg: BenchConfig,
+    phases: Mapping[str, SagaPhaseResult],
+    direct: DirectResult | None,
+    log_bound: LogResult | None,
+    started: float,
+    load_before: tuple[float, float, float],
+) -> dict[str, Any]:
+    main = phases.get("main")
+    latency = phases.get("latency") or main
+    rollback = phases.get("rollback")
+    sagas_per_s = main.sagas_per_s if main else None
+    direct_rate = direct.sagas_per_s if direct else None
+    log_rate = log_bound.sagas_per_s if log_bound else None
+    rollback_rate = rollback.sagas_per_s if rollback else None
+    records_per_saga = (
+        main.records_per_saga if main else (log_bound.records_per_saga if log_bound else None)
+    )
+    return {
+        "sagas_per_s": sagas_per_s,
+        "decision_latency_ms": latency.decision_latency_ms if latency else None,
+        "completion_latency_ms": latency.completion_latency_ms if latency else None,
+        "latency_phase": latency.name if latency else None,
+        "direct_write_sagas_per_s": direct_rate,
+        "log_bound_sagas_per_s": log_rate,
+        "rollback_sagas_per_s": rollback_rate,
+        "rollback_ratio": _ratio(rollback_rate, sagas_per_s),
+        "direct_write_ratio": _ratio(sagas_per_s, direct_rate),
+        "log_bound_ratio": _ratio(sagas_per_s, log_rate),
+        "cpu_s_per_saga": main.cpu_s_per_saga if main else None,
+        "cpu_cores_used": main.cpu_cores_used if main else None,
+        "records_per_saga": records_per_saga,
+        "phases": {name: r.as_json() for name, r in phases.items()},
+        "direct_write": direct.as_json() if direct else None,
+        "log_bound": log_bound.as_json() if log_bound else None,
+        "parameters": {
+            "phases": list(cfg.phases),
+            "prefix": cfg.kafka.prefix,
+            "warmup_s": cfg.warmup,
+            "duration_s": cfg.duration,
+            "latency_duration_s": cfg.latency_duration,
+            "rollback_duration_s": cfg.rollback_duration,
+            "baseline_duration_s": cfg.baseline_duration,
+            "rate": cfg.rate,
+            "window": cfg.window,
+            "fail_share": cfg.fail_share,
+            "rollback_fail_share": cfg.rollback_fail_share,
+            "partitions": cfg.partitions,
+            "workers": cfg.workers,
+            "accounts": cfg.accounts,
+            "batch": cfg.batch,
+            "saga_timeout_s": cfg.saga_timeout,
+            "steps_per_saga": len(PARTICIPANTS),
+        },
+        "machine": {
+            "cores": os.cpu_count(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "load_average_before": [round(x, 2) for x in load_before],
+            "load_average_after": [round(x, 2) for x in os.getloadavg()],
+        },
+        "git": _git_commit(),
+        "wall_s": round(time.monotonic() - started, 1),
+        "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+# --------------------------------------------------------------------------- output
+
+
+def _ms(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:,.0f} ms"
+
+
+def _num(v: float | None, unit: str = "") -> str:
+    return "n/a" if v is None else f"{v:,.1f}{unit}"
+
+
+def print_phase(console: Console, r: SagaPhaseResult) -> None:
+    console.print(
+        f"  {r.name}: {r.sagas_per_s:,.1f} sagas/s over {r.duration_s:g} s "
+        f"({r.committed_in_window} committed, {r.rolled_back_in_window} rolled back); "
+        f"decision p99 {_ms(r.decision_latency_ms.get('p99'))}"
+    )
+
+
+def _latency_cell(key: str, q: str) -> Callable[[Mapping[str, Any]], str]:
+    return lambda r: _ms(r[key][q])
+
+
+def _agree_text(r: Mapping[str, Any]) -> str:
+    if r["stores_agree"] is None:
+        return "n/a"
+    return "yes" if r["stores_agree"] else "[red]NO[/]"
+
+
+def _mode_text(r: Mapping[str, Any]) -> str:
+    if r["window"]:
+        return f"closed, {r['window']:,}"
+    return f"open, {r['offered_rate']:g}/s"
+
+
+def _cpu_cell(r: Mapping[str, Any], name: str) -> str:
+    per_saga, cores = r["cpu_s_per_saga"].get(name), r["cpu_cores_used"].get(name)
+    if per_saga is None or cores is None:
+        return "n/a"
+    return f"{1000 * per_saga:.2f} ({cores:.2f})"
+
+
+def print_summary(console: Console, report: Mapping[str, Any]) -> None:
+    """The figures of every phase (one column each), then the baselines and the ratios.
+
+    Kept within 80 columns, so that it reads in a plain terminal and in a log file.
+    """
+    phases: Mapping[str, Any] = report["phases"]
+    table = Table(title="saga bench: the measured window of each phase")
+    table.add_column("figure")
+    for name in phases:
+        table.add_column(name, justify="right")
+    rows: list[tuple[str, Callable[[Mapping[str, Any]], str]]] = [
+        ("loop, in flight or rate", _mode_text),
+        ("failure share", lambda r: f"{r['fail_share']:.0%}"),
+        ("window", lambda r: f"{r['duration_s']:.1f} s"),
+        ("sent (per s)", lambda r: f"{r['sent_in_window']:,} ({r['send_rate']:,.0f})"),
+        ("shed (overloaded)", lambda r: f"{r['shed']:,}"),
+        ("completed", lambda r: f"{r['completed_in_window']:,}"),
+        (
+            "  committed/rolled back",
+            lambda r: f"{r['committed_in_window']:,}/{r['rolled_back_in_window']:,}",
+        ),
+        ("[bold]sagas/s[/]", lambda r: f"[bold]{r['sagas_per_s']:,.1f}[/]"),
+    ]
+    for kind in ("decision", "completion"):
+        for q in ("p50", "p95", "p99", "max"):
+            rows.append((f"{kind} {q}", _latency_cell(f"{kind}_latency_ms", q)))
+    rows += [
+        ("log records per saga", lambda r: _num(r["records_per_saga"])),
+        ("  without tx markers", lambda r: _num(r["records_per_saga_without_markers"])),
+        ("unfinished/failed", lambda r: f"{r['unfinished']}/{r['failed']}"),
+        ("stores agree", _agree_text),
+    ]
+    for label, get in rows:
+        table.add_row(label, *(get(r) for r in phases.values()))
+    cpu_names: list[str] = []
+    for r in phases.values():
+        cpu_names += [n for n in r["cpu_s_per_saga"] if n not in cpu_names]
+    table.add_section()
+    table.add_row("[bold]CPU ms/saga (cores)[/]", *("" for _ in phases))
+    for n in cpu_names:
+        table.add_row(f"  {n}", *(_cpu_cell(r, n) for r in phases.values()))
+    table.add_row(
+        "  total",
+        *(
+            f"{1000 * sum(v for v in r['cpu_s_per_saga'].values() if v is not None):.2f} "
+            f"({sum(v for v in r['cpu_cores_used'].values() if v is not None):.2f})"
+            for r in phases.values()
+        ),
+    )
+    if phases:
+        console.print(table)
+
+    base = Table(title="baselines and ratios")
+    base.add_column("figure")
+    base.add_column("value", justify="right")
+    direct = report.get("direct_write")
+    if direct:
+        for store, rate in direct["writes_per_s"].items():
+            base.add_row(
+                f"direct writes {store} (batches of {direct['batch']})", f"{rate:,.0f} writes/s"
+            )
+        base.add_row(
+            "[bold]direct-write sagas/s[/] (slowest store)",
+            f"[bold]{direct['sagas_per_s']:,.0f}[/]",
+        )
+        for n, v in direct["cpu_s_per_saga"].items():
+            base.add_row(f"  CPU ms/saga {n}", "n/a" if v is None else f"{1000 * v:.3f}")
+    log_bound = report.get("log_bound")
+    if log_bound:
+        base.add_row(
+            "log produce + consume",
+            f"{log_bound['records_per_s']:,.0f} records/s of {log_bound['record_bytes']:.0f} B",
+        )
+        base.add_row(
+            "records per saga" + ("" if log_bound["records_per_saga_measured"] else " (estimated)"),
+            f"{log_bound['records_per_saga']:g}",
+        )
+        base.add_row("[bold]log-bound sagas/s[/]", f"[bold]{log_bound['sagas_per_s']:,.0f}[/]")
+    base.add_row("sagas/s (main)", _num(report["sagas_per_s"]))
+    base.add_row("rollback sagas/s", _num(report["rollback_sagas_per_s"]))
+    for label, key in (
+        ("rollback / main", "rollback_ratio"),
+        ("main / direct writes", "direct_write_ratio"),
+        ("main / log bound", "log_bound_ratio"),
+    ):
+        base.add_row(label, "n/a" if report[key] is None else f"{report[key]:.3f}")
+    console.print(base)

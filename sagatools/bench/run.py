@@ -1,0 +1,116 @@
+"""``saga bench``: the phases in order, then the report, the summary and the exit code."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from contextlib import suppress
+
+from rich.console import Console
+
+from sagatools.bench.baselines import (
+    DirectResult,
+    LogResult,
+    run_direct,
+    run_log_bound,
+    synthetic_records,
+)
+from sagatools.bench.config import SAGA_PHASES, BenchConfig
+from sagatools.bench.phases import SagaPhaseResult, run_saga_phase
+from sagatools.bench.proc import infra_dir, service_pids
+from sagatools.bench.report import build_report, print_phase, print_summary
+from sagatools.bench.stores import check_services, drop_data
+
+
+def run_bench(cfg: BenchConfig, console: Console) -> int:
+    started = time.monotonic()
+    console.rule("[bold]saga bench")
+    console.print("Services:")
+    check_services(cfg, console)
+    services = service_pids(cfg)
+    missing = [n for n, p in services.items() if p is None]
+    if missing:
+        console.print(
+            f"  CPU of {', '.join(missing)}: n/a (not started by infra/services.sh "
+            f"under {infra_dir()})"
+        )
+    console.print(
+        f"Phases: {', '.join(cfg.phases)}; topics under [bold]{cfg.kafka.prefix}.<phase>[/] "
+        f"({cfg.partitions} partitions); {cfg.accounts} accounts per store; "
+        f"{cfg.workers} worker(s) per participant; logs in {cfg.logs}"
+    )
+    load_before = os.getloadavg()
+    phases: dict[str, SagaPhaseResult] = {}
+    sample: list[tuple[bytes | None, bytes | None]] = []
+    sample_per_saga: float | None = None
+    direct: DirectResult | None = None
+    log_bound: LogResult | None = None
+    plan = {
+        "main": ("closed", cfg.fail_share, cfg.duration),
+        "latency": ("open", cfg.fail_share, cfg.latency_duration),
+        "rollback": ("closed", cfg.rollback_fail_share, cfg.rollback_duration),
+    }
+    try:
+        for i, name in enumerate(SAGA_PHASES):
+            if name not in cfg.phases:
+                continue
+            mode, share, duration = plan[name]
+            result, records = run_saga_phase(
+                cfg, console, name, mode=mode, fail_share=share, duration=duration,
+                services=services, seed=cfg.seed + 1000 * i,
+            )  # fmt: skip
+            phases[name] = result
+            print_phase(console, result)
+            if records and (not sample or name == "main") and result.records_per_saga:
+                sample, sample_per_saga = records, result.records_per_saga
+        if "direct" in cfg.phases:
+            direct = run_direct(cfg, console, services)
+            console.print(
+                f"  direct writes: {direct.sagas_per_s:,.0f} sagas/s "
+                f"({', '.join(f'{k} {v:,.0f}/s' for k, v in direct.writes_per_s.items())})"
+            )
+        if "log" in cfg.phases:
+            measured = sample_per_saga is not None
+            if not sample or sample_per_saga is None:
+                sample, sample_per_saga = synthetic_records()
+            log_bound = run_log_bound(cfg, console, sample, sample_per_saga, measured)
+            console.print(
+                f"  log bound: {log_bound.records_per_s:,.0f} records/s / "
+                f"{log_bound.records_per_saga:g} records per saga = "
+                f"{log_bound.sagas_per_s:,.0f} sagas/s"
+            )
+    finally:
+        with suppress(Exception):
+            drop_data(cfg)
+    report = build_report(cfg, phases, direct, log_bound, started, load_before)
+    cfg.report.parent.mkdir(parents=True, exist_ok=True)
+    cfg.report.write_text(json.dumps(report, indent=2) + "\n")
+    print_summary(console, report)
+    console.print(f"report: [bold]{cfg.report}[/]")
+    runs = list(phases.values())
+    warnings = [f"{r.name}: {r.unfinished:,} sagas unfinished" for r in runs if r.unfinished]
+    warnings += [
+        f"{r.name}: the system did not keep up with {r.offered_rate:g} sagas/s; "
+        f"{r.shed:,} sagas were shed (not sent) in the window"
+        for r in runs
+        if r.shed
+    ]
+    warnings += [
+        f"{r.name}: {r.unexpected_rollbacks:,} sagas rolled back that were meant to commit "
+        "(deadline passed?)"
+        for r in runs
+        if r.unexpected_rollbacks
+    ]
+    problems = [f"{r.name}: {r.failed:,} sagas failed" for r in runs if r.failed]
+    problems += [
+        f"{r.name}: the stores disagree with the committed sagas: {r.store_totals} "
+        f"moved, {r.expected_total} expected"
+        for r in runs
+        if r.stores_agree is False
+    ]
+    for w in warnings:
+        console.print(f"[bold yellow]{w}[/]")
+    for p in problems:
+        console.print(f"[bold red]{p}[/]")
+    return 1 if problems else 0

@@ -1,0 +1,344 @@
+"""``saga demo`` and ``saga bench``: the tools' commands, attached to ``saga`` lazily.
+
+:mod:`coordinator.cli` imports this module when one of the two commands is
+named (or ``saga --help`` lists them); it imports only click and the core's
+command-line helpers. The demo and the benchmark themselves (and their storage
+drivers: SQLAlchemy, pymongo, redis) are imported when the command runs; when
+they cannot be, the command says to install ``saga-olep[tools]`` and exits 2.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import NoReturn
+
+import click
+
+from coordinator._cli_common import TOOLS_HINT, fail, kafka_options, settings_from
+
+
+def _missing(command: str, exc: ImportError) -> NoReturn:
+    """One sentence naming the module the tools lack, and exit 2."""
+    what = exc.name or "a module of the tools"
+    fail(f"saga {command} needs {what}, which is not installed; {TOOLS_HINT}", 2)
+
+
+@click.command()
+@kafka_options
+@click.option("--sagas", type=click.IntRange(1, 1_000_000), default=2000, show_default=True)
+@click.option(
+    "--fail-share",
+    type=click.FloatRange(0, 1),
+    default=0.2,
+    show_default=True,
+    help="Share of sagas designed to fail (insufficient funds or out of stock).",
+)
+@click.option(
+    "--postgres-url",
+    envvar="SAGA_POSTGRES_URL",
+    required=True,
+    help="PostgreSQL for the ledger participant [env SAGA_POSTGRES_URL].",
+)
+@click.option(
+    "--mongo-url",
+    envvar="SAGA_MONGO_URL",
+    required=True,
+    help="MongoDB-wire server for the inventory participant [env SAGA_MONGO_URL].",
+)
+@click.option(
+    "--redis-url",
+    envvar="SAGA_REDIS_URL",
+    required=True,
+    help="Redis for the loyalty participant [env SAGA_REDIS_URL].",
+)
+@click.option(
+    "--reconcile/--no-reconcile",
+    "reconcile_after",
+    default=True,
+    show_default=True,
+    help="End by auditing the demo's log and ledgers with `saga reconcile`.",
+)
+def demo(
+    bootstrap: str | None,
+    prefix: str | None,
+    kafka_config: str | None,
+    sagas: int,
+    fail_share: float,
+    postgres_url: str,
+    mongo_url: str | None,
+    redis_url: str | None,
+    reconcile_after: bool,
+) -> None:
+    """Run the demo workload end to end on running services and print a summary.
+
+    `make demo` starts the local services and runs this. Each run uses fresh
+    topics (prefix demo-<time> unless --prefix is given) and recreates the
+    saga_demo schema, database and key prefix.
+    """
+    try:
+        from rich.console import Console
+
+        from sagatools import require_drivers
+
+        require_drivers()
+        from sagatools.demo import DemoConfig, run_demo
+    except ImportError as exc:
+        _missing("demo", exc)
+
+    settings = settings_from(bootstrap, prefix or f"demo-{int(time.time())}", kafka_config)
+    cfg = DemoConfig(
+        settings,
+        postgres_url,
+        mongo_url,
+        redis_url,
+        sagas=sagas,
+        fail_share=fail_share,
+        reconcile=reconcile_after,
+    )
+    sys.exit(run_demo(cfg, Console()))
+
+
+@click.command()
+@kafka_options
+@click.option(
+    "--phases",
+    default="main,latency,rollback,direct,log",
+    show_default=True,
+    help="Comma-separated phases to run: main (closed loop, all commit), latency (open "
+    "loop at --rate), rollback (closed loop, --rollback-fail-share rejected), direct "
+    "(direct-write baseline), log (log-bound baseline).",
+)
+@click.option(
+    "--warmup",
+    type=click.FloatRange(0, 3600),
+    default=10.0,
+    show_default=True,
+    help="Seconds of load before each saga phase's measured window.",
+)
+@click.option(
+    "--duration",
+    type=click.FloatRange(0, 86_400, min_open=True),
+    default=60.0,
+    show_default=True,
+    help="Seconds measured in the main phase.",
+)
+@click.option(
+    "--latency-duration",
+    type=click.FloatRange(0, 86_400, min_open=True),
+    default=30.0,
+    show_default=True,
+    help="Seconds measured in the open-loop latency phase.",
+)
+@click.option(
+    "--rollback-duration",
+    type=click.FloatRange(0, 86_400, min_open=True),
+    default=30.0,
+    show_default=True,
+    help="Seconds measured in the rollback phase.",
+)
+@click.option(
+    "--baseline-duration",
+    type=click.FloatRange(0, 86_400, min_open=True),
+    default=20.0,
+    show_default=True,
+    help="Seconds of each baseline (direct writes, log bound).",
+)
+@click.option(
+    "--rate",
+    type=click.FloatRange(0, 1_000_000, min_open=True),
+    default=500.0,
+    show_default=True,
+    help="Sagas per second offered in the open-loop latency phase.",
+)
+@click.option(
+    "--window",
+    type=click.IntRange(1, 1_000_000),
+    default=1000,
+    show_default=True,
+    help="Sagas kept in flight by the closed-loop phases; the open loop sheds (does not "
+    "send) the sagas due while this many are in flight.",
+)
+@click.option(
+    "--fail-share",
+    type=click.FloatRange(0, 1),
+    default=0.0,
+    show_default=True,
+    help="Share of sagas designed to be rejected in the main and latency phases.",
+)
+@click.option(
+    "--rollback-fail-share",
+    type=click.FloatRange(0, 1),
+    default=0.2,
+    show_default=True,
+    help="Share of sagas designed to be rejected in the rollback phase.",
+)
+@click.option(
+    "--partitions",
+    type=click.IntRange(1, 1024),
+    default=4,
+    show_default=True,
+    help="Partitions of each phase's fresh topics.",
+)
+@click.option(
+    "--workers",
+    type=click.IntRange(1, 64),
+    default=1,
+    show_default=True,
+    help="Worker processes per participant (on FerretDB, more than one Mongo worker "
+    "may race on a document; the cross-store check would show it).",
+)
+@click.option(
+    "--accounts",
+    type=click.IntRange(1, 10_000_000),
+    default=10_000,
+    show_default=True,
+    help="Accounts (rows, documents, hashes) per store.",
+)
+@click.option(
+    "--batch",
+    type=click.IntRange(1, 100_000),
+    default=500,
+    show_default=True,
+    help="Writes per batch (one local transaction) in the direct-write baseline.",
+)
+@click.option(
+    "--saga-timeout",
+    type=click.FloatRange(0, 3600, min_open=True),
+    default=60.0,
+    show_default=True,
+    help="Seconds until each saga's deadline.",
+)
+@click.option(
+    "--schema",
+    "data_schema",
+    default="saga_bench",
+    show_default=True,
+    help="PostgreSQL schema, MongoDB database and Redis key prefix of the bench's data "
+    "(recreated per phase, dropped at the end).",
+)
+@click.option(
+    "--report",
+    type=click.Path(dir_okay=False),
+    default="reports/bench.json",
+    show_default=True,
+    help="Where to write the JSON report.",
+)
+@click.option(
+    "--logs",
+    type=click.Path(file_okay=False),
+    default=".infra/logs/bench",
+    show_default=True,
+    help="Folder for the coordinator's and participants' logs.",
+)
+@click.option("--seed", type=int, default=7, show_default=True, help="Workload random seed.")
+@click.option("--keep-topics", is_flag=True, help="Keep each phase's topics (for inspection).")
+@click.option(
+    "--service-pid",
+    "service_pid",
+    multiple=True,
+    metavar="NAME=PID",
+    help="The pid of a service not started by infra/services.sh, for its CPU figures "
+    "(NAME: kafka, postgres, redis or ferretdb); repeatable.",
+)
+@click.option(
+    "--postgres-url",
+    envvar="SAGA_POSTGRES_URL",
+    required=True,
+    help="PostgreSQL for the bank participant [env SAGA_POSTGRES_URL].",
+)
+@click.option(
+    "--mongo-url",
+    envvar="SAGA_MONGO_URL",
+    required=True,
+    help="MongoDB-wire server for the wallet participant [env SAGA_MONGO_URL].",
+)
+@click.option(
+    "--redis-url",
+    envvar="SAGA_REDIS_URL",
+    required=True,
+    help="Redis for the rewards participant [env SAGA_REDIS_URL].",
+)
+def bench(
+    bootstrap: str | None,
+    prefix: str | None,
+    kafka_config: str | None,
+    phases: str,
+    warmup: float,
+    duration: float,
+    latency_duration: float,
+    rollback_duration: float,
+    baseline_duration: float,
+    rate: float,
+    window: int,
+    fail_share: float,
+    rollback_fail_share: float,
+    partitions: int,
+    workers: int,
+    accounts: int,
+    batch: int,
+    saga_timeout: float,
+    data_schema: str,
+    report: str,
+    logs: str,
+    seed: int,
+    keep_topics: bool,
+    service_pid: tuple[str, ...],
+    postgres_url: str,
+    mongo_url: str,
+    redis_url: str,
+) -> None:
+    """Measure sustained sagas/s and latencies against baselines measured in the same run.
+
+    Starts a coordinator and three participants (PostgreSQL, MongoDB wire,
+    Redis) per saga phase on fresh topics (prefix bench-<time> unless --prefix
+    is given), drives three-step transfer sagas, then measures the direct-write
+    and log-bound baselines. Prints a table and writes a JSON report.
+    """
+    from pathlib import Path
+
+    try:
+        from rich.console import Console
+
+        from sagatools import require_drivers
+
+        require_drivers()
+        from sagatools.bench import BenchConfig, run_bench
+    except ImportError as exc:
+        _missing("bench", exc)
+
+    pids: dict[str, int] = {}
+    for item in service_pid:
+        name, _, pid = item.partition("=")
+        if not pid.strip().isdigit():
+            raise click.BadParameter(f"{item!r} is not NAME=PID", param_hint="--service-pid")
+        pids[name.strip()] = int(pid)
+    settings = settings_from(bootstrap, prefix or f"bench-{int(time.time())}", kafka_config)
+    cfg = BenchConfig(
+        settings,
+        postgres_url,
+        mongo_url,
+        redis_url,
+        phases=tuple(p.strip() for p in phases.split(",") if p.strip()),
+        warmup=warmup,
+        duration=duration,
+        latency_duration=latency_duration,
+        rollback_duration=rollback_duration,
+        baseline_duration=baseline_duration,
+        rate=rate,
+        window=window,
+        fail_share=fail_share,
+        rollback_fail_share=rollback_fail_share,
+        partitions=partitions,
+        workers=workers,
+        accounts=accounts,
+        batch=batch,
+        saga_timeout=saga_timeout,
+        schema=data_schema,
+        report=Path(report),
+        logs=Path(logs),
+        seed=seed,
+        keep_topics=keep_topics,
+        service_pids=pids,
+    )
+    sys.exit(run_bench(cfg, Console()))

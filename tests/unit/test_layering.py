@@ -1,0 +1,156 @@
+"""The core imports no storage driver; the tools (demo, bench) are an extra.
+
+``coordinator/`` (the state machine, the service, the client and the command
+line) must not import SQLAlchemy, pymongo or redis: the participants own the
+drivers and import them when a participant runs, the tools package
+(:mod:`sagatools`) when ``saga demo`` or ``saga bench`` runs. Checked twice: in
+the source (every import statement of every module) and at run time (importing
+the package and its command line loads none of them). Without the tools package
+or a driver it needs, ``saga bench`` and ``saga demo`` say to install the
+``tools`` extra and exit 2.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tests._infra import ROOT
+
+pytestmark = pytest.mark.unit
+
+DRIVERS = ("sqlalchemy", "pymongo", "redis")
+CORE = ROOT / "coordinator"
+
+
+def _imported_modules(path: Path) -> list[tuple[int, str]]:
+    """(line, module) of every absolute import in ``path``, wherever it sits (lazy ones too)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.append((node.lineno, node.module))
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute | ast.Name)
+            and (node.func.attr if isinstance(node.func, ast.Attribute) else node.func.id)
+            in ("import_module", "__import__")
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+        ):
+            found.append((node.lineno, node.args[0].value))
+    return found
+
+
+def _is_driver(module: str) -> bool:
+    return module.split(".", maxsplit=1)[0] in DRIVERS
+
+
+def test_no_core_module_imports_a_storage_driver() -> None:
+    modules = sorted(CORE.rglob("*.py"))
+    assert modules, f"no modules under {CORE}"
+    offending = [
+        f"{path.relative_to(ROOT)}:{line} imports {module}"
+        for path in modules
+        for line, module in _imported_modules(path)
+        if _is_driver(module)
+    ]
+    assert not offending, "coordinator/ imports a storage driver:\n" + "\n".join(offending)
+
+
+def test_the_static_check_sees_lazy_and_dynamic_imports(tmp_path: Path) -> None:
+    sample = tmp_path / "sample.py"
+    sample.write_text(
+        textwrap.dedent(
+            """
+            import json
+            from redis.client import Redis
+            def f():
+                import sqlalchemy as sa
+                return importlib.import_module("pymongo")
+            from . import sibling
+            """
+        )
+    )
+    drivers = [module for _, module in _imported_modules(sample) if _is_driver(module)]
+    assert drivers == ["redis.client", "sqlalchemy", "pymongo"]
+
+
+def _run_python(code: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", code, *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def test_importing_the_core_and_its_command_line_loads_no_driver() -> None:
+    code = (
+        "import json, sys\n"
+        "import coordinator, coordinator.cli\n"
+        "print(json.dumps(sorted(sys.modules)))\n"
+    )
+    done = _run_python(code)
+    assert done.returncode == 0, done.stderr
+    loaded = [m for m in json.loads(done.stdout) if _is_driver(m)]
+    assert not loaded, f"importing coordinator and coordinator.cli loaded {loaded}"
+
+
+# A subprocess where some modules cannot be imported, as on an install without them.
+_BLOCKING_SAGA = """
+import sys
+from importlib.abc import MetaPathFinder
+
+BLOCKED = set(sys.argv[1].split(","))
+
+class Missing(MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in BLOCKED:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+sys.meta_path.insert(0, Missing())
+sys.argv = ["saga", *sys.argv[2:]]
+from coordinator.cli import run
+run()
+"""
+
+
+@pytest.mark.parametrize("command", ["bench", "demo"])
+@pytest.mark.parametrize("blocked", ["sagatools", "sqlalchemy", "pymongo,redis"])
+def test_without_the_tools_the_command_says_to_install_the_extra(
+    command: str, blocked: str
+) -> None:
+    urls = (
+        *("--postgres-url", "postgresql://u@127.0.0.1:1/db"),
+        *("--mongo-url", "mongodb://127.0.0.1:1/db", "--redis-url", "redis://127.0.0.1:1/0"),
+    )
+    done = _run_python(_BLOCKING_SAGA, blocked, command, "--bootstrap", "127.0.0.1:1", *urls)
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == 2, done.stderr
+    assert len(lines) == 1, done.stderr
+    assert "pip install 'saga-olep[tools]'" in lines[0], lines
+    assert lines[0].startswith(f"saga: saga {command} needs "), lines
+
+
+def test_the_tools_commands_are_listed_and_keep_their_options() -> None:
+    listed = _run_python("from coordinator.cli import run; run()", "--help")
+    assert listed.returncode == 0, listed.stderr
+    names = [line.split()[0] for line in listed.stdout.splitlines() if line.startswith("  ")]
+    assert {"bench", "demo", "submit", "reconcile", "coordinator"} <= set(names), names
+    bench = _run_python("from coordinator.cli import run; run()", "bench", "--help")
+    assert bench.returncode == 0, bench.stderr
+    for option in ("--phases", "--rate", "--window", "--service-pid", "--redis-url"):
+        assert option in bench.stdout, (option, bench.stdout)
