@@ -297,7 +297,13 @@ def participant_run(
     settings = settings_from(bootstrap, prefix, kafka_config)
     target_list = [t.strip() for t in targets.split(",") if t.strip()]
     store = open_storage(
-        storage, name=name, url=resolved, targets=target_list, handlers=handlers, schema=db_schema
+        storage,
+        name=name,
+        url=resolved,
+        targets=target_list,
+        handlers=handlers,
+        schema=db_schema,
+        faults=faults,
     )
     wait_for_broker(settings, timeout=connect_timeout)
     runtime = ParticipantRuntime(
