@@ -122,8 +122,10 @@ Concurrency. FerretDB v1 runs an update as read-then-write, so two concurrent
 writers of one document can lose an update even with a compare-and-set filter.
 The adapter therefore serialises writes per ``(database, collection, key)``
 inside the process (a lock held from the action's read to its ledger write),
-across every :class:`MongoStorage` of the process. On FerretDB (detected from
-``buildInfo``) a compare-and-set is an ``_id``-only ``findAndModify`` returning
+across every :class:`MongoStorage` of the process (the locks, like the memo and
+the unrecorded steps above, belong to one :class:`~participants._mongo_shared.SharedState`,
+which all storages share by default). On FerretDB (detected from ``buildInfo``)
+a compare-and-set is an ``_id``-only ``findAndModify`` returning
 the document as it was, checked by the adapter; a mismatch (a change made since
 the read, by someone else) is put back at once and counts as a conflict. On
 MongoDB the conditions are part of the filter, atomic. The runtime handles one
@@ -200,7 +202,7 @@ from participants._mongo_ledger import (
     _tx_doc_id,
     _TxView,
 )
-from participants._mongo_shared import _UNRECORDED, _insert_records, _Lru, _StepRecord
+from participants._mongo_shared import PROCESS, SharedState, _Lru, _StepRecord
 from participants._mongo_unit import _MongoUnit
 from participants._mongo_values import Document
 from participants._mongo_writes import DocumentWrite, _doc_id
@@ -242,7 +244,9 @@ class MongoStorage(Storage):
     single-document writes even on a replica set. ``intent_lease_ms`` is how long
     an unfinished write of another worker is left alone before it is resolved.
     :meth:`setup` also detects FerretDB, whose compare-and-set writes are checked
-    by the adapter (see *Concurrency* in the module doc).
+    by the adapter (see *Concurrency* in the module doc). ``shared``: the document
+    locks and memories this storage shares with the others of the process
+    (:class:`~participants._mongo_shared.SharedState`).
 
     ``handlers`` as for :class:`~participants._sql.SqlStorage`; handlers receive a
     :class:`MongoSession` as ``native``. :meth:`execute` acts on every item in
@@ -261,6 +265,7 @@ class MongoStorage(Storage):
         transactions: bool | None = None,
         intent_lease_ms: int = DEFAULT_INTENT_LEASE_MS,
         server_timeout_ms: int = 10_000,
+        shared: SharedState = PROCESS,
     ) -> None:
         if not isinstance(name, str) or not PARTICIPANT_NAME.fullmatch(name):
             raise ConfigurationError(
@@ -307,6 +312,7 @@ class MongoStorage(Storage):
         self.ferretdb = False
         self.cas = _SERVER_CAS
         self.tx_cache: _Lru[str, _TxView] = _Lru(TX_CACHE_SIZE)
+        self.shared = shared
         self._unrecorded: dict[str, _StepRecord] = {}
         self._ready = False
         builtin = MongoActions(self.targets)
@@ -418,7 +424,7 @@ class MongoStorage(Storage):
     def defer(self, record: _StepRecord) -> None:
         """Insert ``record`` with the next batch of records (see :class:`_Unrecorded`)."""
         self._unrecorded[record.doc["_id"]] = record
-        _UNRECORDED.add(record)
+        self.shared.unrecorded.add(record)
 
     def record_now(self, step_id: str) -> None:
         """Make sure the step document ``step_id`` is inserted before it is changed."""
@@ -436,7 +442,7 @@ class MongoStorage(Storage):
             return
         records = list(self._unrecorded.values())
         try:
-            _insert_records(self.ledger_collection, records)
+            self.shared.insert_records(self.ledger_collection, records)
         except mongo_errors.PyMongoError as exc:
             if not quietly:
                 raise

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 
 SETTLED_CACHE_SIZE: Final = 100_000
-"""Business documents whose marker this process knows to be recorded in the ledger."""
+"""Business documents whose marker a :class:`SharedState` knows to be recorded."""
 
 
 _K = TypeVar("_K")
@@ -31,7 +31,7 @@ _V = TypeVar("_V")
 
 
 class _DocumentLocks:
-    """Process-wide re-entrant locks per ``(scope, collection, key)``, created on demand."""
+    """Re-entrant locks per ``(scope, collection, key)``, created on demand."""
 
     def __init__(self) -> None:
         self._mutex = threading.Lock()
@@ -95,7 +95,7 @@ class _StepRecord:
 
 
 class _Unrecorded:
-    """Process-wide: the step documents created by a write that are not inserted yet.
+    """The step documents created by a write that are not inserted yet.
 
     A storage inserts the step documents of the new steps it applied in batches
     (:meth:`MongoStorage.flush_records`); until then the write's intent and
@@ -123,20 +123,38 @@ class _Unrecorded:
                 del self._records[record.lock]
 
 
-def _insert_records(ledger: Collection[Document], records: Sequence[_StepRecord]) -> None:
-    """Insert deferred step documents (one already there was recorded by someone else)."""
-    try:
-        ledger.insert_many([record.doc for record in records], ordered=False)
-    except mongo_errors.BulkWriteError as exc:
-        errors = exc.details.get("writeErrors") or []
-        if not errors or any(error.get("code") != _DUPLICATE_KEY for error in errors):
-            raise
-    for record in records:
-        _SETTLED.put(record.lock, record.marker)
-        _UNRECORDED.done(record)
+class SharedState:
+    """What the MongoDB storages of one process share, owned by one object.
+
+    ``locks``: the per-document locks that serialise writers of one document
+    (see *Concurrency* in :mod:`participants._mongo`). ``settled``: document lock
+    name -> a marker it carried whose write is known to be recorded in the ledger
+    (it spares a ledger read). ``unrecorded``: the step documents created by a
+    write and not inserted yet (:class:`_Unrecorded`).
+
+    Every :class:`~participants._mongo.MongoStorage` uses :data:`PROCESS` unless
+    given another: storages that may write the same documents must share one, or
+    they neither wait for each other nor find each other's unrecorded steps. A
+    fresh one is what a new process would have (tests use that).
+    """
+
+    def __init__(self) -> None:
+        self.locks = _DocumentLocks()
+        self.settled = _Lru[tuple[str, str, str], str](SETTLED_CACHE_SIZE)
+        self.unrecorded = _Unrecorded()
+
+    def insert_records(self, ledger: Collection[Document], records: Sequence[_StepRecord]) -> None:
+        """Insert deferred step documents (one already there was recorded by someone else)."""
+        try:
+            ledger.insert_many([record.doc for record in records], ordered=False)
+        except mongo_errors.BulkWriteError as exc:
+            errors = exc.details.get("writeErrors") or []
+            if not errors or any(error.get("code") != _DUPLICATE_KEY for error in errors):
+                raise
+        for record in records:
+            self.settled.put(record.lock, record.marker)
+            self.unrecorded.done(record)
 
 
-_LOCKS: Final = _DocumentLocks()
-_SETTLED: Final = _Lru[tuple[str, str, str], str](SETTLED_CACHE_SIZE)
-"""Document lock name -> a marker it carried whose write this process knows is recorded."""
-_UNRECORDED: Final = _Unrecorded()
+PROCESS: Final = SharedState()
+"""The state the MongoDB storages of this process share by default."""

@@ -27,7 +27,7 @@ from participants._mongo_ledger import (
     _tx_doc_id,
     _TxView,
 )
-from participants._mongo_shared import _LOCKS, _SETTLED, _UNRECORDED, _insert_records, _StepRecord
+from participants._mongo_shared import _StepRecord
 from participants._mongo_values import MARKER_FIELD, Document
 from participants._mongo_writes import (
     DELETED,
@@ -72,6 +72,7 @@ class _MongoUnit(Unit):
         self._ledger = storage.ledger_collection
         self._txs = storage.tx_collection
         self._cas = storage.cas
+        self._shared = storage.shared
         self._views: dict[tuple[str, str], _TxView] = {}
         self._held: list[tuple[str, str, str]] = []
         self._session: ClientSession | None = None
@@ -111,19 +112,19 @@ class _MongoUnit(Unit):
 
     def lock(self, target: str, key: Any) -> None:
         name = self._lock_name(target, key)
-        _LOCKS.acquire(name)
+        self._shared.locks.acquire(name)
         self._held.append(name)
 
     def holds(self, target: str, key: Any) -> bool:
         return self._lock_name(target, key) in self._held
 
     def unlock_last(self) -> None:
-        _LOCKS.release(self._held.pop())
+        self._shared.locks.release(self._held.pop())
 
     def release_locks(self) -> None:
         held, self._held = self._held, []
         for name in reversed(held):
-            _LOCKS.release(name)
+            self._shared.locks.release(name)
 
     # -- views of the ledger
 
@@ -547,7 +548,7 @@ class _MongoUnit(Unit):
     def _recorded(self, view: _TxView, step: int, staged: DocumentWrite, marker: str) -> None:
         """Step ``step`` records the write with ``marker``: remember that; after a delete,
         remove the document (see :meth:`_purge_named`)."""
-        _SETTLED.put(self._lock_name(staged.target, staged.key), marker)
+        self._shared.settled.put(self._lock_name(staged.target, staged.key), marker)
         doc = view.steps.get(step)
         if doc is not None and doc.get("purge") is not None:
             self._purge_named(view, step, doc)
@@ -582,12 +583,12 @@ class _MongoUnit(Unit):
             return doc
         assert isinstance(marker, str)
         name = self._lock_name(target, key)
-        record = _UNRECORDED.get(name)
+        record = self._shared.unrecorded.get(name)
         if record is not None:
             self._make_durable(record)
-        if _SETTLED.get(name) != marker:
+        if self._shared.settled.get(name) != marker:
             self._ensure_recorded(names[0], marker)
-            _SETTLED.put(name, marker)
+            self._shared.settled.put(name, marker)
         if marker.endswith(DELETED):
             collection = self.storage.db[target]
             _purge(collection, key, marker, self.transaction_session(), self._cas)
@@ -598,7 +599,7 @@ class _MongoUnit(Unit):
         if record.owner is self.storage:
             self.storage.flush_records()  # this storage's whole batch, in one insert
         else:
-            _insert_records(self._ledger, [record])
+            self._shared.insert_records(self._ledger, [record])
 
     def _ensure_recorded(self, step_id: str, marker: str) -> None:
         """Finish the intent with ``marker`` if it is unresolved (its write happened)."""
@@ -641,7 +642,7 @@ class _MongoUnit(Unit):
         session = self.transaction_session()
         self.lock(staged.target, staged.key)
         try:
-            record = _UNRECORDED.get(self._lock_name(staged.target, staged.key))
+            record = self._shared.unrecorded.get(self._lock_name(staged.target, staged.key))
             if record is not None and record.marker == marker:
                 self._make_durable(record)  # written by a live storage of this process
                 view.steps[step] = record.doc

@@ -49,7 +49,7 @@ from test_sql_storage import (
     sqlite_database,
 )
 
-from participants import _mongo, _mongo_shared, _mongo_unit
+from participants import _mongo, _mongo_unit
 from participants._barrier import (
     LedgerStatus,
     PredecessorApplied,
@@ -58,6 +58,7 @@ from participants._barrier import (
 )
 from participants._handlers import Handler, Reject
 from participants._mongo import DocumentWrite, MongoSession, MongoStorage
+from participants._mongo_shared import SharedState
 from participants._mongo_unit import _MongoUnit
 from participants._open import open_storage
 from participants._redis import RedisSession, RedisStorage
@@ -1456,17 +1457,14 @@ class TestMongo:
         def lost(*args: Any, **kwargs: Any) -> None:
             raise Crash("the process dies before the batch of records is inserted")
 
-        monkeypatch.setattr(_mongo, "_insert_records", lost)
+        monkeypatch.setattr(SharedState, "insert_records", lost)
         with pytest.raises(Crash):
             mongo.storage.execute(steps)
         monkeypatch.undo()
         assert mongo.storage.ledger() == []  # only the intents record the writes
         assert (mongo.raw("accounts", 1) or {})["balance"] == 101
         # A new process: nothing in memory.
-        fresh = _mongo_shared._Unrecorded()
-        for module in (_mongo, _mongo_shared, _mongo_unit):
-            monkeypatch.setattr(module, "_UNRECORDED", fresh)
-        restarted = mongo.make(intent_lease_ms=0)
+        restarted = mongo.make(intent_lease_ms=0, shared=SharedState())
         # A decision finds its step through the transaction document...
         assert restarted.execute([commit("tx-1")]) == [report("tx-1", StepStatus.COMMITTED)]
         # ...a re-delivered request through its own step...
