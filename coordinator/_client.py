@@ -38,8 +38,8 @@ from streams import (
     decode_as,
     encode,
 )
-from streams._kafka import Consumer, KafkaSettings, Message, Producer
 from streams._lifecycle import wall_clock_ms
+from streams.kafka import Consumer, KafkaSettings, Message, Producer
 
 log = logging.getLogger("saga.client")
 

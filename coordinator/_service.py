@@ -46,14 +46,14 @@ from streams import (
 )
 from streams._duration import DEFAULT_RETENTION_MS
 from streams._faults import NO_FAULTS, Faults
-from streams._kafka import (
+from streams._lifecycle import Clock, Stoppable, wall_clock_ms
+from streams.kafka import (
     KafkaSettings,
     Message,
     TransactionAborted,
     partition_for,
     send_to_dlq,
 )
-from streams._lifecycle import Clock, Stoppable, wall_clock_ms
 from streams.log import KafkaLog, Log
 
 log = logging.getLogger("saga.coordinator")

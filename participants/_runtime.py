@@ -73,8 +73,8 @@ from streams import (
 )
 from streams._duration import DEFAULT_RETENTION_MS
 from streams._faults import NO_FAULTS, Faults
-from streams._kafka import KafkaSettings, Message, partition_for
 from streams._lifecycle import Clock, Stoppable, wall_clock_ms
+from streams.kafka import KafkaSettings, Message, partition_for
 from streams.log import KafkaLog, Log
 
 log = logging.getLogger("saga.participant")

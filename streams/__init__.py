@@ -14,7 +14,6 @@ from ._errors import (
     SagaTimeout,
     TransientError,
 )
-from ._kafka import KafkaSettings
 from ._limits import (
     MAX_NAME_CHARS,
     MAX_NESTING,
@@ -41,6 +40,7 @@ from ._records import (
     StepStatus,
 )
 from ._topics import Topics
+from .kafka import KafkaSettings
 
 __all__ = [
     "MAX_NAME_CHARS",

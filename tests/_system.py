@@ -23,7 +23,7 @@ import sqlalchemy as sa
 
 from coordinator import SagaClient
 from streams import Decision, StepEvent, decode
-from streams._kafka import (
+from streams.kafka import (
     Consumer,
     KafkaSettings,
     Message,

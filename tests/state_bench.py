@@ -49,7 +49,7 @@ from streams import (
     encode,
 )
 from streams._duration import parse_duration_ms
-from streams._kafka import Consumer, KafkaSettings, Producer, create_topics, delete_topics
+from streams.kafka import Consumer, KafkaSettings, Producer, create_topics, delete_topics
 from tests._infra import unique_name
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -34,7 +34,7 @@ from typing import Final, Literal, cast
 from urllib.parse import parse_qsl, urlsplit
 
 from streams._errors import ConfigurationError
-from streams._kafka import KafkaSettings
+from streams.kafka import KafkaSettings
 
 __all__ = [
     "DEFAULT_GRACE_MS",

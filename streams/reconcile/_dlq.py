@@ -44,7 +44,6 @@ from typing import Final
 
 from streams._codec import decode, decode_as
 from streams._errors import InvalidRecord
-from streams._kafka import partition_for
 from streams._limits import MAX_RECORD_BYTES
 from streams._records import (
     Decision,
@@ -55,6 +54,7 @@ from streams._records import (
     StepEvent,
 )
 from streams._topics import Topics
+from streams.kafka import partition_for
 
 __all__ = ["COORDINATOR", "DeadLetter", "DlqVerdict", "TxFacts", "judge", "rejected_at"]
 

@@ -15,7 +15,7 @@
 Only records the codec accepts, on their key's partition, are re-published
 (:func:`replayable`): the audit may see as stuck a hostile record the coordinator
 has not read yet. Decisions go out (and are acknowledged) before requests. Records are produced
-through :class:`streams._kafka.Producer` (murmur2, like every saga producer), so
+through :class:`streams.kafka.Producer` (murmur2, like every saga producer), so
 each lands on its transaction's partition. Replaying twice, or again after the
 job was killed half-way, re-sends only what is still stuck, and each consumer
 takes a repeat as a no-op.
@@ -30,8 +30,8 @@ from typing import Any, Literal
 
 from streams._codec import decode_keyed
 from streams._errors import InvalidRecord
-from streams._kafka import Consumer, KafkaSettings, Producer, partition_for
 from streams._records import Decision, SagaRequest
+from streams.kafka import Consumer, KafkaSettings, Producer, partition_for
 
 __all__ = ["Resend", "plan_resends", "send"]
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from streams._errors import ConfigurationError, SagaError, TransientError
-from streams._kafka import Consumer, KafkaSettings, wait_for_broker
+from streams.kafka import Consumer, KafkaSettings, wait_for_broker
 
 from ._config import ReconcileConfig
 

@@ -31,7 +31,7 @@ from typing import Any, Final
 
 import click
 
-from streams._kafka import KafkaSettings, create_topics, delete_topics
+from streams.kafka import KafkaSettings, create_topics, delete_topics
 
 __all__ = ["MIX", "expected_classes", "generate", "main"]
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import click
 
 from streams._errors import ConfigurationError, SagaError
-from streams._kafka import KafkaSettings
+from streams.kafka import KafkaSettings
 
 from ._config import (
     DEFAULT_GRACE_MS,

@@ -28,7 +28,7 @@ from streams import (
     decode_as,
 )
 from streams._errors import SagaError
-from streams._kafka import Consumer, KafkaSettings, Message, Producer
+from streams.kafka import Consumer, KafkaSettings, Message, Producer
 
 INJECTED_HEADER = "chaos.injected"
 """Header on the records the run repeats on purpose (value ``duplicate``)."""

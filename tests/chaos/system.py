@@ -25,7 +25,7 @@ from pathlib import Path
 
 from streams import Mode, SagaAbort, SagaRequest, encode
 from streams._errors import SagaError
-from streams._kafka import Consumer, KafkaSettings, create_topics, delete_topics, partition_for
+from streams.kafka import Consumer, KafkaSettings, create_topics, delete_topics, partition_for
 from tests._infra import Services
 from tests.chaos import poison
 from tests.chaos.checker import CheckInput, Verdict, check

@@ -43,7 +43,7 @@ from streams import (
     StepStatus,
     encode,
 )
-from streams._kafka import Message, Producer
+from streams.kafka import Message, Producer
 from tests._infra import Services, eventually
 from tests._system import SagaSystem, engine_for
 from tests._workload import (

@@ -24,7 +24,7 @@ import sqlalchemy as sa
 
 from coordinator import AsyncSagaClient, SagaClient
 from streams import ConflictingRequest, SagaState, Step, encode
-from streams._kafka import partition_for
+from streams.kafka import partition_for
 from tests._infra import Services, eventually
 from tests._system import SagaSystem, engine_for
 

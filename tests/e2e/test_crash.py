@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from streams import StepEvent, StepStatus
-from streams._kafka import Consumer
+from streams.kafka import Consumer
 from tests._infra import Services, eventually
 from tests._system import Proc, SagaSystem
 from tests._workload import (

@@ -32,7 +32,7 @@ from streams import (
     StepStatus,
     encode,
 )
-from streams._kafka import KafkaSettings, Message, Producer, partition_for
+from streams.kafka import KafkaSettings, Message, Producer, partition_for
 from tests._infra import Services, eventually
 from tests._system import SagaSystem
 from tests.e2e.test_three_stores import Stores, order, start

@@ -38,7 +38,7 @@ from typing import Any
 import pytest
 
 from streams import Decision, SagaState, StepStatus, decode
-from streams._kafka import Consumer
+from streams.kafka import Consumer
 from streams.reconcile import ReconcileConfig, parse_ledger, run
 from streams.reconcile._spark import check_jars, start_spark
 from tests._infra import ROOT, Services, eventually
@@ -65,7 +65,7 @@ TIMEOUT_S = 3.0  # the sagas' deadline
 
 @pytest.fixture(scope="module")
 def spark(services: Services, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    from streams._kafka import KafkaSettings
+    from streams.kafka import KafkaSettings
 
     config = ReconcileConfig(
         settings=KafkaSettings(bootstrap=services.kafka_bootstrap),

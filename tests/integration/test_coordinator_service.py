@@ -26,7 +26,7 @@ from streams import (
     decode_as,
     encode,
 )
-from streams._kafka import (
+from streams.kafka import (
     Consumer,
     KafkaSettings,
     Message,

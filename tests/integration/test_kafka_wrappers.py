@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from streams._errors import ConfigurationError, FatalKafkaError, SagaError
-from streams._kafka import (
+from streams.kafka import (
     OFFSET_BEGINNING,
     Consumer,
     KafkaSettings,

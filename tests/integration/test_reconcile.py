@@ -36,7 +36,7 @@ from streams import (
     StepStatus,
     encode,
 )
-from streams._kafka import (
+from streams.kafka import (
     Consumer,
     KafkaSettings,
     Producer,

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from streams import Decision, Mode, Outcome, SagaRequest, Step, StepEvent, StepStatus, encode
-from streams._kafka import KafkaSettings, Producer, create_topics, delete_topics
+from streams.kafka import KafkaSettings, Producer, create_topics, delete_topics
 from tests._infra import ROOT, Services, unique_name
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]

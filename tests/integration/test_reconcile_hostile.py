@@ -30,14 +30,6 @@ from typing import Any
 import pytest
 
 from streams import Decision, InvalidRecord, Record, SagaAbort, SagaRequest, StepEvent, decode_keyed
-from streams._kafka import (
-    KafkaSettings,
-    Message,
-    Producer,
-    create_topics,
-    delete_topics,
-    send_to_dlq,
-)
 from streams._limits import (
     INT64_MAX,
     MAX_KEY_BYTES,
@@ -46,6 +38,14 @@ from streams._limits import (
     MAX_REASON_CHARS,
     MAX_RECORD_BYTES,
     MAX_SAGA_CHARS,
+)
+from streams.kafka import (
+    KafkaSettings,
+    Message,
+    Producer,
+    create_topics,
+    delete_topics,
+    send_to_dlq,
 )
 from streams.reconcile import ReconcileConfig, run
 from streams.reconcile._audit import parse_decisions, parse_events, parse_requests

@@ -23,8 +23,8 @@ from streams import (
     Topics,
     encode,
 )
-from streams._kafka import partition_for
 from streams._limits import DLQ_EXCERPT_BYTES, MAX_RECORD_BYTES
+from streams.kafka import partition_for
 from streams.reconcile import parse_check, parse_duration_ms, parse_ledger, parse_table
 from streams.reconcile._config import parse_offsets, parse_since
 from streams.reconcile._dlq import DeadLetter, TxFacts, judge, rejected_at

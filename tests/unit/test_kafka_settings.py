@@ -1,4 +1,4 @@
-"""The broker-free parts of streams._kafka: settings parsing, Message, partitioning."""
+"""The broker-free parts of streams.kafka: settings parsing, Message, partitioning."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from streams._errors import ConfigurationError
-from streams._kafka import KafkaSettings, Message, partition_for
+from streams.kafka import KafkaSettings, Message, partition_for
 
 pytestmark = pytest.mark.unit
 

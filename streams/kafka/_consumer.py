@@ -1,0 +1,342 @@
+"""The consumer: auto-commit off, offsets committed only when asked."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, Literal, TypeVar
+
+import confluent_kafka as ck
+
+from .._errors import ConfigurationError, FatalKafkaError, TransientError
+from ._message import (
+    Message,
+    Partition,
+    RebalanceCallback,
+    _offset_or_none,
+    _to_message,
+    _tps,
+    _tps_at,
+)
+from ._settings import KafkaSettings, _client_config
+from ._translate import (
+    _E,
+    _UNKNOWN_TOPIC_CODES,
+    _error_of,
+    _log_client_error,
+    _partition_count,
+    _translate,
+)
+
+_log = logging.getLogger("saga.kafka")
+
+_T = TypeVar("_T")
+
+
+class Consumer:
+    """A consumer with auto-commit off: offsets are committed only when asked.
+
+    With a ``group_id`` it joins that group through :meth:`subscribe`; without
+    one it is a plain reader for :meth:`assign` (it gets a throw-away group id
+    and cannot commit). ``read_committed`` (the default) hides records of
+    aborted and still-open transactions. The rebalance callbacks receive
+    ``(topic, partition)`` lists and run inside :meth:`poll_batch`; with the
+    default cooperative-sticky strategy they receive only the partitions that
+    change. ``on_lost`` defaults to ``on_revoke``.
+    """
+
+    def __init__(
+        self,
+        settings: KafkaSettings,
+        group_id: str | None = None,
+        *,
+        isolation_level: Literal["read_committed", "read_uncommitted"] = "read_committed",
+        assignment_strategy: str = "cooperative-sticky",
+        auto_offset_reset: Literal["earliest", "latest", "error"] = "earliest",
+        on_assign: RebalanceCallback | None = None,
+        on_revoke: RebalanceCallback | None = None,
+        on_lost: RebalanceCallback | None = None,
+        client_id: str = "saga",
+        session_timeout_ms: int | None = None,
+        max_poll_interval_ms: int | None = None,
+    ) -> None:
+        self._settings = settings
+        self._has_group = group_id is not None
+        self._on_assign = on_assign
+        self._on_revoke = on_revoke
+        self._on_lost = on_lost
+        self._closed = False
+        options: dict[str, Any] = {}
+        if session_timeout_ms is not None:
+            options["session.timeout.ms"] = session_timeout_ms
+        if max_poll_interval_ms is not None:
+            options["max.poll.interval.ms"] = max_poll_interval_ms
+        config = _client_config(
+            settings,
+            client_id=client_id,
+            group_id=group_id or f"{settings.prefix}.reader.{uuid.uuid4().hex}",
+            enable_auto_commit=False,
+            auto_offset_reset=auto_offset_reset,
+            isolation_level=isolation_level,
+            partition_assignment_strategy=assignment_strategy,
+        )
+        config.update(options)
+        config["error_cb"] = _log_client_error
+        try:
+            self._client = ck.Consumer(config)
+        except (ck.KafkaException, ValueError, TypeError) as exc:
+            raise ConfigurationError(f"cannot create a Kafka consumer: {exc}") from exc
+
+    # -- group membership
+
+    def subscribe(self, topics: Sequence[str]) -> None:
+        """Join the group for ``topics``; partitions arrive through :meth:`poll_batch`."""
+        if not self._has_group:
+            raise ConfigurationError("a consumer without a group_id cannot subscribe: use assign()")
+
+        def relay(
+            callback: RebalanceCallback,
+        ) -> Callable[[ck.Consumer, list[ck.TopicPartition]], None]:
+            def handler(_client: ck.Consumer, partitions: list[ck.TopicPartition]) -> None:
+                callback([(tp.topic, tp.partition) for tp in partitions])
+
+            return handler
+
+        # confluent-kafka rejects None for these; pass only those given. After each
+        # callback returns, the client performs the (incremental) assignment itself.
+        callbacks: dict[str, Callable[[ck.Consumer, list[ck.TopicPartition]], None]] = {
+            name: relay(callback)
+            for name, callback in (
+                ("on_assign", self._on_assign),
+                ("on_revoke", self._on_revoke),
+                ("on_lost", self._on_lost),
+            )
+            if callback is not None
+        }
+        self._guard("subscribing", lambda: self._client.subscribe(list(topics), **callbacks))
+
+    def assign(
+        self,
+        partitions_with_offsets: Mapping[Partition, int] | Iterable[tuple[str, int, int]],
+    ) -> None:
+        """Read exactly these partitions, without a group, from the given offsets.
+
+        Takes ``{(topic, partition): offset}`` or ``[(topic, partition, offset), ...]``.
+        Each offset is the next offset to read, or :data:`OFFSET_BEGINNING` /
+        :data:`OFFSET_END`. Replaces any previous assignment.
+        """
+        if isinstance(partitions_with_offsets, Mapping):
+            starts = _tps_at(partitions_with_offsets)
+        else:
+            starts = [ck.TopicPartition(t, p, o) for t, p, o in partitions_with_offsets]
+        self._guard("assigning partitions", lambda: self._client.assign(starts))
+
+    # -- reading
+
+    def poll_batch(self, max_messages: int = 500, timeout: float = 1.0) -> list[Message]:
+        """Up to ``max_messages`` records, waiting at most ``timeout`` seconds; may be empty.
+
+        Natural batching: it returns what has arrived as soon as there is
+        anything, and waits (up to ``timeout``) only while nothing has. So a
+        busy process gets large batches (what arrived while it worked on the
+        last one) and an idle one handles a record without delay. (librdkafka's
+        batch consume alone waits for ``max_messages`` or the whole timeout.)
+
+        Rebalance callbacks run inside this call. Partition-end events are
+        skipped; other per-partition errors are logged (librdkafka keeps
+        retrying those partitions by itself).
+
+        Raises:
+            ConfigurationError: a subscribed or assigned topic does not exist.
+            FatalKafkaError: the consumer hit a fatal error.
+            TransientError: the client failed as a whole.
+        """
+        try:
+            raw = self._client.consume(max_messages, 0)
+            if not raw and timeout > 0:
+                raw = self._client.consume(1, timeout)
+                if raw and max_messages > 1:
+                    raw += self._client.consume(max_messages - 1, 0)
+        except ck.KafkaException as exc:
+            raise _translate(_error_of(exc), "consuming", text=str(exc)) from exc
+        messages: list[Message] = []
+        for item in raw:
+            err = item.error()
+            if err is None:
+                messages.append(_to_message(item))
+                continue
+            code = err.code()
+            if code == _E._PARTITION_EOF:
+                continue
+            topic = item.topic()
+            if code in _UNKNOWN_TOPIC_CODES and topic and not self._topic_exists(topic):
+                raise ConfigurationError(
+                    f"topic {topic} does not exist: create the topics with `saga topics create`"
+                )
+            if err.fatal():
+                raise FatalKafkaError(f"the Kafka consumer hit a fatal error: {err.str()}; exiting")
+            _log.warning(
+                "Kafka consumer: %s (topic %s, partition %s); retrying",
+                err.str(),
+                topic,
+                item.partition(),
+            )
+        return messages
+
+    def _topic_exists(self, topic: str) -> bool:
+        # An unknown-topic event can precede metadata propagation of a topic
+        # created a moment ago; ask the broker before calling it missing.
+        try:
+            _partition_count(self._client.list_topics(topic, timeout=5.0), topic)
+        except ConfigurationError:
+            return False
+        except ck.KafkaException:
+            return True
+        return True
+
+    # -- offsets
+
+    def commit(self, offsets: Mapping[Partition, int]) -> None:
+        """Commit ``offsets`` for the group synchronously; an empty mapping does nothing.
+
+        Each offset is the **next offset to read** (last processed + 1).
+
+        Raises:
+            TransientError: the commit failed, e.g. because the group is
+                rebalancing and these partitions may have moved; the records
+                since the last successful commit will be delivered again.
+        """
+        if not offsets:
+            return
+        if not self._has_group:
+            raise ConfigurationError("a consumer without a group_id cannot commit offsets")
+        result = self._guard(
+            "committing offsets",
+            lambda: self._client.commit(offsets=_tps_at(offsets), asynchronous=False),
+        )
+        for tp in result:
+            if tp.error is not None:
+                raise _translate(
+                    tp.error,
+                    f"committing offset {tp.offset} of {tp.topic} [{tp.partition}]",
+                    text=tp.error.str(),
+                )
+
+    def committed(
+        self, partitions: Iterable[Partition], timeout: float = 10.0
+    ) -> dict[Partition, int | None]:
+        """The group's committed offsets (next offset to read); ``None`` if none is committed."""
+        result = self._guard(
+            "reading committed offsets",
+            lambda: self._client.committed(_tps(partitions), timeout=timeout),
+        )
+        return {(tp.topic, tp.partition): _offset_or_none(tp.offset) for tp in result}
+
+    def position(self, partitions: Iterable[Partition]) -> dict[Partition, int | None]:
+        """Per partition, the offset of the next record to be returned (``None``: unknown)."""
+        result = self._guard("reading positions", lambda: self._client.position(_tps(partitions)))
+        return {(tp.topic, tp.partition): _offset_or_none(tp.offset) for tp in result}
+
+    def seek(self, topic: str, partition: int, offset: int) -> None:
+        """Make the next record read from an assigned partition the one at ``offset``."""
+        self._guard(
+            f"seeking {topic} [{partition}] to {offset}",
+            lambda: self._client.seek(ck.TopicPartition(topic, partition, offset)),
+        )
+
+    # -- flow control and metadata
+
+    def pause(self, partitions: Iterable[Partition]) -> None:
+        """Stop fetching these partitions (they stay assigned) until :meth:`resume`."""
+        self._guard("pausing partitions", lambda: self._client.pause(_tps(partitions)))
+
+    def resume(self, partitions: Iterable[Partition]) -> None:
+        """Fetch paused partitions again, from where they stopped."""
+        self._guard("resuming partitions", lambda: self._client.resume(_tps(partitions)))
+
+    def pause_all(self) -> list[Partition]:
+        """Pause every partition assigned now; returns them.
+
+        Partitions assigned later (by a rebalance) are not paused: keep
+        polling to stay in the group and hold back what they deliver.
+        """
+        assigned = self.assignment()
+        if assigned:
+            self.pause(assigned)
+        return assigned
+
+    def resume_all(self) -> None:
+        """Resume every partition assigned now (resuming one not paused is harmless)."""
+        assigned = self.assignment()
+        if assigned:
+            self.resume(assigned)
+
+    def assignment(self) -> list[Partition]:
+        """The partitions currently assigned to this consumer."""
+        result = self._guard("reading the assignment", self._client.assignment)
+        return [(tp.topic, tp.partition) for tp in result]
+
+    def watermarks(self, topic: str, partition: int, timeout: float = 10.0) -> tuple[int, int]:
+        """``(low, high)``: the oldest offset still stored, and the offset of the next record."""
+        tp = ck.TopicPartition(topic, partition)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                marks = self._guard(
+                    f"reading the offsets of {topic} [{partition}]",
+                    lambda: self._client.get_watermark_offsets(tp, timeout=timeout),
+                    topic=topic,
+                )
+                break
+            except TransientError:
+                # A partition created a moment ago may still answer "not leader".
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.1)
+        if marks is None:
+            raise TransientError(
+                f"Kafka at {self._settings.bootstrap} did not report the offsets of "
+                f"{topic} [{partition}] within {timeout:g}s"
+            )
+        low, high = marks
+        return low, high
+
+    def list_partitions(self, topic: str, timeout: float = 10.0) -> int:
+        """The number of partitions of ``topic``.
+
+        Raises:
+            ConfigurationError: the topic does not exist.
+        """
+        metadata = self._guard(
+            f"describing topic {topic}",
+            lambda: self._client.list_topics(topic, timeout=timeout),
+            topic=topic,
+        )
+        return _partition_count(metadata, topic)
+
+    def close(self) -> None:
+        """Leave the group (revoking partitions) and release the client; closing twice is a no-op.
+
+        Commits nothing: commit what was processed before closing.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._client.close()
+        except (ck.KafkaException, RuntimeError) as exc:
+            _log.warning("closing the consumer: %s", exc)
+
+    def __enter__(self) -> Consumer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _guard(self, doing: str, operation: Callable[[], _T], *, topic: str | None = None) -> _T:
+        try:
+            return operation()
+        except ck.KafkaException as exc:
+            raise _translate(_error_of(exc), doing, text=str(exc), topic=topic) from exc

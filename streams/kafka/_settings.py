@@ -1,0 +1,166 @@
+"""Kafka settings: how to reach the broker, which topics, and the librdkafka configuration.
+
+:class:`KafkaSettings` is built once at start-up (from arguments, a config file
+and the environment); :func:`_client_config` turns it into the configuration of
+each confluent-kafka client, with saga's fixed values last so nothing overrides them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Final
+
+from .._errors import ConfigurationError
+from .._topics import Topics
+
+# librdkafka's own log lines (connection failures, retries, ...) go here.
+_librdkafka_log = logging.getLogger("saga.kafka.librdkafka")
+
+_ENV_PREFIX: Final = "SAGA_KAFKA_"
+_ENV_BOOTSTRAP: Final = "SAGA_KAFKA_BOOTSTRAP"
+_ENV_TOPIC_PREFIX: Final = "SAGA_TOPIC_PREFIX"
+
+# Settings saga decides itself; letting a config file change them would break the
+# guarantees of DESIGN §5 (or, for bootstrap.servers, contradict --bootstrap).
+_RESERVED: Final = frozenset(
+    {
+        "acks",
+        "enable.auto.commit",
+        "enable.idempotence",
+        "group.id",
+        "isolation.level",
+        "transactional.id",
+    }
+)
+
+
+@dataclass(frozen=True)
+class KafkaSettings:
+    """How to reach Kafka and which topics to use; built once at start-up.
+
+    ``extra`` holds librdkafka settings passed to every client this package
+    creates (``security.protocol``, ``sasl.mechanism``, ``ssl.ca.location``,
+    ...). The settings that carry saga's guarantees (``acks``,
+    ``enable.idempotence``, ``transactional.id``, ``group.id``,
+    ``enable.auto.commit``, ``isolation.level``) and ``bootstrap.servers`` are
+    not accepted there.
+
+    Raises:
+        ConfigurationError: empty ``bootstrap``, a bad ``prefix`` or a reserved
+            key in ``extra``.
+    """
+
+    bootstrap: str
+    prefix: str = "saga"
+    extra: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.bootstrap.strip():
+            raise ConfigurationError(
+                "no Kafka address: pass --bootstrap HOST:PORT or set SAGA_KAFKA_BOOTSTRAP"
+            )
+        Topics(self.prefix)  # validates the prefix
+        for key in self.extra:
+            if key == "bootstrap.servers":
+                raise ConfigurationError(
+                    "bootstrap.servers cannot be an extra Kafka setting: pass it as the address"
+                )
+            if key in _RESERVED:
+                raise ConfigurationError(
+                    f"the Kafka setting {key} is fixed by saga (it carries the delivery "
+                    "guarantees) and cannot be changed in the configuration"
+                )
+        object.__setattr__(self, "extra", MappingProxyType(dict(self.extra)))
+
+    @property
+    def topics(self) -> Topics:
+        """The topic names under this deployment's prefix."""
+        return Topics(self.prefix)
+
+    @classmethod
+    def from_sources(
+        cls,
+        bootstrap: str | None,
+        prefix: str | None,
+        config_file: str | None,
+        environ: Mapping[str, str],
+    ) -> KafkaSettings:
+        """Build settings from command-line values, a config file and the environment.
+
+        * address: ``bootstrap``, else ``SAGA_KAFKA_BOOTSTRAP``, else a
+          ``bootstrap.servers`` line of the config file;
+        * topic prefix: ``prefix``, else ``SAGA_TOPIC_PREFIX``, else ``saga``;
+        * extra librdkafka settings: ``name=value`` lines of ``config_file``
+          (blank lines and lines starting with ``#`` are skipped; everything
+          after the first ``=`` is the value, so values may contain ``=`` and
+          ``#``), then every ``SAGA_KAFKA_<NAME>`` variable, which overrides the
+          file. ``<NAME>`` maps to the librdkafka name by lower-casing it and
+          turning ``_`` into ``.``: ``SAGA_KAFKA_SECURITY_PROTOCOL`` sets
+          ``security.protocol``.
+
+        Only ``environ`` is read, never ``os.environ``: the caller passes it in.
+
+        Raises:
+            ConfigurationError: no address, an unreadable file or a line that is
+                not ``name=value`` (the message names the file and line), or a
+                setting saga does not allow to change.
+        """
+        extra: dict[str, str] = {}
+        if config_file is not None:
+            extra.update(_read_config_file(config_file))
+        for name, value in environ.items():
+            if name.startswith(_ENV_PREFIX) and name != _ENV_BOOTSTRAP:
+                suffix = name[len(_ENV_PREFIX) :]
+                if suffix:
+                    extra[suffix.lower().replace("_", ".")] = value
+        from_file_or_env = extra.pop("bootstrap.servers", None)
+        address = bootstrap or environ.get(_ENV_BOOTSTRAP) or from_file_or_env
+        if not address:
+            raise ConfigurationError(
+                "no Kafka address: pass --bootstrap HOST:PORT or set SAGA_KAFKA_BOOTSTRAP"
+            )
+        topic_prefix = prefix or environ.get(_ENV_TOPIC_PREFIX) or "saga"
+        return cls(bootstrap=address, prefix=topic_prefix, extra=extra)
+
+
+def _read_config_file(path: str) -> dict[str, str]:
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigurationError(
+            f"cannot read the Kafka config file {path}: {exc.strerror or exc}"
+        ) from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigurationError(f"the Kafka config file {path} is not UTF-8 text") from exc
+    settings: dict[str, str] = {}
+    for number, raw in enumerate(text.splitlines(), start=1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        name, sep, value = line.partition("=")
+        name = name.strip()
+        # The line itself is not echoed: it may hold a password.
+        if not sep or not name or any(c.isspace() for c in name):
+            raise ConfigurationError(
+                f"{path}, line {number}: expected name=value, a librdkafka setting "
+                "such as security.protocol=SASL_SSL"
+            )
+        settings[name] = value.strip()
+    return settings
+
+
+def _client_config(settings: KafkaSettings, **fixed: Any) -> dict[str, Any]:
+    """The librdkafka configuration: address, the user's extras, then saga's fixed values."""
+    config: dict[str, Any] = {
+        "bootstrap.servers": settings.bootstrap,
+        "logger": _librdkafka_log,
+        # Brokers close idle connections routinely; that is not worth a log line.
+        "log.connection.close": False,
+    }
+    config.update(settings.extra)
+    config.update({key.replace("_", "."): value for key, value in fixed.items()})
+    return config

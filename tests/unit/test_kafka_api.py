@@ -1,0 +1,50 @@
+"""The public surface of streams.kafka: exactly these names, each importable.
+
+Other packages import the Kafka layer only through ``streams.kafka``; its private
+modules (``streams.kafka._*``) may change freely. Adding or removing a public name
+is a decision: update this list with it.
+"""
+
+from __future__ import annotations
+
+import streams.kafka
+import streams.log
+
+# In sorted() order: code points, so upper case before lower case.
+EXPECTED = [
+    "Consumer",
+    "DeliveryCallback",
+    "KafkaLog",
+    "KafkaSettings",
+    "Message",
+    "OFFSET_BEGINNING",
+    "OFFSET_END",
+    "Partition",
+    "Producer",
+    "RebalanceCallback",
+    "TransactionAborted",
+    "TransactionalProducer",
+    "create_topics",
+    "delete_topics",
+    "describe_partitions",
+    "partition_for",
+    "send_to_dlq",
+    "topic_config",
+    "wait_for_broker",
+]
+
+
+def test_all_is_pinned() -> None:
+    assert sorted(EXPECTED) == EXPECTED
+    assert sorted(streams.kafka.__all__) == EXPECTED
+    assert len(streams.kafka.__all__) == len(set(streams.kafka.__all__))
+
+
+def test_every_public_name_exists() -> None:
+    for name in streams.kafka.__all__:
+        assert hasattr(streams.kafka, name), name
+
+
+def test_the_log_protocols_module_re_exports_the_kafka_log() -> None:
+    assert streams.log.KafkaLog is streams.kafka.KafkaLog
+    assert streams.log.RebalanceCallback is streams.kafka.RebalanceCallback
