@@ -325,3 +325,73 @@ def test_postgresql_unreachable_is_still_transient() -> None:
     store = SqlStorage("p", "postgresql://saga:x@127.0.0.1:5432/saga", ["t"])
     with pytest.raises(TransientError), store._boundary("run a batch"):
         raise _operational('connection failed: connection to server at "127.0.0.1" failed: refused')
+
+
+# ---------------------------------------------------------------- fault hooks, wedged clients
+
+
+def test_coordinator_run_gives_the_service_its_faults_and_a_log_that_exits_when_wedged() -> None:
+    from coordinator import cli
+    from streams._faults import NO_FAULTS, KillFaults
+    from streams.log import KafkaLog
+
+    with (
+        mock.patch("coordinator.cli.wait_for_broker"),
+        mock.patch("coordinator._service.CoordinatorService") as service,
+    ):
+        plain = saga("coordinator", "run")
+        armed = saga("coordinator", "run", env={"SAGA_FAULTS": "coordinator.after_read:3"})
+    assert plain.code == 0 and armed.code == 0, (plain, armed)
+    (_, first), (_, second) = service.call_args_list
+    assert first["faults"] is NO_FAULTS
+    assert isinstance(second["faults"], KillFaults)
+    log = first["log"]
+    assert isinstance(log, KafkaLog)
+    assert log._on_wedged is cli._exit_wedged
+
+
+def test_participant_run_gives_runtime_and_storage_the_same_faults() -> None:
+    from coordinator import cli
+    from streams._faults import KillFaults
+    from streams.log import KafkaLog
+
+    with (
+        mock.patch("coordinator.cli.wait_for_broker"),
+        mock.patch("participants.open_storage") as open_storage,
+        mock.patch("participants.ParticipantRuntime") as runtime,
+    ):
+        outcome = saga(
+            "participant", "run", "--name", "p", "--storage", "sql", "--targets", "t",
+            "--url", "sqlite:///x.db",
+            env={"SAGA_FAULTS": "participant.after_events:2"},
+        )  # fmt: skip
+    assert outcome.code == 0, outcome
+    faults = runtime.call_args.kwargs["faults"]
+    assert isinstance(faults, KillFaults)
+    assert open_storage.call_args.kwargs["faults"] is faults
+    log = runtime.call_args.kwargs["log"]
+    assert isinstance(log, KafkaLog)
+    assert log._on_wedged is cli._exit_wedged
+
+
+def test_a_bad_fault_point_is_one_sentence() -> None:
+    outcome = saga("coordinator", "run", env={"SAGA_FAULTS": "coordinator.nowhere:1"})
+    one_sentence(outcome, "unknown fault point 'coordinator.nowhere' in SAGA_FAULTS")
+
+
+def test_a_wedged_kafka_client_exits_the_process_after_one_sentence(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from coordinator import cli
+
+    with (
+        mock.patch.object(cli.os, "_exit", side_effect=SystemExit(1)) as exit_,
+        pytest.raises(SystemExit),
+    ):
+        cli._exit_wedged("the transactional producer's commit did not return within 60 s")
+    exit_.assert_called_once_with(1)
+    err = capsys.readouterr().err
+    assert err == (
+        "saga: the transactional producer's commit did not return within 60 s; "
+        "exiting so that a restarted process takes over\n"
+    )
