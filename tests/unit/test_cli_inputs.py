@@ -385,7 +385,7 @@ def test_a_wedged_kafka_client_exits_the_process_after_one_sentence(
     from coordinator import cli
 
     with (
-        mock.patch.object(cli.os, "_exit", side_effect=SystemExit(1)) as exit_,
+        mock.patch("os._exit", side_effect=SystemExit(1)) as exit_,
         pytest.raises(SystemExit),
     ):
         cli._exit_wedged("the transactional producer's commit did not return within 60 s")
