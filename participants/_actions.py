@@ -42,8 +42,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final, Protocol, TypeAlias
 
-from participants._storage import Actions
-from streams import BusinessRejection
+from participants._storage import Actions, NativeT
+from streams import BusinessRejection, ConfigurationError
 
 IDENTIFIER: Final = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
 """Target and field names: letters, digits and ``_``, not starting with a digit, 1-63 characters
@@ -333,10 +333,10 @@ class RecordOps(Protocol):
     def increment_back(self, action: Increment, before: Any) -> None: ...
 
 
-class BuiltinActions(Actions):
+class BuiltinActions(Actions[NativeT]):
     """The built-in actions of one storage: validation and dispatch shared by every adapter.
 
-    An adapter says how to reach a record (:meth:`record`); the returned
+    An adapter says how to reach a record in its native session (:meth:`record`); the returned
     :class:`RecordOps` returns the before-image from each forward operation and
     restores it in the matching compensation.
     """
@@ -345,10 +345,10 @@ class BuiltinActions(Actions):
         self.targets = frozenset(targets)
 
     @abstractmethod
-    def record(self, native: Any, action: BuiltinAction) -> RecordOps:
+    def record(self, native: NativeT, action: BuiltinAction) -> RecordOps:
         """The record ``action`` addresses, in the storage ``native`` belongs to."""
 
-    def apply(self, native: Any, action: str, args: Mapping[str, Any]) -> Any:
+    def apply(self, native: NativeT, action: str, args: Mapping[str, Any]) -> Any:
         parsed = parse_action(action, args, self.targets)
         record = self.record(native, parsed)
         if isinstance(parsed, Insert):
@@ -361,7 +361,9 @@ class BuiltinActions(Actions):
             return record.delete()
         return record.increment(parsed)
 
-    def compensate(self, native: Any, action: str, args: Mapping[str, Any], before: Any) -> None:
+    def compensate(
+        self, native: NativeT, action: str, args: Mapping[str, Any], before: Any
+    ) -> None:
         parsed = parse_action(action, args, self.targets)
         record = self.record(native, parsed)
         if isinstance(parsed, Insert):
@@ -375,5 +377,15 @@ class BuiltinActions(Actions):
         else:
             record.increment_back(parsed, before)
 
-    def confirm(self, native: Any, action: str, args: Mapping[str, Any]) -> None:
+    def confirm(self, native: NativeT, action: str, args: Mapping[str, Any]) -> None:
         """Nothing to do: a built-in action holds nothing beyond its local commit."""
+
+
+def check_identifier(name: Any, what: str) -> None:
+    """Raise :class:`~streams.ConfigurationError` unless ``name`` is an :data:`IDENTIFIER`
+    (a target, ledger or schema name of a storage's configuration; ``what`` says which)."""
+    if not isinstance(name, str) or not IDENTIFIER.fullmatch(name):
+        raise ConfigurationError(
+            f"{what} name {name!r} is not a plain name (1-63 letters, digits or _, "
+            "not starting with a digit)"
+        )

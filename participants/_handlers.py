@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from participants._actions import is_builtin
-from participants._storage import Actions
+from participants._storage import Actions, NativeT
 from streams import BusinessRejection, ConfigurationError
 
 Reject = BusinessRejection
@@ -76,27 +76,29 @@ def load_handlers(dotted: str) -> dict[str, Handler]:
     return checked
 
 
-class WithHandlers(Actions):
+class WithHandlers(Actions[NativeT]):
     """Custom handlers first, then the storage's built-in actions."""
 
-    def __init__(self, handlers: Mapping[str, Handler], builtin: Actions) -> None:
+    def __init__(self, handlers: Mapping[str, Handler], builtin: Actions[NativeT]) -> None:
         self.handlers = dict(handlers)
         self.builtin = builtin
 
-    def apply(self, native: Any, action: str, args: Mapping[str, Any]) -> Any:
+    def apply(self, native: NativeT, action: str, args: Mapping[str, Any]) -> Any:
         handler = self.handlers.get(action)
         if handler is None:
             return self.builtin.apply(native, action, args)
         return handler.try_(native, args)
 
-    def compensate(self, native: Any, action: str, args: Mapping[str, Any], before: Any) -> None:
+    def compensate(
+        self, native: NativeT, action: str, args: Mapping[str, Any], before: Any
+    ) -> None:
         handler = self.handlers.get(action)
         if handler is None:
             self.builtin.compensate(native, action, args, before)
         else:
             handler.cancel(native, args, before)
 
-    def confirm(self, native: Any, action: str, args: Mapping[str, Any]) -> None:
+    def confirm(self, native: NativeT, action: str, args: Mapping[str, Any]) -> None:
         handler = self.handlers.get(action)
         if handler is None:
             self.builtin.confirm(native, action, args)
@@ -104,27 +106,31 @@ class WithHandlers(Actions):
             handler.confirm(native, args)
 
 
-class BuiltinsFirst(Actions):
+class BuiltinsFirst(Actions[NativeT]):
     """Built-in action names run built in; every other name goes to ``custom``."""
 
-    def __init__(self, builtin: Actions, custom: Actions) -> None:
+    def __init__(self, builtin: Actions[NativeT], custom: Actions[Any]) -> None:
         self.builtin = builtin
         self.custom = custom
 
-    def _for(self, action: str) -> Actions:
+    def _for(self, action: str) -> Actions[Any]:
         return self.builtin if is_builtin(action) else self.custom
 
-    def apply(self, native: Any, action: str, args: Mapping[str, Any]) -> Any:
+    def apply(self, native: NativeT, action: str, args: Mapping[str, Any]) -> Any:
         return self._for(action).apply(native, action, args)
 
-    def compensate(self, native: Any, action: str, args: Mapping[str, Any], before: Any) -> None:
+    def compensate(
+        self, native: NativeT, action: str, args: Mapping[str, Any], before: Any
+    ) -> None:
         self._for(action).compensate(native, action, args, before)
 
-    def confirm(self, native: Any, action: str, args: Mapping[str, Any]) -> None:
+    def confirm(self, native: NativeT, action: str, args: Mapping[str, Any]) -> None:
         self._for(action).confirm(native, action, args)
 
 
-def combine(builtin: Actions, handlers: Actions | Mapping[str, Handler] | None) -> Actions:
+def combine(
+    builtin: Actions[NativeT], handlers: Actions[Any] | Mapping[str, Handler] | None
+) -> Actions[NativeT]:
     """A storage's actions: its built-ins plus custom handlers, however they were given.
 
     A mapping of :class:`Handler` may also replace a built-in name; an

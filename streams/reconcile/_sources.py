@@ -15,7 +15,8 @@ Every ledger becomes rows of :data:`LEDGER_SCHEMA`, whatever its layout:
 * MongoDB ``saga_ledger`` (``participants._mongo``): one document per step, with
   ``pending`` while a write's intent is unresolved (no transactions);
 * Redis ``<prefix>:ledger:<participant>:tx:<tx_id>`` (``participants._redis``): a
-  hash of step number to a JSON entry.
+  hash of step number to a JSON entry; the key layout is read from
+  :mod:`participants._ledger`, where the adapter takes it from too.
 
 The transaction-level markers are left out everywhere: the rollback marker
 (``step = -1`` in SQL, ``rolled_back`` in MongoDB's transaction document and the
@@ -216,21 +217,26 @@ def _redis_batches(client: Any, pattern: str) -> Iterator[list[tuple[str, dict[s
 
 
 def _redis_ledger_rows(url: str, prefix: str, label: str) -> Iterator[tuple[Any, ...]]:
+    from participants._ledger import redis_ledger_pattern, redis_tx_key_parts, step_of_field
+
     client = _redis_client(url)
-    head = f"{prefix}:ledger:"
     try:
-        for batch in _redis_batches(client, f"{head}*:tx:*"):
+        for batch in _redis_batches(client, redis_ledger_pattern(prefix)):
             for name, fields in batch:
-                participant, _, tx_id = name[len(head) :].partition(":tx:")
-                for step, text in fields.items():
-                    if not step.isdigit():
-                        continue  # the rollback marker
+                parts = redis_tx_key_parts(prefix, name)
+                if parts is None:
+                    continue
+                participant, tx_id = parts
+                for field, text in fields.items():
+                    step = step_of_field(field)
+                    if step is None:
+                        continue  # a marker
                     entry = json.loads(text)
                     yield (
                         label,
                         participant,
                         tx_id,
-                        int(step),
+                        step,
                         entry.get("status"),
                         bool(entry.get("effect", False)),
                         int(entry.get("updated_ms") or 0),
