@@ -4,12 +4,26 @@ Every error says whether retrying the same operation can help::
 
     SagaError                      retryable
     ├── ConfigurationError         no   bad settings, arguments or environment
+    │   └── ReconcileError         no   saga reconcile cannot run: a service, topic, jar
+    │                                   or option is missing (streams.reconcile, exit 2)
     ├── InvalidRecord              no   a record breaks the wire contract (goes to the DLQ)
     ├── BusinessRejection          no   a step cannot be applied (key exists, below min, ...)
     ├── ConflictingRequest         no   a tx_id reused with a different payload
     ├── SagaTimeout                yes  no final state yet; the saga is still running
     ├── TransientError             yes  broker or storage unavailable for now
+    │   └── TransactionAborted     yes  the Kafka transaction cannot commit: abort it and
+    │                                   re-process from the committed offsets (streams.kafka)
     └── FatalKafkaError            no   the Kafka client cannot go on (fenced producer, ...)
+
+``ReconcileError`` is defined in :mod:`streams.reconcile`, ``TransactionAborted`` in
+:mod:`streams.kafka`, the others here. ``tests/unit/test_error_tree.py`` checks this
+drawing against the classes, and that no other public ``SagaError`` subclass exists.
+
+Not drawn: exceptions for control flow within one package, which never reach a caller
+of saga (participants' ``RunBatchAgain``; the MongoDB adapter's ``_Conflict``, a
+``TransientError``, ``_Refused`` and ``_Speculation``; the SQL adapter's
+``_NeedsSavepoints``; the CLI's ``_NotANumber``), and ``streams.testing.Killed`` (a
+``BaseException``: a simulated crash in tests).
 
 Third-party errors are translated at the boundary with ``raise ... from exc``.
 """
