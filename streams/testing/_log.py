@@ -245,8 +245,9 @@ class InMemoryLog:
 
         Their members leave their groups without callbacks (as if the session timed
         out), unflushed records are lost, open transactions stay open until the
-        transactional id is initialised again, and every later call on them (or from
-        that thread) raises :class:`Killed`.
+        transactional id is initialised again, and every later call on them (or, on
+        any client of this log, from that thread: it must not use this log again;
+        a :class:`Stepper`'s thread is forgotten when it ends) raises :class:`Killed`.
         """
         ident = threading.get_ident() if thread_id is None else thread_id
         with self._lock:

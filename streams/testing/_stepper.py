@@ -79,7 +79,9 @@ class Stepper:
         except BaseException as exc:
             self.error = exc
         finally:
+            # Thread ids are reused: the next thread with this one's id is alive.
             self.log._gates.pop(threading.get_ident(), None)
+            self.log._dead_threads.discard(threading.get_ident())
             with self._gate.cond:
                 self._gate.done = True
                 self._gate.cond.notify_all()
