@@ -168,7 +168,7 @@ import re
 import uuid
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any, Final, NoReturn
+from typing import ClassVar, Final, NoReturn
 
 from pymongo import ASCENDING, MongoClient
 from pymongo import errors as mongo_errors
@@ -176,9 +176,10 @@ from pymongo.collection import Collection
 from pymongo.database import Database
 from pymongo.uri_parser import parse_uri
 
-from participants._actions import IDENTIFIER
+from participants._actions import check_identifier
 from participants._barrier import LedgerEntry, LedgerStatus, Requested, finished_ms
 from participants._handlers import Handler, combine
+from participants._ledger import seen_marker
 from participants._mongo_actions import MongoActions, MongoSession, canonical_key
 from participants._mongo_cas import _SERVER_CAS, _Cas
 from participants._mongo_errors import (
@@ -206,20 +207,13 @@ from participants._mongo_shared import PROCESS, SharedState, _Lru, _StepRecord
 from participants._mongo_unit import _MongoUnit
 from participants._mongo_values import Document
 from participants._mongo_writes import DocumentWrite, _doc_id
-from participants._storage import (
-    Actions,
-    Report,
-    RequestSeen,
-    Storage,
-    WorkItem,
-    run_item,
-)
+from participants._storage import Actions, LedgerStorage, RequestSeen, Unit, WorkItem
 from streams import (
-    BusinessRejection,
     ConfigurationError,
     Mode,
     TransientError,
 )
+from streams._faults import NO_FAULTS, Faults
 from streams._secrets import redact_url
 
 log = logging.getLogger("saga.participant.mongo")
@@ -230,7 +224,7 @@ TX_CACHE_SIZE: Final = 10_000
 """Transactions whose ledger documents a storage remembers (see *Cache* in the module doc)."""
 
 
-class MongoStorage(Storage):
+class MongoStorage(LedgerStorage[MongoSession, None]):
     """A participant's MongoDB database: its target collections and its ledger.
 
     ``url`` is a ``mongodb://`` URL; the database is ``database``, else the URL's
@@ -249,9 +243,13 @@ class MongoStorage(Storage):
     (:class:`~participants._mongo_shared.SharedState`).
 
     ``handlers`` as for :class:`~participants._sql.SqlStorage`; handlers receive a
-    :class:`MongoSession` as ``native``. :meth:`execute` acts on every item in
-    order, repeats included.
+    :class:`MongoSession` as ``native``. ``faults``: the crash tests' hooks
+    (:mod:`streams._faults`). The batch loop, the error boundary and the policy for
+    a rejected confirmation are :class:`~participants._storage.LedgerStorage`'s;
+    each item is its own atomic unit here (a transaction, or the intent protocol).
     """
+
+    driver_errors: ClassVar[tuple[type[BaseException], ...]] = (mongo_errors.PyMongoError,)
 
     def __init__(
         self,
@@ -266,7 +264,9 @@ class MongoStorage(Storage):
         intent_lease_ms: int = DEFAULT_INTENT_LEASE_MS,
         server_timeout_ms: int = 10_000,
         shared: SharedState = PROCESS,
+        faults: Faults = NO_FAULTS,
     ) -> None:
+        super().__init__(faults=faults)
         if not isinstance(name, str) or not PARTICIPANT_NAME.fullmatch(name):
             raise ConfigurationError(
                 f"participant name {name!r} must be 1-64 letters, digits, '.', '_' or '-'"
@@ -274,8 +274,8 @@ class MongoStorage(Storage):
         self.name = name
         self.targets = frozenset(targets)
         for target in sorted(self.targets):
-            _check_identifier(target, "target collection")
-        _check_identifier(ledger_collection, "ledger collection")
+            check_identifier(target, "target collection")
+        check_identifier(ledger_collection, "ledger collection")
         tx_collection = f"{ledger_collection}{TX_COLLECTION_SUFFIX}"
         clash = sorted({ledger_collection, tx_collection} & self.targets)
         if clash:
@@ -314,13 +314,12 @@ class MongoStorage(Storage):
         self.tx_cache: _Lru[str, _TxView] = _Lru(TX_CACHE_SIZE)
         self.shared = shared
         self._unrecorded: dict[str, _StepRecord] = {}
-        self._ready = False
         builtin = MongoActions(self.targets)
-        self.actions: Actions = combine(builtin, handlers)
+        self.actions: Actions[MongoSession] = combine(builtin, handlers)
 
     # -- lifecycle
 
-    def setup(self) -> None:
+    def prepare(self) -> None:
         """Create the ledger's indexes and decide the mode; idempotent.
 
         The indexes serve audits (:meth:`ledger`, :meth:`in_flight_sequential`) on
@@ -330,7 +329,7 @@ class MongoStorage(Storage):
         Raises :class:`TransientError` when the server is unreachable and
         :class:`ConfigurationError` when ``transactions=True`` but the server has none.
         """
-        with self._boundary("set up its ledger"):
+        with self.boundary("set up its ledger"):
             self.client.admin.command("ping")
             self.ferretdb = "ferretdbVersion" in self.client.admin.command("buildInfo")
             ledger = self.ledger_collection
@@ -356,7 +355,6 @@ class MongoStorage(Storage):
             )
         self.transactional = supported and self._want_transactions is not False
         self.cas = _Cas(server_side=not self.ferretdb)
-        self._ready = True
 
     def _transactions_supported(self) -> bool:
         hello = self.client.admin.command("hello")
@@ -375,35 +373,47 @@ class MongoStorage(Storage):
 
     # -- work
 
-    def execute(self, items: Sequence[WorkItem]) -> list[Report]:
-        """Run the batch item by item, each step's write atomic with its ledger record.
+    @contextmanager
+    def open_batch(self, items: Sequence[WorkItem], attempt: int) -> Iterator[None]:
+        """A batch has no scope of its own here: each item is atomic with its ledger record
+        (the items before a failure took effect, the rest did not). The step documents
+        of the batch's new steps are inserted at its end; after a failure too, unless
+        the connection is lost (then the next flush or reader does it)."""
+        try:
+            yield None
+        except BaseException as exc:
+            if not isinstance(exc, mongo_errors.ConnectionFailure):
+                self.flush_records(quietly=True)
+            raise
+        self.flush_records()
 
-        Raises :class:`TransientError` when the server is unavailable or a write
-        conflicted: the items before took effect, the rest did not, and retrying
-        the batch is safe because the finished items re-report from the ledger.
-        """
-        if not self._ready:
-            self.setup()
-        reports: list[Report] = []
-        seen: list[RequestSeen] = []
-        with self._boundary("run a batch"):
-            try:
-                for item in items:
-                    if isinstance(item, RequestSeen):
-                        seen.append(item)
-                        continue
-                    self._mark_seen(seen)  # before any item that may read those ledgers
-                    seen = []
-                    reports.extend(self._run(item))
-                self._mark_seen(seen)
-            except BaseException as exc:
-                if not isinstance(exc, mongo_errors.ConnectionFailure):
-                    self.flush_records(quietly=True)  # else the next flush or reader does
-                raise
-            self.flush_records()
-        return reports
+    def open_unit(
+        self, batch: None, item: WorkItem, previous: Unit[MongoSession] | None
+    ) -> _MongoUnit:
+        """A request runs as new without reading the ledger when this storage does not
+        know its transaction (``speculate``); an attempt after another runs reading
+        it, and knows the writes the server refused before."""
+        if previous is None:
+            return _MongoUnit(self, {}, speculate=isinstance(item, Requested))
+        assert isinstance(previous, _MongoUnit)
+        return _MongoUnit(self, previous.refused)
 
-    def _mark_seen(self, items: Sequence[RequestSeen]) -> None:
+    def run_again(self, unit: Unit[MongoSession], exc: Exception) -> bool:
+        """Run again after a failed speculation (the ledger knows the transaction) or a
+        refused write (this time the action finds it refused, and the step or its
+        compensation fails with the server's reason; a second refusal is raised)."""
+        if isinstance(exc, _Speculation):
+            return True
+        if isinstance(exc, _Refused):
+            assert isinstance(unit, _MongoUnit)
+            document = (exc.target, _doc_id(exc.target, exc.key))
+            if document in unit.refused:
+                return False
+            unit.refused[document] = exc.reason
+            return True
+        return False
+
+    def mark_seen(self, batch: None, items: Sequence[RequestSeen]) -> None:
         """Insert the seen markers of a run of requests without a step here (one
         ``insert_many``; a transaction document already there means the transaction is
         known, and stays as it is)."""
@@ -411,7 +421,13 @@ class MongoStorage(Storage):
         for item in items:
             _check_tx_id(item.tx_id)
             if self.tx_cache.get(item.tx_id) is None:
-                docs.setdefault(item.tx_id, _seen_doc(self.name, item))
+                marker = seen_marker(
+                    item.tx_id,
+                    fingerprint=item.fingerprint,
+                    deadline_ms=item.deadline_ms,
+                    now_ms=item.now_ms,
+                )
+                docs.setdefault(item.tx_id, _seen_doc(self.name, marker))
         if not docs:
             return
         try:
@@ -457,40 +473,6 @@ class MongoStorage(Storage):
         for record in records:
             self._unrecorded.pop(record.doc["_id"], None)
 
-    def _run(self, item: WorkItem) -> list[Report]:
-        refused: dict[tuple[str, str], str] = {}
-        speculate = isinstance(item, Requested)
-        while True:
-            unit = _MongoUnit(self, refused, speculate=speculate)
-            try:
-                return run_item(unit, self.actions, item)
-            except _Speculation:
-                speculate = False  # the ledger knows the transaction: run it reading the ledger
-            except _Refused as exc:
-                unit.forget()
-                speculate = False  # the intent made the transaction known to the ledger
-                # Run the item again; this time the action finds the write refused and
-                # the step fails (or its compensation does) with the server's reason.
-                if (exc.target, _doc_id(exc.target, exc.key)) in refused:
-                    raise
-                refused[(exc.target, _doc_id(exc.target, exc.key))] = exc.reason
-            except BusinessRejection as exc:
-                # Only a custom confirm gets here (run_item turns the others into
-                # events): the step stays applied and a replayed decision retries it.
-                log.error(
-                    "participant %r: confirming %s was rejected and is left for a replayed "
-                    "decision: %s",
-                    self.name,
-                    item.tx_id,
-                    exc.reason,
-                )
-                return []
-            except BaseException:
-                unit.forget()
-                raise
-            finally:
-                unit.close()
-
     # -- pruning
 
     def prune(self, horizon_ms: int, limit: int) -> int:
@@ -509,7 +491,7 @@ class MongoStorage(Storage):
             self.setup()
         due = {"participant": self.name, "finished_ms": {"$lte": horizon_ms}}
         removed = 0
-        with self._boundary("prune its ledger"):
+        with self.boundary("prune its ledger"):
             self.flush_records()
             found: dict[str, list[str]] = {}
             query = {**due, "pending": {"$exists": False}, "purge": {"$exists": False}}
@@ -560,7 +542,7 @@ class MongoStorage(Storage):
 
     def ledger(self, tx_id: str | None = None) -> list[LedgerEntry]:
         """The recorded step entries as stored (unfinished writes are not resolved here)."""
-        with self._boundary("read its ledger"):
+        with self.boundary("read its ledger"):
             if tx_id is None:
                 query = {"participant": self.name, "step": {"$gte": 0}, "status": {"$exists": True}}
                 docs = list(self.ledger_collection.find(query))
@@ -594,20 +576,13 @@ class MongoStorage(Storage):
                 {"status": {"$in": [str(LedgerStatus.APPLIED), str(LedgerStatus.FAILED)]}},
             ],
         }
-        with self._boundary("read its ledger"):
+        with self.boundary("read its ledger"):
             return {doc["tx_id"] for doc in self.ledger_collection.find(query, {"tx_id": 1})}
 
     # -- errors
 
-    @contextmanager
-    def _boundary(self, what: str) -> Iterator[None]:
-        """Translate the driver's errors into the saga error tree (see the module doc)."""
-        try:
-            yield
-        except mongo_errors.PyMongoError as exc:
-            self._translate(exc, what)
-
-    def _translate(self, exc: mongo_errors.PyMongoError, what: str) -> NoReturn:
+    def translate(self, exc: BaseException, what: str) -> NoReturn:
+        """The saga error for a driver error (see *Errors* in the module doc)."""
         prefix = f"participant {self.name!r} could not {what}"
         if getattr(exc, "code", None) == _AUTHENTICATION_FAILED:
             raise ConfigurationError(
@@ -620,7 +595,8 @@ class MongoStorage(Storage):
                 f"{prefix}: {self.where} is unavailable ({_detail(exc)}); retrying is safe"
             ) from exc
         code = getattr(exc, "code", None)
-        if not _is_transient(exc) and code in _CONFIGURATION_CODES:
+        transient = isinstance(exc, mongo_errors.PyMongoError) and _is_transient(exc)
+        if not transient and code in _CONFIGURATION_CODES:
             raise ConfigurationError(
                 f"{prefix}: {self.where} refused a command ({_detail(exc)}); check the user's "
                 "privileges and that the server supports it"
@@ -628,14 +604,6 @@ class MongoStorage(Storage):
         raise TransientError(
             f"{prefix}: {self.where} failed ({_detail(exc)}); retrying is safe"
         ) from exc
-
-
-def _check_identifier(name: Any, what: str) -> None:
-    if not isinstance(name, str) or not IDENTIFIER.fullmatch(name):
-        raise ConfigurationError(
-            f"{what} name {name!r} is not a plain name (1-63 letters, digits or _, "
-            "not starting with a digit)"
-        )
 
 
 def _check_database(name: str) -> None:

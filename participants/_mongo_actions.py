@@ -104,17 +104,11 @@ class MongoSession:
         return staged
 
 
-def _session(native: Any) -> MongoSession:
-    if not isinstance(native, MongoSession):
-        raise TypeError(f"Mongo actions need a MongoSession as native, not {type(native).__name__}")
-    return native
-
-
 # ---------------------------------------------------------------- built-in actions
 
 
-class MongoActions(BuiltinActions):
-    """The built-in actions on documents (``native`` must be a :class:`MongoSession`).
+class MongoActions(BuiltinActions[MongoSession]):
+    """The built-in actions on documents, in a :class:`MongoSession`.
 
     ``put`` sets the given fields and keeps the others; its compensation puts the
     whole old document back (or deletes a created one). ``update``'s before-image
@@ -124,8 +118,8 @@ class MongoActions(BuiltinActions):
     :class:`DocumentWrite` staged for the ledger write.
     """
 
-    def record(self, native: Any, action: BuiltinAction) -> RecordOps:
-        return _Record(_session(native), action.target, action.key)
+    def record(self, native: MongoSession, action: BuiltinAction) -> RecordOps:
+        return _Record(native, action.target, action.key)
 
 
 def canonical_key(key: Key) -> int | str:

@@ -14,13 +14,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from participants._barrier import LedgerEntry, LedgerStatus, finished_ms
+from participants._barrier import LedgerEntry, finished_ms
+from participants._ledger import entry_fields, entry_of
 from participants._mongo_values import Document, _plain
-from participants._storage import RequestSeen
 from streams import (
     TX_ID_PATTERN,
     InvalidRecord,
-    Mode,
 )
 
 PARTICIPANT_NAME: Final = re.compile(r"[A-Za-z0-9._-]{1,64}")
@@ -92,64 +91,36 @@ class _TxView:
 
 
 def _entry_fields(entry: LedgerEntry) -> Document:
-    return {
-        "status": str(entry.status),
-        "action": entry.action,
-        "args": None if entry.args is None else json.dumps(_json_ready(entry.args)),
-        "mode": str(entry.mode),
-        "n_steps": entry.n_steps,
-        "deadline_ms": entry.deadline_ms,
-        "effect": entry.effect,
-        "before": json.dumps(_json_ready(entry.before)),
-        "reason": entry.reason,
-        "rollback_pending": entry.rollback_pending,
-        "successor_compensated": entry.successor_compensated,
-        "updated_ms": entry.updated_ms,
-        "last": entry.step >= entry.n_steps - 1,
-        "fingerprint": entry.fingerprint,
-        "finished_ms": finished_ms(entry),
-    }
-
-
-def _json_ready(value: Any) -> Any:
-    if isinstance(value, Mapping):
-        return {str(k): _json_ready(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_json_ready(v) for v in value]
-    return value
+    """A step document's entry fields: the ledger's one codec
+    (:func:`participants._ledger.entry_fields`) without ``tx_id`` and ``step`` (the
+    document's own fields), ``args`` and ``before`` as JSON text (MongoDB field
+    names may not contain ``.`` or ``$``), plus ``last`` and ``finished_ms``."""
+    fields = entry_fields(entry)
+    del fields["tx_id"], fields["step"]
+    fields["args"] = None if entry.args is None else json.dumps(fields["args"])
+    fields["before"] = json.dumps(fields["before"])
+    fields["last"] = entry.step >= entry.n_steps - 1
+    fields["finished_ms"] = finished_ms(entry)
+    return fields
 
 
 def _entry_of(doc: Mapping[str, Any]) -> LedgerEntry:
-    return LedgerEntry(
-        tx_id=doc["tx_id"],
-        step=doc["step"],
-        status=LedgerStatus(doc["status"]),
-        action=doc.get("action"),
-        args=_plain(doc.get("args")),
-        mode=Mode(doc["mode"]),
-        n_steps=doc["n_steps"],
-        deadline_ms=doc["deadline_ms"],
-        effect=bool(doc["effect"]),
-        before=_plain(doc.get("before")),
-        reason=doc.get("reason"),
-        rollback_pending=bool(doc["rollback_pending"]),
-        successor_compensated=bool(doc["successor_compensated"]),
-        updated_ms=doc["updated_ms"],
-        fingerprint=doc.get("fingerprint"),
-    )
+    """The entry a step document holds (the inverse of :func:`_entry_fields`)."""
+    return entry_of({**doc, "args": _plain(doc.get("args")), "before": _plain(doc.get("before"))})
 
 
-def _seen_doc(participant: str, item: RequestSeen) -> Document:
-    """The transaction document of a transaction first known by its seen marker."""
+def _seen_doc(participant: str, marker: LedgerEntry) -> Document:
+    """The transaction document of a transaction first known by its seen ``marker``
+    (:func:`participants._ledger.seen_marker`)."""
     return {
-        "_id": _tx_doc_id(participant, item.tx_id),
+        "_id": _tx_doc_id(participant, marker.tx_id),
         "participant": participant,
-        "tx_id": item.tx_id,
+        "tx_id": marker.tx_id,
         "rev": 1,
         "steps": [],
-        "seen": {"deadline_ms": item.deadline_ms, "updated_ms": item.now_ms},
-        "fingerprint": item.fingerprint,
-        "finished_ms": max(item.deadline_ms, item.now_ms),
+        "seen": {"deadline_ms": marker.deadline_ms, "updated_ms": marker.updated_ms},
+        "fingerprint": marker.fingerprint,
+        "finished_ms": max(marker.deadline_ms, marker.updated_ms),
     }
 
 

@@ -1,6 +1,13 @@
 """One work item's reads and writes on MongoDB: the write protocol of
 :mod:`participants._mongo` (its module doc describes it) and the recovery of
 unfinished writes.
+
+Why this module is longer than 600 lines: it is one class, :class:`_MongoUnit`,
+whose writes and recovery are one protocol that calls itself both ways: reading
+a step or a document resolves the unfinished write it finds (roll forward or
+back), which records through the same compare-and-set writes a new step uses,
+under the same document locks and the same view of the ledger. Split in two, each
+half would reach into a dozen private methods of the other.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ from pymongo import errors as mongo_errors
 from pymongo.client_session import ClientSession
 
 from participants._barrier import LedgerEntry
+from participants._ledger import MARKER_STEP, SEEN_STEP
 from participants._mongo_actions import MongoSession
 from participants._mongo_cas import ABSENT, _changed
 from participants._mongo_errors import _Conflict, _detail, _is_transient, _Refused, _Speculation
@@ -39,7 +47,8 @@ from participants._mongo_writes import (
     _purge,
     _purge_field,
 )
-from participants._storage import RequestSeen, Unit
+from participants._storage import Unit
+from streams import BusinessRejection
 
 if TYPE_CHECKING:
     from participants._mongo import MongoStorage
@@ -48,7 +57,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("saga.participant.mongo")
 
 
-class _MongoUnit(Unit):
+class _MongoUnit(Unit[MongoSession]):
     """One work item's reads and writes; see the module doc for the write protocol.
 
     The unit sees each transaction's ledger documents through a :class:`_TxView`
@@ -56,13 +65,15 @@ class _MongoUnit(Unit):
     on the ``rev`` it saw (an insert when the document is absent): a worker that
     lost a race gets a :class:`TransientError`, never overwrites the other's record.
     ``speculate``: a request for a transaction the storage does not remember is
-    run as new without reading the ledger (see the module doc).
+    run as new without reading the ledger (see the module doc). ``refused``: the
+    staged writes the server refused in earlier attempts of the item (document ->
+    the reason), so that this attempt fails the step instead.
     """
 
     def __init__(
         self,
         storage: MongoStorage,
-        refused: Mapping[tuple[str, str], str],
+        refused: dict[tuple[str, str], str],
         *,
         speculate: bool = False,
     ) -> None:
@@ -100,6 +111,13 @@ class _MongoUnit(Unit):
         finally:
             self._session = None
             self.release_locks()
+
+    def finish(self, error: BaseException | None) -> None:
+        """After a failure the storage forgets what this unit saw, so the next attempt
+        reads the ledger again (not after a rejected confirmation, which changed
+        nothing, nor a failed speculation, which read nothing it remembers)."""
+        if error is not None and not isinstance(error, BusinessRejection | _Speculation):
+            self.forget()
 
     def forget(self) -> None:
         """Make the storage forget what this unit saw: after a failure it reads again."""
@@ -216,84 +234,82 @@ class _MongoUnit(Unit):
         view = self._entry_view(tx_id)
         return view.doc is not None and bool(view.doc.get("rolled_back"))
 
-    def mark_tx_rolled_back(self, tx_id: str, now_ms: int) -> None:
-        view = self._view(tx_id)
-        marker = {
-            "reason": "rolled back before this participant saw the request",
-            "updated_ms": now_ms,
-        }
-        try:
-            if view.doc is None:
-                doc = {
-                    "_id": view.doc_id,
-                    "participant": view.participant,
-                    "tx_id": tx_id,
-                    "rev": 1,
-                    "steps": [],
-                    "rolled_back": marker,
-                    "finished_ms": now_ms,
-                }
-                try:
-                    self._txs.insert_one(doc, session=self.transaction_session())
-                except mongo_errors.DuplicateKeyError as exc:
-                    raise self._tx_raced(tx_id) from exc
-                view.doc = doc
-                self._keep(view)
-            elif not view.doc.get("rolled_back"):
-                rev = int(view.doc["rev"])
-                change: Document = {"rolled_back": marker, "rev": rev + 1}
-                if not view.doc.get("steps"):
-                    change["finished_ms"] = max(int(view.doc.get("finished_ms") or 0), now_ms)
-                self._update_tx(view, {"rev": rev}, {"$set": change})
-            self._commit()
-        finally:
-            self.release_locks()
-
     def known_fingerprint(self, tx_id: str) -> str | None:
         _check_tx_id(tx_id)
         view = self._entry_view(tx_id)  # a speculated-new transaction has none
         fingerprint = None if view.doc is None else view.doc.get("fingerprint")
         return fingerprint if isinstance(fingerprint, str) else None
 
-    def mark_tx_seen(self, item: RequestSeen) -> None:
-        view = self._view(item.tx_id)
-        try:
-            if view.doc is None:
-                doc = _seen_doc(view.participant, item)
-                try:
-                    self._txs.insert_one(doc, session=self.transaction_session())
-                except mongo_errors.DuplicateKeyError as exc:
-                    raise self._tx_raced(item.tx_id) from exc
-                view.doc = doc
-                self._keep(view)
-            elif not view.doc.get("steps") and not view.doc.get("fingerprint"):
-                rev = int(view.doc["rev"])
-                seen = _seen_doc(view.participant, item)
-                change = {k: seen[k] for k in ("seen", "fingerprint")}
-                finished = max(int(view.doc.get("finished_ms") or 0), seen["finished_ms"])
-                self._update_tx(
-                    view,
-                    {"rev": rev},
-                    {"$set": {**change, "finished_ms": finished, "rev": rev + 1}},
-                )
-            self._commit()
-        finally:
-            self.release_locks()
-
     # -- writes
 
     def write(self, entry: LedgerEntry) -> None:
+        """Record ``entry`` with the write its action staged; the transaction-level
+        markers (:data:`~participants._ledger.MARKER_STEP`,
+        :data:`~participants._ledger.SEEN_STEP`) go into the transaction document."""
         staged = self.native.take_staged()
         try:
-            view = self._views.get((self.storage.name, entry.tx_id)) or self._view(entry.tx_id)
-            current = self._step(view, entry.step)
-            if self.storage.transactional:
-                self._write_in_transaction(view, entry, current, staged)
+            if entry.step == MARKER_STEP:
+                self._mark_rolled_back(self._view(entry.tx_id), entry)
+            elif entry.step == SEEN_STEP:
+                self._mark_seen(self._view(entry.tx_id), entry)
             else:
-                self._write_through_intent(view, entry, current, staged)
+                view = self._views.get((self.storage.name, entry.tx_id)) or self._view(entry.tx_id)
+                current = self._step(view, entry.step)
+                if self.storage.transactional:
+                    self._write_in_transaction(view, entry, current, staged)
+                else:
+                    self._write_through_intent(view, entry, current, staged)
             self._commit()
         finally:
             self.release_locks()
+
+    def _mark_rolled_back(self, view: _TxView, marker: LedgerEntry) -> None:
+        """Set ``rolled_back`` in the transaction document (inserted if absent)."""
+        now_ms = marker.updated_ms
+        rolled_back = {"reason": marker.reason, "updated_ms": now_ms}
+        if view.doc is None:
+            doc = {
+                "_id": view.doc_id,
+                "participant": view.participant,
+                "tx_id": view.tx_id,
+                "rev": 1,
+                "steps": [],
+                "rolled_back": rolled_back,
+                "finished_ms": now_ms,
+            }
+            try:
+                self._txs.insert_one(doc, session=self.transaction_session())
+            except mongo_errors.DuplicateKeyError as exc:
+                raise self._tx_raced(view.tx_id) from exc
+            view.doc = doc
+            self._keep(view)
+        elif not view.doc.get("rolled_back"):
+            rev = int(view.doc["rev"])
+            change: Document = {"rolled_back": rolled_back, "rev": rev + 1}
+            if not view.doc.get("steps"):
+                change["finished_ms"] = max(int(view.doc.get("finished_ms") or 0), now_ms)
+            self._update_tx(view, {"rev": rev}, {"$set": change})
+
+    def _mark_seen(self, view: _TxView, marker: LedgerEntry) -> None:
+        """Set ``seen`` and the fingerprint in the transaction document (inserted if absent),
+        unless it knows a step or a fingerprint already."""
+        seen = _seen_doc(view.participant, marker)
+        if view.doc is None:
+            try:
+                self._txs.insert_one(seen, session=self.transaction_session())
+            except mongo_errors.DuplicateKeyError as exc:
+                raise self._tx_raced(view.tx_id) from exc
+            view.doc = seen
+            self._keep(view)
+        elif not view.doc.get("steps") and not view.doc.get("fingerprint"):
+            rev = int(view.doc["rev"])
+            change = {k: seen[k] for k in ("seen", "fingerprint")}
+            finished = max(int(view.doc.get("finished_ms") or 0), seen["finished_ms"])
+            self._update_tx(
+                view,
+                {"rev": rev},
+                {"$set": {**change, "finished_ms": finished, "rev": rev + 1}},
+            )
 
     def rollback_effect(self) -> None:
         self.native.take_staged()
