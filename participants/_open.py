@@ -144,13 +144,20 @@ def open_storage(
     if kind == "sql":
         from participants._sql import SqlStorage
 
-        return SqlStorage(name, url, targets, schema=schema, handlers=custom)
+        return SqlStorage(name, url, targets, schema=schema, handlers=custom, faults=faults)
     if kind == "mongo":
         from participants._mongo import MongoStorage
 
-        return MongoStorage(name, url, targets, database=schema, handlers=custom)
+        return MongoStorage(name, url, targets, database=schema, handlers=custom, faults=faults)
     if kind == "redis":
         from participants._redis import DEFAULT_PREFIX, RedisStorage
 
-        return RedisStorage(name, url, targets, prefix=schema or DEFAULT_PREFIX, handlers=custom)
+        return RedisStorage(
+            name,
+            url,
+            targets,
+            prefix=schema or DEFAULT_PREFIX,
+            handlers=custom,
+            faults=faults,
+        )
     raise ConfigurationError(f"storage kind {kind!r} is unknown; use one of {', '.join(KINDS)}")

@@ -575,7 +575,7 @@ def test_request_racing_its_rollback_on_another_worker_is_never_applied(
 def test_ledger_entry_written_meanwhile_is_a_transient_error(database: Database) -> None:
     """The backstop: an entry read as absent but written by someone else before our insert."""
     from participants._barrier import LedgerEntry
-    from participants._sql import _BatchLedger
+    from participants._sql_ledger import BatchLedger
 
     with sql_harness(database) as harness:
         storage = harness.storage
@@ -583,7 +583,7 @@ def test_ledger_entry_written_meanwhile_is_a_transient_error(database: Database)
         storage.execute([])  # set up
         entry = LedgerEntry("tx-1", 0, LedgerStatus.APPLIED, "delete", {"target": "accounts"})
         with database.engine.connect() as connection:
-            ledger = _BatchLedger(storage, connection)
+            ledger = BatchLedger(storage.name, storage.ledger_table, connection)
             ledger.load(["tx-1"])
             assert ledger.entry("tx-1", 0) is None
             connection.commit()  # let the other writer in (SQLite has one writer at a time)
@@ -642,7 +642,7 @@ class TestConfiguration:
 
     @pytest.mark.parametrize("name", ["accounts; DROP TABLE x", 'a"b', "x\n"])
     def test_target_names_are_checked_up_front(self, database: Database, name: str) -> None:
-        with pytest.raises(ConfigurationError, match="is not a plain SQL name"):
+        with pytest.raises(ConfigurationError, match="is not a plain name"):
             SqlStorage("bank", database.url, [name], schema=database.schema)
 
     def test_missing_schema(self, postgres_db: Database) -> None:

@@ -1,0 +1,309 @@
+"""The SQL ledger: its table, the batch's view of it, and one item's unit.
+
+One row per ``(participant, tx_id, step)``; the entry's fields are those of the
+ledger codec (:mod:`participants._ledger`), plus ``participant`` and
+``finished_ms``. The markers are rows with the reserved steps
+:data:`~participants._ledger.MARKER_STEP` and :data:`~participants._ledger.SEEN_STEP`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any, Final, cast
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    Column,
+    Connection,
+    Index,
+    Integer,
+    MetaData,
+    NestedTransaction,
+    RowMapping,
+    String,
+    Table,
+    Text,
+    bindparam,
+    insert,
+    select,
+    update,
+)
+from sqlalchemy import exc as sa_exc
+
+from participants._barrier import LedgerEntry, LedgerStatus, finished_ms
+from participants._ledger import MARKER_STEP, entry_fields, entry_of
+from participants._sql_actions import NeedsSavepoints
+from participants._sql_errors import detail
+from participants._sql_session import SqlSession, close_savepoint
+from participants._storage import Unit
+from streams import BusinessRejection, TransientError
+
+FINAL_STATUSES: Final = (
+    LedgerStatus.COMMITTED,
+    LedgerStatus.COMPENSATED,
+    LedgerStatus.FAILED,
+    LedgerStatus.SEEN,
+)
+"""Statuses that :func:`participants._barrier.finished_ms` counts as final (for the upgrade)."""
+
+LEDGER_COLUMNS: Final = (
+    "participant",
+    "tx_id",
+    "step",
+    "status",
+    "action",
+    "args",
+    "mode",
+    "n_steps",
+    "deadline_ms",
+    "effect",
+    "before",
+    "reason",
+    "rollback_pending",
+    "successor_compensated",
+    "updated_ms",
+)
+ADDED_COLUMNS: Final = ("fingerprint", "finished_ms")
+"""Columns added after the first layout; :meth:`SqlStorage.setup` adds them to an older ledger."""
+
+
+def define_ledger(metadata: MetaData, name: str = "saga_ledger") -> Table:
+    """The ledger's table definition in ``metadata`` (portable types: PostgreSQL and SQLite).
+
+    One row per ``(participant, tx_id, step)``; several participants may share one
+    table. ``step = -1`` is the transaction-level rollback marker, ``step = -2`` the
+    seen marker. ``fingerprint`` is the request's; ``finished_ms`` is set once the
+    entry is finished (:func:`participants._barrier.finished_ms`) and indexed, so
+    :meth:`SqlStorage.prune` finds what to remove without a scan.
+    """
+    return Table(
+        name,
+        metadata,
+        Column("participant", String(128), primary_key=True),
+        Column("tx_id", String(128), primary_key=True),
+        Column("step", Integer, primary_key=True, autoincrement=False),
+        Column("status", String(32), nullable=False),
+        Column("action", Text),
+        Column("args", JSON(none_as_null=True)),
+        Column("mode", String(16), nullable=False),
+        Column("n_steps", Integer, nullable=False),
+        Column("deadline_ms", BigInteger, nullable=False),
+        Column("effect", Boolean, nullable=False),
+        Column("before", JSON(none_as_null=True)),
+        Column("reason", Text),
+        Column("rollback_pending", Boolean, nullable=False),
+        Column("successor_compensated", Boolean, nullable=False),
+        Column("updated_ms", BigInteger, nullable=False),
+        Column("fingerprint", String(64)),
+        Column("finished_ms", BigInteger),
+        Index(f"{name}_by_status", "participant", "status"),
+        Index(f"{name}_by_finish", "participant", "finished_ms"),
+    )
+
+
+class BatchLedger:
+    """The batch's view of this participant's ledger: read once, written once.
+
+    :meth:`load` reads (and locks, ``FOR UPDATE``) every entry of the batch's
+    transactions in one statement; items then read and write this view, and
+    :meth:`flush` writes what changed in two statements before the commit. A
+    checkpoint lets a careful batch drop the writes of an item it rolls back.
+
+    An entry that did not exist cannot be locked, so two workers may both read
+    "absent"; such an entry is *inserted*, so the slower worker's insert collides
+    with the primary key instead of overwriting the other's entry, and its whole
+    batch (its duplicate effect included) rolls back as a transient error.
+    """
+
+    def __init__(self, participant: str, table: Table, connection: Connection) -> None:
+        self._participant = participant
+        self._table = table
+        self._connection = connection
+        self._entries: dict[tuple[str, int], LedgerEntry | None] = {}
+        self._existed: dict[tuple[str, int], bool] = {}
+        self._loaded: set[str] = set()
+        self._dirty: dict[tuple[str, int], LedgerEntry] = {}
+        self._journal: list[tuple[tuple[str, int], LedgerEntry | None, LedgerEntry | None]] = []
+        self._steps: dict[str, set[int]] = {}  # tx_id -> steps (markers too) in _entries
+
+    def load(self, tx_ids: Iterable[str]) -> None:
+        wanted = sorted(set(tx_ids) - self._loaded)
+        c = self._table.c
+        for chunk in (wanted[i : i + 1000] for i in range(0, len(wanted), 1000)):
+            query = (
+                select(self._table)
+                .where(c.participant == self._participant, c.tx_id.in_(chunk))
+                .order_by(c.tx_id, c.step)
+                .with_for_update()
+            )
+            for row in self._connection.execute(query).mappings():
+                key = (row["tx_id"], row["step"])
+                self._entries[key] = entry_of_row(row)
+                self._existed[key] = True
+                self._steps.setdefault(key[0], set()).add(key[1])
+            self._loaded.update(chunk)
+
+    def entry(self, tx_id: str, step: int) -> LedgerEntry | None:
+        key = (tx_id, step)
+        if key in self._entries:
+            return self._entries[key]
+        if tx_id in self._loaded:
+            return None
+        c = self._table.c
+        query = (
+            select(self._table)
+            .where(c.participant == self._participant, c.tx_id == tx_id, c.step == step)
+            .with_for_update()
+        )
+        row = self._connection.execute(query).mappings().first()
+        found = None if row is None else entry_of_row(row)
+        self._entries[key] = found
+        self._existed[key] = found is not None
+        self._steps.setdefault(tx_id, set()).add(step)
+        return found
+
+    def _known(self, tx_id: str) -> list[LedgerEntry]:
+        """Every entry of the transaction known in this view (markers too), in step order."""
+        self.load([tx_id])
+        found = [self._entries.get((tx_id, step)) for step in sorted(self._steps.get(tx_id, ()))]
+        return [e for e in found if e is not None]
+
+    def entries(self, tx_id: str) -> list[LedgerEntry]:
+        """The transaction's step entries (not the markers), in step order."""
+        return [e for e in self._known(tx_id) if e.step >= 0]
+
+    def fingerprint(self, tx_id: str) -> str | None:
+        """The request fingerprint recorded for the transaction (any entry or marker)."""
+        return next((e.fingerprint for e in self._known(tx_id) if e.fingerprint), None)
+
+    def write(self, entry: LedgerEntry) -> None:
+        key = (entry.tx_id, entry.step)
+        if key not in self._entries:
+            self.entry(entry.tx_id, entry.step)
+        self._journal.append((key, self._entries.get(key), self._dirty.get(key)))
+        self._entries[key] = entry
+        self._dirty[key] = entry
+        self._steps.setdefault(entry.tx_id, set()).add(entry.step)
+
+    def checkpoint(self) -> int:
+        return len(self._journal)
+
+    def undo_to(self, mark: int) -> None:
+        """Forget the writes since ``mark`` (their item's savepoint was rolled back)."""
+        while len(self._journal) > mark:
+            key, entry, dirty = self._journal.pop()
+            self._entries[key] = entry
+            if dirty is None:
+                self._dirty.pop(key, None)
+            else:
+                self._dirty[key] = dirty
+
+    def flush(self) -> None:
+        """Write the changed entries: new ones inserted, known ones updated."""
+        name = self._participant
+        inserts = [row_of(name, e) for key, e in self._dirty.items() if not self._existed.get(key)]
+        updates = [
+            {f"v_{column}": value for column, value in row_of(name, e).items()}
+            for key, e in self._dirty.items()
+            if self._existed.get(key)
+        ]
+        if inserts:
+            try:
+                self._connection.execute(insert(self._table), inserts)
+            except sa_exc.IntegrityError as exc:
+                raise TransientError(
+                    f"participant {name!r}: another worker recorded a step of this batch "
+                    f"({detail(exc)}) at the same time; the batch will be retried"
+                ) from exc
+        if updates:
+            c = self._table.c
+            statement = (
+                update(self._table)
+                .where(
+                    c.participant == name,
+                    c.tx_id == bindparam("v_tx_id"),
+                    c.step == bindparam("v_step"),
+                )
+                .values(
+                    {
+                        column: bindparam(f"v_{column}")
+                        for column in (*LEDGER_COLUMNS[3:], *ADDED_COLUMNS)
+                    }
+                )
+            )
+            self._connection.execute(statement, updates)
+        for key in self._dirty:
+            self._existed[key] = True
+        self._dirty.clear()
+        self._journal.clear()
+
+
+class SqlUnit(Unit[SqlSession]):
+    """One work item's reads and writes of the ledger (through the batch's view).
+
+    With ``savepoint`` (a careful batch) the item runs inside it: :meth:`finish`
+    releases it, or, for a rejected confirmation, rolls it back and drops the
+    item's ledger writes. Without (a batch of built-in steps only, see
+    :meth:`participants._sql.SqlStorage.execute`) a rejection cannot be undone
+    alone, so it runs the batch again carefully.
+    """
+
+    def __init__(
+        self,
+        ledger: BatchLedger,
+        session: SqlSession,
+        connection: Connection,
+        savepoint: NestedTransaction | None = None,
+    ) -> None:
+        self.native = session
+        self._ledger = ledger
+        self._connection = connection
+        self._savepoint = savepoint
+        self._mark = ledger.checkpoint()
+
+    def entry(self, tx_id: str, step: int) -> LedgerEntry | None:
+        return self._ledger.entry(tx_id, step)
+
+    def entries(self, tx_id: str) -> list[LedgerEntry]:
+        return self._ledger.entries(tx_id)
+
+    def tx_rolled_back(self, tx_id: str) -> bool:
+        return self._ledger.entry(tx_id, MARKER_STEP) is not None
+
+    def known_fingerprint(self, tx_id: str) -> str | None:
+        return self._ledger.fingerprint(tx_id)
+
+    def write(self, entry: LedgerEntry) -> None:
+        # The effect (if any) is done: close its scope so that a later rollback_effect
+        # in this unit (a decision covering several steps) cannot reach back into it.
+        self.native.keep_effect()
+        self._ledger.write(entry)
+
+    def rollback_effect(self) -> None:
+        self.native.undo_effect()
+
+    def finish(self, error: BaseException | None) -> None:
+        if self._savepoint is None:
+            if isinstance(error, BusinessRejection):
+                raise NeedsSavepoints from error
+            return
+        if error is None:
+            self.native.keep_effect()
+            close_savepoint(self._connection, self._savepoint, keep=True)
+        elif isinstance(error, BusinessRejection):
+            self.native.undo_effect()
+            close_savepoint(self._connection, self._savepoint, keep=False)
+            self._ledger.undo_to(self._mark)
+        # Any other error rolls the whole batch back.
+
+
+def row_of(participant: str, entry: LedgerEntry) -> dict[str, Any]:
+    """The ledger row of ``entry`` (the codec's fields, the participant and when it finished)."""
+    return {"participant": participant, **entry_fields(entry), "finished_ms": finished_ms(entry)}
+
+
+def entry_of_row(row: RowMapping) -> LedgerEntry:
+    """The entry a ledger row holds (a ledger from before fingerprints has no such column)."""
+    return entry_of(cast(Mapping[str, Any], row))
