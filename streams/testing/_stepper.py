@@ -14,17 +14,27 @@ class KillAt:
     """Fault hooks (:class:`streams._faults.Faults`) that kill at the ``nth`` pass of ``point``.
 
     The kill is :meth:`InMemoryLog.kill` of the calling thread, then :class:`Killed`
-    raised out of the service. ``switches`` are the unsafe test switches reported on.
+    raised out of the service. ``nth=None`` starts disarmed: :meth:`arm` chooses the
+    pass later (e.g. the next one). ``switches`` are the unsafe test switches reported on.
     """
 
     def __init__(
-        self, log: InMemoryLog, point: str, nth: int = 1, *, switches: Iterable[str] = ()
+        self,
+        log: InMemoryLog,
+        point: str,
+        nth: int | None = 1,
+        *,
+        switches: Iterable[str] = (),
     ) -> None:
         self.log = log
         self.point = point
         self.nth = nth
         self.passes = 0
         self.switches = frozenset(switches)
+
+    def arm(self, passes: int = 1) -> None:
+        """Kill at the ``passes``-th pass from now (1: the next one)."""
+        self.nth = self.passes + passes
 
     def hit(self, point: str) -> None:
         if point != self.point:
@@ -39,7 +49,7 @@ class KillAt:
 
     @property
     def fired(self) -> bool:
-        return self.passes >= self.nth
+        return self.nth is not None and self.passes >= self.nth
 
 
 class Stepper:
