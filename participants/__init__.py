@@ -1,51 +1,100 @@
-"""The participant side of saga: the runtime, the barrier and the storage adapters.
+"""The participant side of saga: the runtime, the storage adapters and custom actions.
 
 Public API::
 
-    ParticipantRuntime      consume -> barrier -> apply -> emit (``saga participant run``)
-    open_storage            build a storage adapter by kind: sql, mongo, redis
-    Storage, Unit, Actions  what an adapter implements
-    Handler, Reject         custom actions (try / confirm / cancel)
-    plan, LedgerEntry       the pure barrier
+    ParticipantRuntime, ParticipantStats   consume -> barrier -> apply -> emit
+                                           (``saga participant run``)
+    open_storage                           build a storage adapter by kind: sql, mongo, redis
+    SqlStorage, MongoStorage, RedisStorage the adapters (each imports its driver when first used)
+    SqlSession, MongoSession, RedisSession what actions and handlers get as ``native``
+    Handler, Reject, load_handlers         custom actions (try / confirm / cancel)
+    Actions                                custom actions as one object (``handlers=``)
+    Storage                                what the runtime asks of a storage
+    LedgerStorage, Unit, RunBatchAgain     the base class a new adapter derives from
+    Requested, PredecessorApplied,         the work items a storage executes, and the
+    SuccessorCompensated, DecisionArrived, events it reports
+    RequestSeen, WorkItem, Report
+    LedgerEntry, LedgerStatus              what a storage's ledger holds
+
+Everything else (the barrier, the item algorithm, the adapters' parts) lives in
+private modules; tests import it from there.
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from participants._barrier import (
-    Decided,
-    Effect,
     LedgerEntry,
     LedgerStatus,
-    Plan,
     PredecessorApplied,
     Requested,
     SuccessorCompensated,
-    plan,
 )
-from participants._handlers import Handler, Reject, WithHandlers, load_handlers
+from participants._handlers import Handler, Reject, load_handlers
 from participants._open import open_storage
 from participants._runtime import ParticipantRuntime, ParticipantStats
-from participants._storage import Actions, DecisionArrived, Report, Storage, Unit, run_item
+from participants._storage import (
+    Actions,
+    DecisionArrived,
+    LedgerStorage,
+    Report,
+    RequestSeen,
+    RunBatchAgain,
+    Storage,
+    Unit,
+    WorkItem,
+)
+
+if TYPE_CHECKING:
+    from participants._mongo import MongoSession, MongoStorage
+    from participants._redis import RedisSession, RedisStorage
+    from participants._sql import SqlSession, SqlStorage
+
+# The adapters import their drivers (SQLAlchemy, pymongo, redis-py): only on first use.
+_ADAPTERS = {
+    "SqlStorage": "participants._sql",
+    "SqlSession": "participants._sql",
+    "MongoStorage": "participants._mongo",
+    "MongoSession": "participants._mongo",
+    "RedisStorage": "participants._redis",
+    "RedisSession": "participants._redis",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _ADAPTERS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'participants' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
 
 __all__ = [
     "Actions",
-    "Decided",
     "DecisionArrived",
-    "Effect",
     "Handler",
     "LedgerEntry",
     "LedgerStatus",
+    "LedgerStorage",
+    "MongoSession",
+    "MongoStorage",
     "ParticipantRuntime",
     "ParticipantStats",
-    "Plan",
     "PredecessorApplied",
+    "RedisSession",
+    "RedisStorage",
     "Reject",
     "Report",
+    "RequestSeen",
     "Requested",
+    "RunBatchAgain",
+    "SqlSession",
+    "SqlStorage",
     "Storage",
     "SuccessorCompensated",
     "Unit",
-    "WithHandlers",
+    "WorkItem",
     "load_handlers",
     "open_storage",
-    "plan",
-    "run_item",
 ]
