@@ -393,6 +393,21 @@ def test_a_database_error_rejects_only_its_own_step(database: Database) -> None:
         }
 
 
+def test_the_barrier_off_switch_is_the_storages_own(database: Database) -> None:
+    """The chaos suite's negative control reaches the barrier through the storage's fault
+    hooks: with ``barrier-off`` a repeated request applies again; without, it does not."""
+    from streams._faults import KillFaults
+
+    bump = {"target": "accounts", "key": 1, "field": "balance", "by": 5}
+    with sql_harness(database) as harness:
+        harness.storage.execute([requested("tx-1", "increment", bump)])
+        harness.storage.execute([requested("tx-1", "increment", bump)])
+        assert (harness.record("accounts", 1) or {})["balance"] == 105
+        unsafe = harness.make(faults=KillFaults(switches="barrier-off"))
+        unsafe.execute([requested("tx-1", "increment", bump)])
+        assert (harness.record("accounts", 1) or {})["balance"] == 110
+
+
 def reserve(session: SqlSession, args: Mapping[str, Any]) -> Any:
     orders = session.table("orders")
     found = session.execute(sa.select(orders.c.qty).where(orders.c.id == args["order"])).first()

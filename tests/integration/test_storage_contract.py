@@ -1885,6 +1885,29 @@ class TestRedis:
         assert redis_store.client.smembers(f"{prefix}:ledger:bank:in_flight") == {"tx:1"}
         assert redis_store.storage.in_flight_sequential() == {"tx:1"}
 
+    def test_the_reconciliation_job_reads_the_ledger_the_adapter_writes(
+        self, redis_store: RedisHarness
+    ) -> None:
+        """One key layout (participants._ledger): the audit's reader finds every step entry
+        the adapter wrote, under the right participant and transaction, and no marker."""
+        from streams.reconcile._sources import _redis_ledger_rows
+
+        bump = {"target": "accounts", "key": 1, "field": "balance", "by": 1}
+        redis_store.storage.execute(
+            [
+                requested("tx:1", "increment", bump, step=1, n_steps=2),
+                requested("tx-2", "increment", {**bump, "by": -1000, "min": 0}),
+                rollback("tx-3"),
+                seen("tx-4"),
+            ]
+        )
+        rows = sorted(_redis_ledger_rows(redis_store.url, redis_store.prefix, "redis"))
+        assert [row[:6] for row in rows] == [
+            ("redis", "bank", "tx-2", 0, "failed", False),
+            ("redis", "bank", "tx:1", 1, "applied", True),
+        ]
+        assert [e.tx_id for e in redis_store.storage.ledger()] == ["tx-2", "tx:1"]
+
     def test_open_storage_builds_it(self, redis_store: RedisHarness) -> None:
         storage = open_storage(
             "redis", name="bank", url=redis_store.url, targets=["accounts"], schema="other"
