@@ -45,7 +45,33 @@ raises ``TransactionAborted``), :meth:`InMemoryLog.drop`, :meth:`InMemoryLog.kil
 transactions stay open, group members are dropped, and any further call raises
 :class:`Killed`), :class:`KillAt` (fault hooks that kill at a fault point),
 :class:`Stepper` (runs a service loop in a thread, one poll at a time) and
-:class:`ManualClock`.
+:class:`ManualClock`. Inspection: :meth:`InMemoryLog.records` (what a
+``read_committed`` reader sees), ``end_offset``, ``committed_offset``, ``members``
+and ``generation``.
+
+Use::
+
+    clock = ManualClock()
+    log = InMemoryLog(KafkaSettings(bootstrap="memory:9092", prefix="t"), clock=clock)
+    log.create_topics(partitions=2)
+    service = CoordinatorService(log.settings, instance_id="a", clock=clock, log=log)
+    stepper = Stepper(log, service.run, stop=service.stop).start()  # at its first poll
+    ...                        # produce requests and events with log.producer()
+    stepper.step()             # one poll (rebalance callbacks run in it) and its batch
+    clock.advance(5_000)
+    stepper.step()             # a poll with nothing: deadline ticks
+    stepper.stop()
+
+The clients are thread-safe enough for one service thread at a time next to the
+test (a :class:`Stepper` never lets both run at once). Every group assigns by
+range, whatever ``assignment_strategy`` says. A killed transactional producer's
+open transaction holds back ``read_committed`` readers of its partitions until its
+id is initialised again (there are no transaction timeouts).
+
+Modules (private; import from here): ``_model`` (records, transactions, groups,
+:class:`Killed`, :class:`ManualClock`), ``_log`` (:class:`InMemoryLog`),
+``_clients`` (the consumer and producers), ``_stepper`` (:class:`KillAt`,
+:class:`Stepper`).
 
 Not modelled: brokers, replication, network errors and timeouts (nothing ever
 waits: ``poll_batch`` returns what is there at once, and ``committed`` raises where

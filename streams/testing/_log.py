@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from streams._errors import ConfigurationError
 from streams._lifecycle import Clock, wall_clock_ms
@@ -13,6 +13,9 @@ from streams.kafka import KafkaSettings, Message, Partition, RebalanceCallback
 
 from ._clients import InMemoryConsumer, InMemoryProducer, InMemoryTransactionalProducer
 from ._model import _Client, _Entry, _Gate, _Group, _message, _Txn
+
+if TYPE_CHECKING:
+    from streams.log import Log
 
 
 class InMemoryLog:
@@ -264,3 +267,7 @@ class InMemoryLog:
         gate = self._gates.get(threading.get_ident())
         if gate is not None:
             gate.park()
+
+
+if TYPE_CHECKING:
+    _IS_A_LOG: Log = InMemoryLog()  # mypy checks that it implements the protocols
