@@ -27,6 +27,7 @@ from participants import (
     Report,
     Requested,
     Storage,
+    WorkItem,
     open_storage,
 )
 from streams import (
@@ -325,7 +326,7 @@ class Flaky(Storage):
     def setup(self) -> None:
         self.inner.setup()
 
-    def execute(self, items: Sequence[Any]) -> list[Report]:  # work items
+    def execute(self, items: Sequence[WorkItem]) -> list[Report]:
         self.calls += 1
         if self.outage > 0:
             self.outage -= 1
