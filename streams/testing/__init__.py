@@ -74,13 +74,18 @@ Modules (private; import from here): ``_model`` (records, transactions, groups,
 :class:`Stepper`).
 
 Not modelled: brokers, replication, network errors and timeouts (nothing ever
-waits: ``poll_batch`` returns what is there at once, and ``committed`` raises where
-Kafka would wait for a pending transaction), incremental (cooperative) rebalances,
-static membership, sticky assignment, session timeouts by time, transaction
-timeouts, compaction, retention and deletion (the low watermark is always 0), the
-idempotent producer's sequence numbers, ``poll`` delivering records (only ``flush``
-does), quotas and record size limits, and producing to a missing topic raises
-:class:`~streams.ConfigurationError` at once (Kafka times out later).
+waits: ``poll_batch`` returns what is there at once, and ``committed`` raises
+:class:`~streams.TransientError` at once where Kafka would wait for a pending
+transaction, as if its timeout had passed: a test cannot show a service waiting
+for a previous owner's commit), the order of a batch (a poll returns records
+partition by partition in assignment order, topics sorted by name, each as far as
+``max_messages`` allows; a real client interleaves partitions in no set order),
+incremental (cooperative) rebalances, static membership, sticky assignment,
+session timeouts by time, transaction timeouts, compaction, retention and deletion
+(the low watermark is always 0), the idempotent producer's sequence numbers,
+``poll`` delivering records (only ``flush`` does), quotas and record size limits,
+and producing to a missing topic raises :class:`~streams.ConfigurationError` at
+once (Kafka times out later).
 """
 
 from __future__ import annotations
