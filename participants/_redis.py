@@ -104,9 +104,8 @@ PARTICIPANT_NAME: Final = re.compile(r"[A-Za-z0-9._-]{1,64}")
 DEFAULT_PREFIX: Final = "saga"
 DEFAULT_MAX_ATTEMPTS: Final = 25
 
-_entry_text = (
-    entry_json  # the ledger codec, under the name tests/integration/test_reconcile.py uses
-)
+# The ledger codec under the name tests/integration/test_reconcile.py imports.
+_entry_text = entry_json
 
 
 class RedisStorage(LedgerStorage[RedisSession]):

@@ -19,7 +19,10 @@ How an adapter plugs in (see :class:`LedgerStorage` for the details)::
         # optional: finish(error) to keep/undo the item, close() to release it
 
     class MyStorage(LedgerStorage[MySession, MyBatch]):
-        driver_errors = (MyDriverError,)
+        driver_errors = (MyDriverError,)          # what translate() handles
+        atomic_batch = False                      # True: a batch is one local transaction
+        def __init__(self, ..., faults=NO_FAULTS):
+            super().__init__(faults=faults)       # then set name, where, actions
         def prepare(self): ...                    # create the ledger, check the targets
         def open_batch(self, items, attempt): ... # context manager: the batch's scope
         def open_unit(self, batch, item, previous): ...
@@ -27,8 +30,11 @@ How an adapter plugs in (see :class:`LedgerStorage` for the details)::
         def ledger(...), in_flight_sequential(), prune(...)
         # optional: run_again(unit, exc), mark_seen(batch, items), close()
 
-Built-in actions are described by :mod:`participants._actions`; custom actions
-by :mod:`participants._handlers`.
+Built-in actions are described by :mod:`participants._actions` (an adapter
+derives ``BuiltinActions[MySession]`` and says how to reach a record); custom
+actions by :mod:`participants._handlers` (``combine`` puts both together).
+``TypeVar`` comes from ``typing_extensions`` (a dependency of SQLAlchemy) for its
+``default=``: an adapter may still name ``Unit`` or ``Actions`` without a type.
 """
 
 from __future__ import annotations
