@@ -1,5 +1,9 @@
 """The MongoDB storage: documents and the step ledger, changed together as far as the server allows.
 
+Why this module is a little over 600 lines: most of it is this description of the
+write protocol, which every other ``_mongo_*`` module implements a part of; it is
+kept whole, next to the storage that runs it.
+
 pymongo is imported here only. Target collections hold the business documents
 (``_id`` = the step's key). The ledger is two collections in the same database:
 
