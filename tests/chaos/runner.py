@@ -1,5 +1,9 @@
 """The chaos runner: a profile of faults over the transfer workload, judged and reported.
 
+Why this module is over 600 lines: the run's phases, its judgement and its report
+read as one sequence (baseline, faults, quiesce, verdict); the pieces it drives
+(workload, faults, checker, log) are modules of their own.
+
 A run has four parts:
 
 1. **baseline** — a coordinator pair and the participants (two PostgreSQL and two

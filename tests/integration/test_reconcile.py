@@ -1,5 +1,8 @@
 """``saga reconcile`` on logs seeded on purpose, straight into Kafka and the ledgers.
 
+Why this module is over 600 lines: it seeds one log and one set of ledgers that
+all its cases share (seeding is the slow part), one case per class of finding.
+
 Every class and every invariant the job checks has a transaction made to show
 it (a missing decision, a double decision, a commit with a failed step, a
 rollback whose applied step was never compensated, a step applied in a store

@@ -1,5 +1,9 @@
 """The participant barrier (``participants._barrier.plan``), DESIGN §4.
 
+Why this module is over 600 lines: one branch table of ``plan()`` and the one
+hypothesis model that checks it end to end belong together; split, a reader would
+have to hold both files open to see which branch the model reaches.
+
 Every branch of ``plan()`` is exercised with hand-written signals, then a
 hypothesis model runs whole transactions through participants that consume the
 three topics the way the runtime does (``participants._runtime`` turns records
