@@ -46,6 +46,11 @@ the client and returns the transaction ids to keep), reads the five topics back,
 derives the coordinator's input order from the published statuses and writes
 one ``<scenario>.json`` per transaction. It replays each history with the
 functions below before writing it and refuses to write one that does not replay.
+
+Why not the chaos suite's ``history.jsonl``: it keeps one line per submission
+(the transfer and the outcome the client saw), not the records of the topics,
+and the suite deletes its topics when it ends; the recorder reads the topics
+before they go.
 """
 
 from __future__ import annotations
