@@ -1,9 +1,10 @@
 """The reconciliation job: audit the saga log and the participants' ledgers with PySpark.
 
 ``saga reconcile`` (:mod:`streams.reconcile.cli`) reads ``requests``, ``events``,
-``decisions`` and ``dlq`` as a batch through Spark's Kafka source, checks DESIGN
-§6's invariants per transaction, cross-checks the ledgers, runs business
-checks, writes Parquet findings and a JSON summary, and replays stuck sagas.
+``decisions`` and ``dlq`` as a batch through Spark's Kafka source, checks the
+invariants of docs/architecture.md §6 per transaction, cross-checks the ledgers,
+runs business checks, writes Parquet findings and a JSON summary, and replays
+stuck sagas.
 
 Public API::
 
