@@ -199,7 +199,6 @@ from participants._mongo_ledger import (
     PARTICIPANT_NAME,
     TX_COLLECTION_SUFFIX,
     _check_tx_id,
-    _entry_fields,  # noqa: F401 - tests/integration/test_reconcile.py
     _entry_of,
     _pending_key,
     _seen_doc,

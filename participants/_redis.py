@@ -104,9 +104,6 @@ PARTICIPANT_NAME: Final = re.compile(r"[A-Za-z0-9._-]{1,64}")
 DEFAULT_PREFIX: Final = "saga"
 DEFAULT_MAX_ATTEMPTS: Final = 25
 
-# The ledger codec under the name tests/integration/test_reconcile.py imports.
-_entry_text = entry_json
-
 
 class RedisStorage(LedgerStorage[RedisSession]):
     """A participant's Redis: hash records under ``<prefix>:<target>:`` and its ledger.

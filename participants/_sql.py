@@ -132,7 +132,6 @@ class SqlStorage(LedgerStorage[SqlSession, SqlBatch]):
 
     driver_errors = (sa_exc.DBAPIError, sa_exc.DisconnectionError, sa_exc.TimeoutError)
     atomic_batch = True
-    _boundary = LedgerStorage.boundary  # the name tests/unit/test_cli_inputs.py uses
 
     def __init__(
         self,

@@ -367,8 +367,8 @@ def write_ledgers(
 ) -> None:
     """Each participant's entries in its store's layout (the adapters' own helpers)."""
     from participants._barrier import LedgerEntry, LedgerStatus
-    from participants._mongo import _entry_fields
-    from participants._redis import _entry_text
+    from participants._ledger import entry_json as _entry_text
+    from participants._mongo_ledger import _entry_fields
     from participants._sql import define_ledger
 
     def entry(e: Entry) -> LedgerEntry:

@@ -308,7 +308,7 @@ def _operational(message: str) -> sa_exc.OperationalError:
 )
 def test_postgresql_authentication_failures_are_configuration_errors(message: str) -> None:
     store = SqlStorage("p", "postgresql://saga:WrongPassword1@127.0.0.1:5432/saga", ["t"])
-    with pytest.raises(ConfigurationError) as caught, store._boundary("set up its ledger"):
+    with pytest.raises(ConfigurationError) as caught, store.boundary("set up its ledger"):
         raise _operational(message)
     text = str(caught.value)
     assert "authentication failure: PostgreSQL at 127.0.0.1:5432/saga refused the user 'saga'" in (
@@ -323,7 +323,7 @@ def test_postgresql_unreachable_is_still_transient() -> None:
     from streams import TransientError
 
     store = SqlStorage("p", "postgresql://saga:x@127.0.0.1:5432/saga", ["t"])
-    with pytest.raises(TransientError), store._boundary("run a batch"):
+    with pytest.raises(TransientError), store.boundary("run a batch"):
         raise _operational('connection failed: connection to server at "127.0.0.1" failed: refused')
 
 
