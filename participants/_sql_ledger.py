@@ -33,7 +33,7 @@ from sqlalchemy import (
 from sqlalchemy import exc as sa_exc
 
 from participants._barrier import LedgerEntry, LedgerStatus, finished_ms
-from participants._ledger import MARKER_STEP, entry_fields, entry_of
+from participants._ledger import ENTRY_FIELDS, MARKER_STEP, entry_fields, entry_of
 from participants._sql_actions import NeedsSavepoints
 from participants._sql_errors import detail
 from participants._sql_session import SqlSession, close_savepoint
@@ -48,24 +48,13 @@ FINAL_STATUSES: Final = (
 )
 """Statuses that :func:`participants._barrier.finished_ms` counts as final (for the upgrade)."""
 
+ADDED_COLUMNS: Final = ("fingerprint", "finished_ms")
+# The ledger table's first columns: the participant, then the entry's fields (the
+# codec's), less the ones later versions added (created by an ALTER when missing).
 LEDGER_COLUMNS: Final = (
     "participant",
-    "tx_id",
-    "step",
-    "status",
-    "action",
-    "args",
-    "mode",
-    "n_steps",
-    "deadline_ms",
-    "effect",
-    "before",
-    "reason",
-    "rollback_pending",
-    "successor_compensated",
-    "updated_ms",
+    *(name for name in ENTRY_FIELDS if name not in ADDED_COLUMNS),
 )
-ADDED_COLUMNS: Final = ("fingerprint", "finished_ms")
 """Columns added after the first layout; :meth:`SqlStorage.setup` adds them to an older ledger."""
 
 
