@@ -1,4 +1,4 @@
-"""The built-in actions (DESIGN §3), validated once for every storage adapter.
+"""The built-in actions (docs/architecture.md §3), validated once for every storage adapter.
 
 A step names an action and its arguments; the wire contract only promises a
 JSON object. :func:`parse_action` turns that object into one of the frozen

@@ -1,7 +1,7 @@
 """The barrier: what a participant does with one signal about one of its steps.
 
 A pure function of the step's ledger entry and the signal, so the guarantees of
-DESIGN §4 are decided in one place, tested without services, and shared by every
+docs/architecture.md §4 are decided in one place, tested without services, and shared by every
 storage. The storage runs the returned ``Plan`` inside the same local atomic unit
 that reads and writes the ledger entry.
 

@@ -138,7 +138,7 @@ participant is safe on FerretDB. Several processes writing the *same* documents
 (two workers of one participant, or another application) rely on the server's
 single-document atomicity: correct on MongoDB, lossy on FerretDB.
 
-Guarantees (DESIGN §4). On MongoDB with transactions each step's change and its
+Guarantees (docs/architecture.md §4). On MongoDB with transactions each step's change and its
 ledger record commit atomically, and concurrent workers are safe. Without
 transactions a crash at any point leaves each step applied 0 or 1 times and the
 ledger agreeing with the documents once the intent is resolved (idempotency,

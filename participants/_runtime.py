@@ -6,7 +6,7 @@ One runtime serves one participant name and one storage. It consumes the
 steps, runs each batch in one local atomic unit of its storage, emits the step
 events, waits until Kafka acknowledged them, and only then commits the
 consumed offsets. A crash anywhere in that sequence re-delivers the batch, and
-the ledger makes the repeat take effect at most once (DESIGN §4).
+the ledger makes the repeat take effect at most once (docs/architecture.md §4).
 
 Errors split three ways:
 

@@ -37,7 +37,7 @@ whose batch loop drives it) here; its native session is in
 :mod:`participants._sql_ledger`, its connection and error helpers in
 :mod:`participants._sql_errors`.
 
-Errors, translated at this boundary (DESIGN §4):
+Errors, translated at this boundary (docs/architecture.md §4):
 
 * integrity and data errors raised by an action (duplicate key, NOT NULL,
   value out of range, ...) are a :class:`~streams.BusinessRejection`: the

@@ -1,6 +1,6 @@
 """The one place that turns wire records into bytes and bytes into wire records.
 
-Wire format (DESIGN §3): one UTF-8 JSON object per record, carrying ``"v": 1``
+Wire format (docs/architecture.md §3): one UTF-8 JSON object per record, carrying ``"v": 1``
 and a ``"type"``, checked against the JSON Schema shipped in
 ``streams/schemas/<type>.schema.json``.
 

@@ -1,4 +1,4 @@
-"""Wire records, version 1 (DESIGN §3): frozen, typed, one class per record type.
+"""Wire records, version 1 (docs/architecture.md §3): frozen, typed, one class per record type.
 
 Every record is keyed by its ``tx_id`` and carries ``"v": 1`` and a ``"type"``.
 Encoding and decoding live in one place, :mod:`streams._codec`; these classes

@@ -1,4 +1,4 @@
-"""Topic layout (DESIGN §3): five topics whose names share one configurable prefix."""
+"""Topic layout (docs/architecture.md §3): five topics whose names share one configurable prefix."""
 
 from __future__ import annotations
 

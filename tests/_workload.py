@@ -17,7 +17,7 @@ credit, visible until it is compensated, could cover it; the test suite found
 exactly that while it was being written.) Some transfers run in sequential mode.
 
 :func:`check_invariants` reads the stores and the log after the load and checks
-DESIGN §6 for it: every saga final, one decision per transaction that agrees
+docs/architecture.md §6 for it: every saga final, one decision per transaction that agrees
 with its status, money conserved and every balance equal to its start plus the
 committed transfers (a step applied twice or compensated twice would show
 here), the orders exactly those of committed sagas, and one ledger row per step
@@ -229,7 +229,10 @@ def decisions_by_tx(system: SagaSystem) -> dict[str, list[Decision]]:
 def check_invariants(
     system: SagaSystem, transfers: list[Transfer], finals: dict[str, SagaStatus]
 ) -> Counter[str]:
-    """Check DESIGN §6 for the transfer workload at quiescence; returns the count per state."""
+    """Check the invariants (docs/architecture.md §6) of the transfer workload at quiescence.
+
+    Returns the count per state.
+    """
     states: Counter[str] = Counter(finals[t.tx_id].state.value for t in transfers)
 
     # I1: exactly one decision per transaction (transactions + read_committed), and it

@@ -277,7 +277,7 @@ class Producer(_ProducerBase):
 
 
 class TransactionalProducer(_ProducerBase):
-    """A producer that writes records and consumer offsets atomically (DESIGN §5).
+    """A producer that writes records and consumer offsets atomically (docs/architecture.md §5).
 
     Use::
 

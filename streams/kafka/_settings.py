@@ -25,7 +25,7 @@ _ENV_BOOTSTRAP: Final = "SAGA_KAFKA_BOOTSTRAP"
 _ENV_TOPIC_PREFIX: Final = "SAGA_TOPIC_PREFIX"
 
 # Settings saga decides itself; letting a config file change them would break the
-# guarantees of DESIGN §5 (or, for bootstrap.servers, contradict --bootstrap).
+# guarantees of docs/architecture.md §5 (or, for bootstrap.servers, contradict --bootstrap).
 _RESERVED: Final = frozenset(
     {
         "acks",

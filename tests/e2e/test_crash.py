@@ -4,7 +4,7 @@ The fault points of ``streams._faults`` (armed through ``SAGA_FAULTS``) SIGKILL 
 process exactly between two steps of its protocol; ``Proc.kill()`` kills at
 arbitrary moments under load. After each crash the process is restarted (a
 coordinator with the same ``--instance-id``) and the transfer workload of
-``tests/_workload.py`` must still finish with DESIGN §6 intact: every saga
+``tests/_workload.py`` must still finish with docs/architecture.md §6 intact: every saga
 final, one decision per transaction, each step applied at most once.
 
 The processes run with a 6 s Kafka session timeout (``SAGA_KAFKA_SESSION_TIMEOUT_MS``;

@@ -1,7 +1,7 @@
 """The SQL storage against real databases: what only SQL has (types, columns, savepoints,
 advisory locks, the driver's errors).
 
-The storage contract every adapter passes (DESIGN §3 built-in actions, §4 barrier) is
+The storage contract every adapter passes (docs/architecture.md §3 built-in actions, §4 barrier) is
 ``TestStorageContract`` in ``test_storage_contract.py``, which builds its SQL storages
 with the databases and harness defined here. Every PostgreSQL test runs in a schema of
 its own, dropped afterwards; every SQLite test in a file of its own.

@@ -1,4 +1,6 @@
-"""The storage contract (DESIGN §3 built-in actions, §4 barrier), against every real storage.
+"""The storage contract, against every real storage.
+
+Built-in actions: docs/architecture.md §3; the barrier: §4.
 
 ``TestStorageContract`` talks to a storage only through :class:`participants.Storage`
 and a backend-neutral :class:`Harness` (seed, record, snapshot, remove, a custom

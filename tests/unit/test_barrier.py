@@ -1,4 +1,4 @@
-"""The participant barrier (``participants._barrier.plan``), DESIGN §4.
+"""The participant barrier (``participants._barrier.plan``), docs/architecture.md §4.
 
 Why this module is over 600 lines: one branch table of ``plan()`` and the one
 hypothesis model that checks it end to end belong together; split, a reader would

@@ -1,4 +1,4 @@
-"""The wire contract (DESIGN §3): schemas, encoding, decoding, topic names.
+"""The wire contract (docs/architecture.md §3): schemas, encoding, decoding, topic names.
 
 Why this module is over 600 lines: it is the executable form of the wire contract,
 one section per record kind, in the order the README's contract lists them.

@@ -2,7 +2,7 @@
 
 The compose file must describe the same system as the local, no-Docker
 services (infra/services.sh): same host ports, same credentials, same
-Kafka settings that matter (DESIGN.md §5, §7).
+Kafka settings that matter (docs/architecture.md §5).
 """
 
 from __future__ import annotations
