@@ -26,9 +26,12 @@ its ``.pub`` is removed (``saga keys retire``).
 
 Headers: ``saga.kid`` (the key id, UTF-8) and ``saga.sig`` (64 bytes). The
 signature covers the topic name, the key, the value (a tombstone is signed as
-such) and every other header, sorted by name, each length-prefixed, so no part
-of a record can be moved to another record, another topic or another
-deployment's prefix without the signature failing.
+such) and every other header but ``saga.replayed.*`` (what ``saga reconcile
+--replay`` adds to the copy it re-publishes), sorted by name, each
+length-prefixed, so no part of a record can be moved to another record, another
+topic or another deployment's prefix without the signature failing. A signed
+record can be written again as it is (a replay); every reader is idempotent, so
+a copy changes nothing.
 
 Cost (libsodium through PyNaCl, on the 2-core machine of the README): about
 20 µs to sign and 55 µs to verify a record; see the README's *Security* section
@@ -56,6 +59,9 @@ from streams._records import Decision, SagaAbort, SagaRequest, SagaStatus, StepE
 HEADER_KEY_ID: Final = "saga.kid"
 HEADER_SIGNATURE: Final = "saga.sig"
 _SIGNATURE_HEADERS: Final = frozenset({HEADER_KEY_ID, HEADER_SIGNATURE})
+# Annotations a tool may add to a signed record it copies (``saga reconcile --replay``
+# re-publishes the original record, signature included): not covered by signatures.
+UNSIGNED_HEADER_PREFIX: Final = "saga.replayed."
 _DOMAIN: Final = b"saga-record-signature-v1\x00"
 
 COORDINATOR: Final = "coordinator"
@@ -115,7 +121,9 @@ def signed_bytes(
     """What a record's signature covers (see the module docstring)."""
     parts = [_DOMAIN, _field(topic.encode()), _field(_as_bytes(key)), _field(value)]
     for name, header_value in sorted(
-        (n, _as_bytes(v) or b"") for n, v in headers if n not in _SIGNATURE_HEADERS
+        (n, _as_bytes(v) or b"")
+        for n, v in headers
+        if n not in _SIGNATURE_HEADERS and not n.startswith(UNSIGNED_HEADER_PREFIX)
     ):
         parts.append(_field(name.encode()))
         parts.append(_field(header_value))
