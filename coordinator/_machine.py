@@ -5,7 +5,7 @@ and nothing else: no I/O, no clock reads, no id generation. Time arrives inside
 the input (``at_ms`` / ``now_ms``). The service around it (``_service``) feeds
 it what it consumes and produces what it returns, inside Kafka transactions.
 
-Rules (docs/architecture.md §1, §6):
+Rules (docs/architecture.md §2, §6):
 
 * every step ``applied`` and no decision yet -> ``commit``;
 * the first ``failed`` step, an operator abort, or the deadline passing before

@@ -1,6 +1,6 @@
 """The coordinator's pure state machine (``coordinator._machine.decide``).
 
-Every transition of docs/architecture.md §1/§6 is exercised with hand-written inputs, then a
+Every transition of docs/architecture.md §2/§6 is exercised with hand-written inputs, then a
 hypothesis model drives the machine with random interleavings of what correct
 participants, the clock, an operator and restarts can produce, and checks the
 invariants over everything the machine published.
