@@ -47,6 +47,8 @@ from streams import (
 from streams._duration import DEFAULT_RETENTION_MS
 from streams._faults import NO_FAULTS, Faults
 from streams._lifecycle import Clock, Stoppable, wall_clock_ms
+from streams._signed_log import signing
+from streams._signing import CLIENT, COORDINATOR, OPERATOR, Keyring, allowed_signers
 from streams.kafka import (
     KafkaSettings,
     Message,
@@ -74,6 +76,8 @@ class CoordinatorStats:
     forgotten: int = 0
     expired_requests: int = 0
     refreshed: int = 0
+    unauthenticated: int = 0  # records refused for their signature (to the DLQ)
+    forged_status: int = 0  # status records skipped by a restore for their signature
 
 
 # Forgetting is a chore, not a reason to make one transaction huge.
@@ -119,6 +123,15 @@ class CoordinatorService(Stoppable):
     ``log`` makes its Kafka clients (default: :class:`~streams.log.KafkaLog` of
     ``settings``; tests pass :class:`streams.testing.InMemoryLog`); ``faults`` are
     the crash suite's hooks (no-ops by default).
+
+    ``keys`` (the coordinator's :class:`~streams._signing.Keyring`) turns signing
+    on: every record it writes is signed (:class:`~streams._signed_log.SignedLog`),
+    and before any effect it verifies every request and abort (``client`` or
+    ``operator``; aborts by ``aborters``), every step event (the participant it
+    names) and every record on the decisions topic (``coordinator``): a record
+    that fails goes to the DLQ with the reason and is never decided on. A restore
+    believes only status records and tombstones the coordinator signed. Without
+    ``keys`` nothing is signed or verified, and :meth:`run` says so.
     """
 
     def __init__(
@@ -134,9 +147,13 @@ class CoordinatorService(Stoppable):
         clock: Clock = wall_clock_ms,
         log: Log | None = None,
         faults: Faults = NO_FAULTS,
+        keys: Keyring | None = None,
+        aborters: frozenset[str] = frozenset({CLIENT, OPERATOR}),
     ) -> None:
         self.settings = settings
-        self._log: Log = log if log is not None else KafkaLog(settings)
+        self._keys = keys
+        self.aborters = aborters
+        self._log: Log = signing(log if log is not None else KafkaLog(settings), keys)
         self._faults = faults
         self.retention_ms = retention_ms
         self.topics = settings.topics
@@ -176,6 +193,11 @@ class CoordinatorService(Stoppable):
         self._partition_count = self._consumer.list_partitions(self.topics.requests)
         self._next_refresh_ms = self.clock() + self.retention_ms // 4
         self._consumer.subscribe([self.topics.requests, self.topics.events, self.topics.decisions])
+        if self._keys is None:
+            log.warning(
+                "records are not authenticated (anyone who can write to the topics can "
+                "forge decisions and step events); set SAGA_KEYS_DIR"
+            )
         log.info("coordinator %s running on %s", self.instance_id, self.settings.bootstrap)
         try:
             while not self.stopping:
@@ -238,7 +260,15 @@ class CoordinatorService(Stoppable):
                 self._partitions.pop(p, None)
 
     def _restore(self, partitions: list[int]) -> dict[int, list[Saga]]:
-        """Read the status topic's partitions to their end; the latest record per tx wins."""
+        """Read the status topic's partitions to their end; the latest record per tx wins.
+
+        With keys, the latest record the coordinator signed wins: each transaction's
+        records are kept and verified lazily, newest first, until one is valid (a
+        forged one is logged and skipped), so a restart verifies about one record per
+        transaction, not every record read.
+        """
+        if self._keys is not None:
+            return self._restore_signed(partitions, self._keys)
         latest: dict[int, dict[str, SagaStatus]] = {p: {} for p in partitions}
         reader = self._log.consumer(
             None,
@@ -269,6 +299,61 @@ class CoordinatorService(Stoppable):
         finally:
             reader.close()
         return {p: [Saga.from_status(s) for s in latest[p].values()] for p in partitions}
+
+    def _read_status(self, partitions: list[int]) -> dict[int, dict[bytes, list[Message]]]:
+        """Every record of the status topic's ``partitions``, per key, oldest first."""
+        found: dict[int, dict[bytes, list[Message]]] = {p: {} for p in partitions}
+        reader = self._log.consumer(
+            None,
+            client_id=f"{self.topics.prefix}.coordinator.{self.instance_id}.restore",
+        )
+        try:
+            ends = {p: reader.watermarks(self.topics.status, p)[1] for p in partitions}
+            todo = {p for p in partitions if ends[p] > 0}
+            reader.assign([(self.topics.status, p, 0) for p in todo])
+            while todo:
+                for m in reader.poll_batch(5000, 0.5):
+                    if m.key is not None:
+                        found[m.partition].setdefault(m.key, []).append(m)
+                    if m.offset + 1 >= ends[m.partition]:
+                        todo.discard(m.partition)
+                for (_, p), pos in reader.position([(self.topics.status, p) for p in todo]).items():
+                    if pos is not None and pos >= ends[p]:
+                        todo.discard(p)
+        finally:
+            reader.close()
+        return found
+
+    def _restore_signed(self, partitions: list[int], keys: Keyring) -> dict[int, list[Saga]]:
+        restored: dict[int, list[Saga]] = {p: [] for p in partitions}
+        only_coordinator = frozenset({COORDINATOR})
+        for p, by_key in self._read_status(partitions).items():
+            for key, records in by_key.items():
+                for m in reversed(records):
+                    status: SagaStatus | None = None
+                    if m.value is not None:
+                        try:
+                            decoded = decode_keyed(m.key, m.value, SagaStatus)
+                        except InvalidRecord:
+                            continue
+                        assert isinstance(decoded, SagaStatus)
+                        status = decoded
+                    reason = keys.check(m.topic, m.key, m.value, m.headers, only_coordinator)
+                    if reason is not None:
+                        self.stats.forged_status += 1
+                        log.warning(
+                            "restore: skipping the status record of %s at %s/%d@%d: %s",
+                            key.decode("utf-8", "replace"),
+                            m.topic,
+                            m.partition,
+                            m.offset,
+                            reason,
+                        )
+                        continue
+                    if status is not None:  # else a tombstone: the saga was forgotten
+                        restored[p].append(Saga.from_status(status))
+                    break
+        return restored
 
     # ------------------------------------------------------------ processing
 
@@ -458,6 +543,19 @@ class CoordinatorService(Stoppable):
             # a second, separate transaction of the same id that never settles.
             rejected.append((m, f"record is on partition {m.partition}, its key belongs on {home}"))
             return None
+        if self._keys is not None:
+            reason = self._keys.check(
+                m.topic,
+                m.key,
+                m.value,
+                m.headers,
+                allowed_signers(record, aborters=self.aborters),
+            )
+            if reason is not None:
+                # Never acted on: a forged step event, abort or decision changes nothing.
+                self.stats.unauthenticated += 1
+                rejected.append((m, reason))
+                return None
         if isinstance(record, Decision):
             return None
         if isinstance(record, SagaRequest):

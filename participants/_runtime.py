@@ -74,6 +74,8 @@ from streams import (
 from streams._duration import DEFAULT_RETENTION_MS
 from streams._faults import NO_FAULTS, Faults
 from streams._lifecycle import Clock, Stoppable, wall_clock_ms
+from streams._signed_log import signing
+from streams._signing import Keyring, allowed_signers
 from streams.kafka import KafkaSettings, Message, partition_for
 from streams.log import KafkaLog, Log
 
@@ -90,6 +92,7 @@ class ParticipantStats:
     retries: int = 0
     poisoned: int = 0
     pruned: int = 0  # ledger entries removed after the retention
+    unauthenticated: int = 0  # records not acted on for their signature
 
 
 class ParticipantRuntime(Stoppable):
@@ -98,6 +101,14 @@ class ParticipantRuntime(Stoppable):
     ``log`` makes its Kafka clients (default: :class:`~streams.log.KafkaLog` of
     ``settings``; tests pass :class:`streams.testing.InMemoryLog`); ``faults`` are
     the crash suite's hooks (no-ops by default).
+
+    ``keys`` (the participant's :class:`~streams._signing.Keyring`, principal
+    ``participant-<name>``) turns signing on: its step events are signed, requests
+    are acted on only when a client or an operator signed them, decisions only when
+    the coordinator did, and a neighbour's step event only when its participant did,
+    checked when a work item is made of it (not every event read). A record that
+    fails is skipped (the coordinator moves it to the DLQ). Without ``keys`` nothing
+    is signed or verified, and :meth:`run` says so.
     """
 
     def __init__(
@@ -116,9 +127,11 @@ class ParticipantRuntime(Stoppable):
         prune_limit: int = 1000,
         log: Log | None = None,
         faults: Faults = NO_FAULTS,
+        keys: Keyring | None = None,
     ) -> None:
         self.name = name
-        self._log: Log = log if log is not None else KafkaLog(settings)
+        self._keys = keys
+        self._log: Log = signing(log if log is not None else KafkaLog(settings), keys)
         self._faults = faults
         self.storage = storage
         self.settings = settings
@@ -134,10 +147,11 @@ class ParticipantRuntime(Stoppable):
         self._next_prune_ms = 0  # the first run prunes soon after start
         self.stats = ParticipantStats()
         super().__init__()
-        # (tx_id, step) of recently seen `applied` events -> when seen
-        self._applied_seen: OrderedDict[tuple[str, int], int] = OrderedDict()
-        # (tx_id, step) of recently seen `compensated` events -> when seen
-        self._compensated_seen: OrderedDict[tuple[str, int], int] = OrderedDict()
+        # (tx_id, step) of recently seen `applied` events -> (when seen, the record),
+        # the record verified only when a work item is made of it
+        self._applied_seen: OrderedDict[tuple[str, int], tuple[int, Message]] = OrderedDict()
+        # (tx_id, step) of recently seen `compensated` events -> (when seen, the record)
+        self._compensated_seen: OrderedDict[tuple[str, int], tuple[int, Message]] = OrderedDict()
         # sequential transactions with a step here -> when last touched; only
         # their neighbours' events need a look at the ledger
         self._sequential: OrderedDict[str, int] = OrderedDict()
@@ -171,6 +185,11 @@ class ParticipantRuntime(Stoppable):
         self._sequential = OrderedDict((tx, now) for tx in self.storage.in_flight_sequential())
         self._partition_count = self._consumer.list_partitions(self.topics.requests)
         self._consumer.subscribe([self.topics.requests, self.topics.decisions, self.topics.events])
+        if self._keys is None:
+            log.warning(
+                "records are not authenticated (anyone who can write to the topics can "
+                "forge decisions and step events); set SAGA_KEYS_DIR"
+            )
         log.info("participant %s running on %s", self.name, self.settings.bootstrap)
         try:
             while not self.stopping:
@@ -366,13 +385,54 @@ class ParticipantRuntime(Stoppable):
                 )
                 continue
             if isinstance(record, SagaRequest):
-                items.extend(self._requested(record, now))
+                if self._authentic(m, record):
+                    items.extend(self._requested(record, now))
             elif isinstance(record, Decision):
-                items.append(DecisionArrived(record.tx_id, record.outcome, now))
+                if self._authentic(m, record):
+                    items.append(DecisionArrived(record.tx_id, record.outcome, now))
             elif isinstance(record, StepEvent):
-                items.extend(self._neighbour(record, now))
+                items.extend(self._neighbour(record, m, now))
         self._forget_old(now)
         return items
+
+    def _authentic(self, m: Message, record: SagaRequest | Decision | StepEvent) -> bool:
+        """Whether ``record`` (read as ``m``) may be acted on: signed by whom it must be."""
+        if self._keys is None:
+            return True
+        reason = self._keys.check(m.topic, m.key, m.value, m.headers, allowed_signers(record))
+        if reason is None:
+            return True
+        # The coordinator moves it to the DLQ (requests, decisions); here it is not acted on.
+        self.stats.unauthenticated += 1
+        log.warning(
+            "not acting on %s/%d@%d (%s of %s): %s",
+            m.topic,
+            m.partition,
+            m.offset,
+            record.TYPE,
+            record.tx_id,
+            reason,
+        )
+        return False
+
+    def _seen(
+        self, memory: OrderedDict[tuple[str, int], tuple[int, Message]], key: tuple[str, int]
+    ) -> bool:
+        """Whether a neighbour's event ``key`` was seen, and is authentic (checked now)."""
+        found = memory.get(key)
+        if found is None:
+            return False
+        if self._keys is None:
+            return True
+        m = found[1]
+        try:
+            event = decode_keyed(m.key, m.value, StepEvent)
+        except InvalidRecord:  # it decoded when it was remembered
+            event = None
+        if isinstance(event, StepEvent) and self._authentic(m, event):
+            return True
+        memory.pop(key, None)  # forged: checked once, forgotten
+        return False
 
     def _requested(self, request: SagaRequest, now: int) -> list[WorkItem]:
         out: list[WorkItem] = []
@@ -392,9 +452,10 @@ class ParticipantRuntime(Stoppable):
                     n_steps=n,
                     deadline_ms=request.deadline_ms,
                     now_ms=now,
-                    predecessor_applied=(request.tx_id, index - 1) in self._applied_seen,
+                    predecessor_applied=sequential
+                    and self._seen(self._applied_seen, (request.tx_id, index - 1)),
                     successor_compensated=sequential
-                    and (request.tx_id, index + 1) in self._compensated_seen,
+                    and self._seen(self._compensated_seen, (request.tx_id, index + 1)),
                     fingerprint=fingerprint,
                 )
             )
@@ -405,21 +466,21 @@ class ParticipantRuntime(Stoppable):
             out.append(RequestSeen(request.tx_id, fingerprint, request.deadline_ms, now))
         return out
 
-    def _neighbour(self, event: StepEvent, now: int) -> list[WorkItem]:
+    def _neighbour(self, event: StepEvent, m: Message, now: int) -> list[WorkItem]:
         if event.status is StepStatus.APPLIED:
-            self._applied_seen[(event.tx_id, event.step)] = now
-            if event.tx_id in self._sequential:
+            self._applied_seen[(event.tx_id, event.step)] = (now, m)
+            if event.tx_id in self._sequential and self._authentic(m, event):
                 return [PredecessorApplied(event.tx_id, event.step + 1, now)]
         elif event.status is StepStatus.COMPENSATED and event.step > 0:
-            self._compensated_seen[(event.tx_id, event.step)] = now
-            if event.tx_id in self._sequential:
+            self._compensated_seen[(event.tx_id, event.step)] = (now, m)
+            if event.tx_id in self._sequential and self._authentic(m, event):
                 return [SuccessorCompensated(event.tx_id, event.step - 1, now)]
         return []
 
     def _forget_old(self, now: int) -> None:
         horizon = now - self.event_window_ms
         for seen in (self._applied_seen, self._compensated_seen):
-            while seen and next(iter(seen.values())) <= horizon:
+            while seen and next(iter(seen.values()))[0] <= horizon:
                 seen.popitem(last=False)
         # A sequential saga outlives its deadline by far less than an hour.
         horizon = now - max(self.event_window_ms, 3_600_000)
