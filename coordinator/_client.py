@@ -9,6 +9,11 @@ per call.
     with SagaClient(KafkaSettings.from_sources(None, None, None, os.environ)) as client:
         tx = client.submit([Step("ledger", "increment", {...}), ...], saga="transfer")
         final = client.result(tx, timeout=10)      # SagaStatus, state committed/rolled_back/failed
+
+With ``keys`` (a :class:`~streams._signing.Keyring`, e.g. ``Keyring.load(folder,
+"client")``) the client signs its requests and aborts, and believes a status record
+or a dead letter of the coordinator only when the coordinator signed it, verified
+lazily: only the records of sagas it is asked about or waits for.
 """
 
 from __future__ import annotations
@@ -38,8 +43,12 @@ from streams import (
     decode_as,
     encode,
 )
+from streams._codec import decode_keyed
 from streams._lifecycle import wall_clock_ms
-from streams.kafka import Consumer, KafkaSettings, Message, Producer
+from streams._signed_log import signing
+from streams._signing import COORDINATOR, Keyring
+from streams.kafka import KafkaLog, KafkaSettings, Message
+from streams.log import Log
 
 log = logging.getLogger("saga.client")
 
@@ -130,30 +139,56 @@ def build_request(
     return checked
 
 
+_COORDINATOR_ONLY = frozenset({COORDINATOR})
+_CANDIDATES_KEPT = 64
+"""How many unverified status records a view keeps per transaction (the latest)."""
+
+
 class StatusView:
     """Follows the status topic in a background thread; the latest record per transaction.
 
     ``from_beginning`` reads the whole (compacted) topic first, so ``get`` knows
     transactions submitted by anyone before the view started; otherwise only
     what is published from now on is seen.
+
+    With ``keys``, only status records, tombstones and dead letters the coordinator
+    signed are believed: the records of a transaction are kept as read and verified,
+    newest first, when the transaction is asked about (:meth:`get`,
+    :meth:`wait_final`, :meth:`snapshot`, a listener that wants it); a forged one is
+    logged and dropped. ``log`` makes the consumer (default: a
+    :class:`~streams.kafka.KafkaLog` of ``settings``).
     """
 
-    def __init__(self, settings: KafkaSettings, *, from_beginning: bool = True) -> None:
+    def __init__(
+        self,
+        settings: KafkaSettings,
+        *,
+        from_beginning: bool = True,
+        keys: Keyring | None = None,
+        log: Log | None = None,
+    ) -> None:
         self._settings = settings
+        self._keys = keys
         self._topic = settings.topics.status
         self._latest: dict[str, SagaStatus] = {}
+        # With keys: records read but not verified yet, per tx_id (oldest first), newer
+        # than what _latest holds for it.
+        self._unverified: dict[str, list[Message]] = {}
         self._cond = threading.Condition()
         self._stop = threading.Event()
         self._caught_up = threading.Event()
         self._error: BaseException | None = None
-        self._listeners: list[Callable[[SagaStatus], None]] = []
+        self._listeners: list[
+            tuple[Callable[[SagaStatus], None], Callable[[str], bool] | None]
+        ] = []
         self._rejection_listeners: list[Callable[[str], None]] = []
-        self._consumer = Consumer(settings, group_id=None, client_id="saga.client.status")
+        source: Log = log if log is not None else KafkaLog(settings)
+        self._consumer = source.consumer(None, client_id="saga.client.status")
         # Requests the coordinator rejected (dead letters from now on), by tx_id: a
         # conflicting or expired request is answered by nothing on the status topic.
         self._dlq = settings.topics.dlq
         self._requests = settings.topics.requests
-        self._rejected: OrderedDict[str, tuple[str, bytes | None]] = OrderedDict()
+        self._rejected: OrderedDict[str, list[tuple[str, bytes | None, Message]]] = OrderedDict()
         partitions = self._consumer.list_partitions(self._topic)
         self._ends: dict[int, int] = {}
         start: list[tuple[str, int, int]] = []
@@ -169,7 +204,9 @@ class StatusView:
             for p in range(self._consumer.list_partitions(self._dlq)):
                 start.append((self._dlq, p, self._consumer.watermarks(self._dlq, p)[1]))
         except ConfigurationError as exc:  # no DLQ topic, or not allowed to read it
-            log.info("not following rejected requests (%s): result() waits instead", exc)
+            logging.getLogger("saga.client").info(
+                "not following rejected requests (%s): result() waits instead", exc
+            )
         self._consumer.assign(start)
         if not self._ends:
             self._caught_up.set()
@@ -182,23 +219,10 @@ class StatusView:
                 batch = self._consumer.poll_batch(2000, 0.1)
                 if batch:
                     with self._cond:
-                        for m in batch:
-                            if m.topic == self._dlq:
-                                self._note_rejection(m)
-                                continue
-                            if m.value is None:
-                                # A tombstone: the coordinator forgot the saga (retention).
-                                if m.key is not None:
-                                    self._latest.pop(m.key.decode("utf-8", "replace"), None)
-                                continue
-                            try:
-                                status = decode_as(m.value, SagaStatus)
-                            except InvalidRecord:
-                                continue
-                            assert isinstance(status, SagaStatus)
-                            self._latest[status.tx_id] = status
-                            for listener in self._listeners:
-                                listener(status)
+                        if self._keys is None:
+                            self._take(batch)
+                        else:
+                            self._keep(batch)
                         self._cond.notify_all()
                 if not self._caught_up.is_set():
                     self._check_caught_up()
@@ -209,16 +233,123 @@ class StatusView:
         finally:
             self._consumer.close()
 
+    def _take(self, batch: list[Message]) -> None:
+        """Believe ``batch`` as it is (no keys); with the lock held."""
+        for m in batch:
+            if m.topic == self._dlq:
+                self._note_rejection(m)
+                continue
+            if m.value is None:
+                # A tombstone: the coordinator forgot the saga (retention).
+                if m.key is not None:
+                    self._latest.pop(m.key.decode("utf-8", "replace"), None)
+                continue
+            try:
+                status = decode_as(m.value, SagaStatus)
+            except InvalidRecord:
+                continue
+            assert isinstance(status, SagaStatus)
+            self._latest[status.tx_id] = status
+            for listener, wants in self._listeners:
+                if wants is None or wants(status.tx_id):
+                    listener(status)
+
+    def _keep(self, batch: list[Message]) -> None:
+        """Keep ``batch`` to verify when asked (keys); with the lock held."""
+        touched: dict[str, None] = {}
+        for m in batch:
+            if m.topic == self._dlq:
+                self._note_rejection(m)
+                continue
+            if m.key is None:
+                continue
+            tx_id = m.key.decode("utf-8", "replace")
+            kept = self._unverified.setdefault(tx_id, [])
+            kept.append(m)
+            if len(kept) > _CANDIDATES_KEPT:
+                del kept[0]
+            touched[tx_id] = None
+        if not self._listeners:
+            return
+        for tx_id in touched:
+            wanted = [f for f, wants in self._listeners if wants is None or wants(tx_id)]
+            if wanted and tx_id in self._unverified:
+                status = self._resolve(tx_id)
+                if status is not None:
+                    for listener in wanted:
+                        listener(status)
+
+    def _resolve(self, tx_id: str) -> SagaStatus | None:
+        """Verify ``tx_id``'s unverified records, newest first; with the lock held."""
+        kept = self._unverified.pop(tx_id, None)
+        if kept and self._keys is not None:
+            for m in reversed(kept):
+                status: SagaStatus | None = None
+                if m.value is not None:
+                    try:
+                        decoded = decode_keyed(m.key, m.value, SagaStatus)
+                    except InvalidRecord:
+                        continue
+                    assert isinstance(decoded, SagaStatus)
+                    status = decoded
+                reason = self._keys.check(m.topic, m.key, m.value, m.headers, _COORDINATOR_ONLY)
+                if reason is not None:
+                    log.warning(
+                        "not believing the status record of %s at %s/%d@%d: %s",
+                        tx_id,
+                        m.topic,
+                        m.partition,
+                        m.offset,
+                        reason,
+                    )
+                    continue
+                if status is None:  # a tombstone: the coordinator forgot the saga
+                    self._latest.pop(tx_id, None)
+                else:
+                    self._latest[tx_id] = status
+                break
+        return self._latest.get(tx_id)
+
     def _note_rejection(self, m: Message) -> None:
         if m.header("saga.source.topic") != self._requests.encode() or m.key is None:
             return
         reason = (m.header("saga.error") or b"rejected").decode("utf-8", "replace")
         tx_id = m.key.decode("utf-8", "replace")
-        self._rejected[tx_id] = (reason, m.value)
+        kept = self._rejected.setdefault(tx_id, [])
+        if self._keys is None:
+            kept.clear()  # believed as it is: the latest wins
+        kept.append((reason, m.value, m))
+        if len(kept) > _CANDIDATES_KEPT:
+            del kept[0]
+        self._rejected.move_to_end(tx_id)
         while len(self._rejected) > _REJECTIONS_KEPT:
             self._rejected.popitem(last=False)
         for listener in self._rejection_listeners:
             listener(tx_id)
+
+    def _raise_if_rejected(self, tx_id: str, fingerprint: str) -> None:
+        """Raise for a believed dead letter of the request ``fingerprint``; lock held."""
+        kept = self._rejected.get(tx_id)
+        if not kept:
+            return
+        for entry in reversed(list(kept)):
+            reason, value, m = entry
+            if not _is_ours(fingerprint, value):
+                continue
+            if self._keys is not None:
+                why = self._keys.check(m.topic, m.key, m.value, m.headers, _COORDINATOR_ONLY)
+                if why is not None:
+                    log.warning(
+                        "not believing the dead letter of %s at %s/%d@%d: %s",
+                        tx_id,
+                        m.topic,
+                        m.partition,
+                        m.offset,
+                        why,
+                    )
+                    kept.remove(entry)
+                    continue
+            _raise_rejected(tx_id, reason)
 
     def _check_caught_up(self) -> None:
         positions = self._consumer.position([(self._topic, p) for p in self._ends])
@@ -228,10 +359,18 @@ class StatusView:
     def wait_caught_up(self, timeout: float) -> bool:
         return self._caught_up.wait(timeout)
 
-    def listen(self, listener: Callable[[SagaStatus], None]) -> None:
-        """Call ``listener`` (in the reader thread, quickly) with every new status."""
+    def listen(
+        self,
+        listener: Callable[[SagaStatus], None],
+        wants: Callable[[str], bool] | None = None,
+    ) -> None:
+        """Call ``listener`` (in the reader thread, quickly) with every new status.
+
+        ``wants(tx_id)``, when given, says which transactions the listener cares
+        about: with keys, only their records are verified for it.
+        """
         with self._cond:
-            self._listeners.append(listener)
+            self._listeners.append((listener, wants))
 
     def listen_rejections(self, listener: Callable[[str], None]) -> None:
         """Call ``listener(tx_id)`` (in the reader thread) when a request is dead-lettered."""
@@ -240,17 +379,20 @@ class StatusView:
 
     def check_rejected(self, tx_id: str, fingerprint: str | None) -> None:
         """Raise as :meth:`wait_final` does if the request with ``fingerprint`` was rejected."""
+        if fingerprint is None:
+            return
         with self._cond:
-            rejected = self._rejected.get(tx_id)
-        if fingerprint is not None and rejected is not None:
-            _raise_if_ours(tx_id, fingerprint, *rejected)
+            self._raise_if_rejected(tx_id, fingerprint)
 
     def get(self, tx_id: str) -> SagaStatus | None:
         with self._cond:
-            return self._latest.get(tx_id)
+            return self._resolve(tx_id)
 
     def snapshot(self) -> dict[str, SagaStatus]:
+        """Every transaction's latest status (with keys, every one is verified now)."""
         with self._cond:
+            for tx_id in list(self._unverified):
+                self._resolve(tx_id)
             return dict(self._latest)
 
     def wait_final(
@@ -268,11 +410,11 @@ class StatusView:
             while True:
                 if self._error is not None:
                     raise self._error
-                status = self._latest.get(tx_id)
+                status = self._resolve(tx_id)
                 if status is not None and status.state.final:
                     return status
-                if fingerprint is not None and tx_id in self._rejected:
-                    _raise_if_ours(tx_id, fingerprint, *self._rejected[tx_id])
+                if fingerprint is not None:
+                    self._raise_if_rejected(tx_id, fingerprint)
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return None
@@ -289,14 +431,17 @@ _SENT_KEPT = 100_000
 """How many of its requests' fingerprints a client remembers (the latest)."""
 
 
-def _raise_if_ours(tx_id: str, fingerprint: str, reason: str, value: bytes | None) -> None:
-    """Raise for a dead letter of the request with ``fingerprint``; others are not ours."""
+def _is_ours(fingerprint: str, value: bytes | None) -> bool:
+    """Whether a dead letter's ``value`` is the request with ``fingerprint``."""
     try:
         rejected = decode_as(value, SagaRequest)
     except InvalidRecord:
-        return
-    if not isinstance(rejected, SagaRequest) or rejected.fingerprint() != fingerprint:
-        return
+        return False
+    return isinstance(rejected, SagaRequest) and rejected.fingerprint() == fingerprint
+
+
+def _raise_rejected(tx_id: str, reason: str) -> None:
+    """Raise for the coordinator's dead letter of this client's request."""
     if "different payload" in reason:
         raise ConflictingRequest(
             f"transaction {tx_id} was already submitted with a different payload, so the "
@@ -306,13 +451,29 @@ def _raise_if_ours(tx_id: str, fingerprint: str, reason: str, value: bytes | Non
 
 
 class SagaClient:
-    """Submit sagas and follow them; safe to share between threads."""
+    """Submit sagas and follow them; safe to share between threads.
 
-    def __init__(self, settings: KafkaSettings, *, status_from_beginning: bool = True) -> None:
+    ``keys`` (``Keyring.load(folder, "client")``, or ``"operator"``) signs the
+    requests and aborts it sends and makes it believe only what the coordinator
+    signed (see :class:`StatusView`); ``log`` makes its Kafka clients (default: a
+    :class:`~streams.kafka.KafkaLog` of ``settings``; tests pass an in-memory log).
+    """
+
+    def __init__(
+        self,
+        settings: KafkaSettings,
+        *,
+        status_from_beginning: bool = True,
+        keys: Keyring | None = None,
+        log: Log | None = None,
+    ) -> None:
         self.settings = settings
         self.topics = settings.topics
-        self._producer = Producer(settings, client_id="saga.client")
-        self._view = StatusView(settings, from_beginning=status_from_beginning)
+        source: Log = log if log is not None else KafkaLog(settings)
+        self._producer = signing(source, keys).producer(client_id="saga.client")
+        self._view = StatusView(
+            settings, from_beginning=status_from_beginning, keys=keys, log=source
+        )
         # tx_id -> fingerprint of the requests this client sent, the latest _SENT_KEPT:
         # a client that runs for months must not hold every saga it ever sent.
         self._submitted: OrderedDict[str, str] = OrderedDict()
@@ -439,11 +600,20 @@ class SagaClient:
 class AsyncSagaClient:
     """The asyncio twin of :class:`SagaClient`; the blocking work runs in a thread."""
 
-    def __init__(self, settings: KafkaSettings, *, status_from_beginning: bool = True) -> None:
-        self._client = SagaClient(settings, status_from_beginning=status_from_beginning)
+    def __init__(
+        self,
+        settings: KafkaSettings,
+        *,
+        status_from_beginning: bool = True,
+        keys: Keyring | None = None,
+        log: Log | None = None,
+    ) -> None:
+        self._client = SagaClient(
+            settings, status_from_beginning=status_from_beginning, keys=keys, log=log
+        )
         self._waiters: dict[str, list[asyncio.Future[SagaStatus]]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._client._view.listen(self._on_status)
+        self._client._view.listen(self._on_status, wants=self._waits_for)
         self._client._view.listen_rejections(self._on_rejection)
 
     def _on_rejection(self, tx_id: str) -> None:
@@ -458,6 +628,9 @@ class AsyncSagaClient:
             for fut in self._waiters.pop(tx_id, []):
                 if not fut.done():
                     fut.set_exception(exc)
+
+    def _waits_for(self, tx_id: str) -> bool:
+        return tx_id in self._waiters
 
     def _on_status(self, status: SagaStatus) -> None:
         # Reader thread: hand final states to the event loop, which owns the futures.
