@@ -3,7 +3,7 @@
 Everything here is Spark SQL on the JVM: the rows of :mod:`._parse` (one per
 log record, each valid or ``invalid``) are folded into one row per transaction
 in a single aggregation, then checked against the invariants and the ledgers.
-No Python function runs per record.
+No Python function runs per record (but the signature check of :mod:`._parse`).
 
 Invalid records are counted and left out of the audit (neither a transaction's
 record, nor stuck, nor replayed), as every consumer leaves them out; what makes
@@ -70,6 +70,9 @@ _AGGREGATES: Final = {
     "bad_requests": "count_if(kind = 'invalid' AND src = 'requests')",
     "bad_events": "count_if(kind = 'invalid' AND src = 'events')",
     "bad_decisions": "count_if(kind = 'invalid' AND src = 'decisions')",
+    "forged_requests": "count_if(forged AND src = 'requests')",
+    "forged_events": "count_if(forged AND src = 'events')",
+    "forged_decisions": "count_if(forged AND src = 'decisions')",
     # The first request and decision by offset: all records of a transaction share
     # one partition (key = tx_id), and consumers act on the first.
     "req": """min(CASE WHEN kind = 'request' THEN named_struct('off', off, 'part', part,
@@ -343,6 +346,9 @@ def classify(frame: Any, *, as_of_ms: int) -> Any:
             "bad_requests",
             "bad_events",
             "bad_decisions",
+            "forged_requests",
+            "forged_events",
+            "forged_decisions",
             "req.created_ms AS created_ms",
             "req.deadline_ms AS deadline_ms",
             "dec.at_ms AS decided_ms",

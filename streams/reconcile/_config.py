@@ -161,6 +161,7 @@ class ReconcileConfig:
     checks: tuple[BusinessCheck, ...] = ()
     replay: bool = False
     replay_rate: float | None = None
+    keys_dir: Path | None = None
     write_all: bool = False
     show: int = 20
     driver_memory: str = "2g"

@@ -30,6 +30,16 @@ violation, reported on its transaction.
 
 The first two count as ``invalid`` (the record does not decode), like the third.
 
+With a key folder (signed records, :mod:`streams._signing`), also when it
+
+* names a source record that is not signed by a principal allowed to write it
+  (the coordinator's reason for it, checked again here on the original read
+  from the log; when retention took the original, the coordinator's signed
+  ``saga.error`` says so): ``unauthenticated``.
+
+and a dead letter the coordinator did not sign is ``forged``: it is not judged,
+and no record is left out of the audit on its word.
+
 :func:`rejected_at` gives the other use of the DLQ: where the coordinator's
 rejected records sit in the log, so that the audit leaves them out
 (:mod:`._audit`, "Validity").
@@ -56,6 +66,9 @@ from streams._records import (
 from streams._topics import Topics
 from streams.kafka import partition_for
 
+from ._signatures import Verifier
+from ._spark import Original
+
 __all__ = ["COORDINATOR", "DeadLetter", "DlqVerdict", "TxFacts", "judge", "rejected_at"]
 
 COORDINATOR: Final = "coordinator"
@@ -71,6 +84,8 @@ class DeadLetter:
     key: bytes | None
     value: bytes | None
     headers: Mapping[str, bytes] = field(default_factory=dict)
+    header_list: tuple[tuple[str, bytes], ...] = ()
+    """The headers in order, duplicates included (what a signature covers)."""
 
     def header(self, name: str) -> str | None:
         raw = self.headers.get(name)
@@ -125,6 +140,8 @@ class DlqVerdict:
     records: int = 0
     invalid: int = 0
     justified: int = 0
+    forged: int = 0
+    unauthenticated: int = 0
     by_component: Counter[str] = field(default_factory=Counter)
     findings: dict[str, list[str]] = field(default_factory=dict)
 
@@ -145,23 +162,44 @@ def _kinds(topics: Topics, source: str | None) -> tuple[type[Record], ...] | Non
     return None
 
 
+Originals = Callable[[set[tuple[str, int, int]]], Mapping[tuple[str, int, int], Original]]
+"""Reads the records at ``(topic, partition, offset)`` from the log (those still there)."""
+
+_SIGNATURE_REASONS: Final = ("record is not signed", "record is signed ", "record's signature ")
+"""How the coordinator's reasons for refusing a record for its signature begin
+(:meth:`streams._signing.Keyring.check`)."""
+
+
+def signed_by_coordinator(letter: DeadLetter, topics: Topics, verifier: Verifier | None) -> bool:
+    """Whether the coordinator signed ``letter`` (always true without a key folder)."""
+    return verifier is None or verifier.by_coordinator(
+        topics.dlq, letter.key, letter.value, letter.header_list
+    )
+
+
 def judge(
     letters: Iterable[DeadLetter],
     topics: Topics,
     facts: Callable[[set[str]], Mapping[str, TxFacts]],
     *,
     partitions: int | None = None,
+    verifier: Verifier | None = None,
+    originals: Originals | None = None,
 ) -> DlqVerdict:
     """Judge every dead letter; ``facts`` answers for the transactions of valid ones.
 
     ``partitions`` is the topics' partition count (for the partition rule; without
-    it, that rule is not applied).
+    it, that rule is not applied). ``verifier`` (a key folder's) and ``originals``
+    (how to read the rejected records) turn the signature rules on.
     """
     verdict = DlqVerdict()
     candidates: list[tuple[DeadLetter, Record]] = []
     for letter in letters:
         verdict.records += 1
         verdict.by_component[letter.header("saga.component") or "unknown"] += 1
+        if not signed_by_coordinator(letter, topics, verifier):
+            verdict.forged += 1
+            continue
         if letter.oversized:
             verdict.invalid += 1  # over the size limit, whatever its excerpt decodes to
             continue
@@ -177,6 +215,8 @@ def judge(
             verdict.justified += 1
             continue
         candidates.append((letter, record))
+    if verifier is not None and candidates:
+        candidates = _authenticated(candidates, verifier, originals, verdict)
     if not candidates:
         return verdict
 
@@ -189,6 +229,33 @@ def judge(
         else:
             verdict.findings.setdefault(record.tx_id, []).append(why)
     return verdict
+
+
+def _authenticated(
+    candidates: list[tuple[DeadLetter, Record]],
+    verifier: Verifier,
+    originals: Originals | None,
+    verdict: DlqVerdict,
+) -> list[tuple[DeadLetter, Record]]:
+    """The candidates whose rejected record was signed by one allowed to write it; the
+    others are counted justified (``unauthenticated``)."""
+    wanted = {letter.source for letter, _ in candidates if letter.source is not None}
+    found = originals({w for w in wanted if w is not None}) if originals and wanted else {}
+    kept: list[tuple[DeadLetter, Record]] = []
+    for letter, record in candidates:
+        source = letter.source
+        original = found.get(source) if source is not None else None
+        if original is not None and source is not None:
+            key, value, headers = original
+            ok = verifier.record_ok(source[0], key, value, headers, record)
+        else:  # gone from the log: the coordinator's signed reason stands
+            ok = not (letter.header("saga.error") or "").startswith(_SIGNATURE_REASONS)
+        if ok:
+            kept.append((letter, record))
+        else:
+            verdict.justified += 1
+            verdict.unauthenticated += 1
+    return kept
 
 
 def _misplaced(letter: DeadLetter, partitions: int | None) -> bool:
@@ -208,18 +275,23 @@ def _expired(letter: DeadLetter, record: Record) -> bool:
     )
 
 
-def rejected_at(letters: Iterable[DeadLetter], topics: Topics) -> dict[str, set[tuple[int, int]]]:
+def rejected_at(
+    letters: Iterable[DeadLetter], topics: Topics, verifier: Verifier | None = None
+) -> dict[str, set[tuple[int, int]]]:
     """``{topic: {(partition, offset)}}`` of the records of requests, events and decisions
     the coordinator rejected, from its dead letters' ``saga.source.*`` headers.
 
     Only letters whose ``saga.component`` is the coordinator count: it is the one
     consumer that reads those three topics whole and the one writer of their
-    dead letters. Letters without readable coordinates are left out.
+    dead letters. Letters without readable coordinates are left out, and with a
+    key folder (``verifier``) those the coordinator did not sign.
     """
     audited = (topics.requests, topics.events, topics.decisions)
     found: dict[str, set[tuple[int, int]]] = {}
     for letter in letters:
         if letter.header("saga.component") != COORDINATOR:
+            continue
+        if not signed_by_coordinator(letter, topics, verifier):
             continue
         source = letter.source
         if source is not None and source[0] in audited:

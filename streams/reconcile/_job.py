@@ -13,7 +13,11 @@
 7. Write ``summary.json`` and ``replay.jsonl``.
 
 ``invalid_records`` in the summary counts, per topic, the records the audit
-left out: those that fail its checks and those the coordinator rejected.
+left out: those that fail its checks and those the coordinator rejected. With a
+key folder (``keys_dir``) a record not signed by a principal allowed to write it
+is one of them (:mod:`._signatures`); ``signatures`` in the summary counts those
+apart, with the dead letters the coordinator did not sign (``dlq_forged``) and
+those of records refused for their signature (``dlq_unauthenticated``).
 
 Exit status: 0 clean (``in_flight`` allowed), 1 violations, stuck sagas or a
 failed business check, 2 could not run (:class:`._spark.ReconcileError`).
@@ -30,13 +34,15 @@ from streams._codec import decode_as
 from streams._errors import InvalidRecord
 from streams._records import SagaRequest
 
-from . import _audit, _dlq, _replay, _sources
+from . import _audit, _dlq, _replay, _signatures, _sources
 from ._config import ReconcileConfig
 from ._spark import (
     LogRange,
+    Original,
     ReconcileError,
     check_jars,
     fetch_records,
+    header_list,
     kafka_frame,
     snapshot_offsets,
     spark_boundary,
@@ -120,6 +126,8 @@ def run(
         _sources.ping(ledger.store, table)
     for source in config.tables:
         _sources.ping(source.store)
+    if config.keys_dir is not None:
+        _signatures.public_key_files(config.keys_dir)  # a bad key folder fails before Spark
     try:
         config.out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -153,16 +161,23 @@ def _audit_and_replay(
 
     topics = config.settings.topics
     window = config.since_ms is not None
+    verifier: _signatures.Verifier | None = None
+    signer: _signatures.SignerColumn | None = None
+    if config.keys_dir is not None:
+        verifier = _signatures.Verifier(config.keys_dir)
+        signer = _signatures.signer_column(spark, _signatures.public_key_files(config.keys_dir))
+        say(f"checking signatures against {len(verifier.keys.principals())} principal(s)")
     with spark_boundary("reading the dead-letter topic"):
         letters = _dead_letters(spark, config, log)
-    rejected = _dlq.rejected_at(letters, topics)
+    rejected = _dlq.rejected_at(letters, topics, verifier)
 
-    def read_topic(topic: str) -> tuple[Any, Any]:
-        """The topic's records in the range, and where its rejected ones sit (or None)."""
-        frame = kafka_frame(spark, config, log, topic, config.since_ms)
+    def read_topic(topic: str) -> tuple[Any, Any, Any]:
+        """The topic's records in the range, where its rejected ones sit (or None), and
+        the signature check (or None)."""
+        frame = kafka_frame(spark, config, log, topic, config.since_ms, headers=signer is not None)
         at = rejected.get(topic)
         where = spark.createDataFrame(sorted(at), "partition INT, offset BIGINT") if at else None
-        return frame, where
+        return frame, where, signer
 
     say(f"auditing {sum(log.spans().values())} offsets of {topics.prefix}.*")
     with spark_boundary("reading the log"):
@@ -215,7 +230,9 @@ def _audit_and_replay(
 
     base = frame.drop("events").persist(StorageLevel.MEMORY_AND_DISK)
     try:
-        return _finish(spark, config, log, base, letters, ledger_info, as_of, t0, t_ready, say)
+        return _finish(
+            spark, config, log, base, letters, ledger_info, as_of, t0, t_ready, say, verifier
+        )
     finally:
         base.unpersist()
         if ledgers is not None:
@@ -233,10 +250,22 @@ def _finish(
     t0: float,
     t_ready: float,
     say: Progress,
+    verifier: _signatures.Verifier | None,
 ) -> RunResult:
     from pyspark.sql import functions as F
 
     topics = config.settings.topics
+
+    def originals(
+        wanted: set[tuple[str, int, int]],
+    ) -> dict[tuple[str, int, int], Original]:
+        found: dict[tuple[str, int, int], Original] = {}
+        for topic in sorted({t for t, _, _ in wanted}):
+            pointers = {(p, o) for t, p, o in wanted if t == topic}
+            for (p, o), record in fetch_records(spark, config, topic, pointers).items():
+                found[(topic, p, o)] = record
+        return found
+
     with spark_boundary("judging the dead letters"):
         say(f"judging {len(letters)} dead letter(s)")
         verdict = _dlq.judge(
@@ -244,6 +273,8 @@ def _finish(
             topics,
             lambda txs: _facts(spark, config, base, txs),
             partitions=len(log.ranges.get(topics.requests, {})) or None,
+            verifier=verifier,
+            originals=originals,
         )
     if verdict.findings:
         dlq_rows = [
@@ -304,17 +335,14 @@ def _finish(
     if config.replay and resends:
         say(f"replaying {len(resends)} record(s)")
         with spark_boundary("reading the records to replay"):
-            originals: dict[tuple[str, int, int], tuple[bytes | None, bytes | None]] = {}
-            for topic in (topics.decisions, topics.requests):
-                wanted = {(r.partition, r.offset) for r in resends if r.topic == topic}
-                for (part, off), record in fetch_records(spark, config, topic, wanted).items():
-                    originals[(topic, part, off)] = record
+            fetched = originals({(r.topic, r.partition, r.offset) for r in resends})
         sent = _replay.send(
             config.settings,
             resends,
-            originals,
+            fetched,
             rate=config.replay_rate,
             progress=lambda done, total: say(f"replayed {done}/{total}"),
+            verifier=verifier,
         )
     t_end = time.monotonic()
 
@@ -338,6 +366,16 @@ def _finish(
             "requests": totals["bad_requests"],
             "events": totals["bad_events"],
             "decisions": totals["bad_decisions"],
+        },
+        "signatures": {
+            "keys_dir": str(config.keys_dir) if config.keys_dir is not None else None,
+            "forged_records": {
+                "requests": totals["forged_requests"],
+                "events": totals["forged_events"],
+                "decisions": totals["forged_decisions"],
+            },
+            "dlq_forged": verdict.forged,
+            "dlq_unauthenticated": verdict.unauthenticated,
         },
         "transactions": totals["transactions"],
         "classes": classes,
@@ -404,6 +442,9 @@ def _totals(final: Any) -> dict[str, int]:
         "bad_requests": "bad_requests",
         "bad_events": "bad_events",
         "bad_decisions": "bad_decisions",
+        "forged_requests": "forged_requests",
+        "forged_events": "forged_events",
+        "forged_decisions": "forged_decisions",
     }
     exprs = [F.expr(f"coalesce(sum({column}), 0)").alias(name) for name, column in sums.items()]
     exprs.append(F.expr("count_if(tx_id IS NOT NULL)").alias("transactions"))
@@ -427,14 +468,15 @@ def _dead_letters(spark: Any, config: ReconcileConfig, log: LogRange) -> list[_d
     frame = frame.select("partition", "offset", "key", "value", "headers")
     out: list[_dlq.DeadLetter] = []
     for row in frame.toLocalIterator():
-        headers = {h["key"]: bytes(h["value"] or b"") for h in (row["headers"] or [])}
+        pairs = header_list(row)
         out.append(
             _dlq.DeadLetter(
                 partition=int(row["partition"]),
                 offset=int(row["offset"]),
                 key=bytes(row["key"]) if row["key"] is not None else None,
                 value=bytes(row["value"]) if row["value"] is not None else None,
-                headers=headers,
+                headers=dict(pairs),
+                header_list=tuple(pairs),
             )
         )
     return out
@@ -456,7 +498,7 @@ def _facts(
     for r in rows:
         first: SagaRequest | None = None
         if r["part"] is not None:
-            value = originals.get((int(r["part"]), int(r["off"])), (None, None))[1]
+            value = originals.get((int(r["part"]), int(r["off"])), (None, None, []))[1]
             try:
                 decoded = decode_as(value, SagaRequest)
                 first = decoded if isinstance(decoded, SagaRequest) else None

@@ -2,8 +2,9 @@
 
 Everything here is Spark SQL on the JVM: records are parsed with ``from_json``
 and explicit schemas and checked with column expressions; no Python function
-runs per record. Each topic's records come out as rows of one union (the columns
-of ``_UNION_COLUMNS``), which :mod:`._audit` folds into one row per transaction.
+runs per record, but for the signature check when there is a key folder. Each
+topic's records come out as rows of one union (the columns of ``_UNION_COLUMNS``),
+which :mod:`._audit` folds into one row per transaction.
 
 Validity: one definition of an acceptable record serves the codec, the
 coordinator, the participants and this audit (:mod:`streams._limits`). The audit
@@ -34,6 +35,11 @@ takes it in two parts.
   it rejects, in the same Kafka transaction as the offsets that skip it, so a
   record it has read is either in the DLQ or accepted.
 
+Signed records: with a key folder, a record is also invalid unless a principal
+allowed to write it signed it (:mod:`._signatures`: requests and aborts
+``client`` or ``operator``, a step event of P ``participant-P``, a decision
+``coordinator``); ``forged`` marks those records (counted apart in the summary).
+
 Invalid records are counted and left out of the audit (neither a transaction's
 record, nor stuck, nor replayed), as every consumer leaves them out. A record
 the coordinator has not read yet and the checks above pass counts as valid
@@ -51,6 +57,8 @@ from streams._limits import (
     MAX_RECORD_BYTES,
     MAX_SAGA_CHARS,
 )
+
+from ._signatures import REQUEST_SIGNERS, SignerColumn
 
 __all__ = [
     "EVENT_STATUSES",
@@ -89,6 +97,7 @@ _UNION_COLUMNS: Final = (
     ("outcome", "string"),
     ("at_ms", "bigint"),
     ("reason", "string"),
+    ("forged", "boolean"),
 )
 
 _REQUESTS_SCHEMA: Final = (
@@ -158,13 +167,15 @@ _DECISION_VALID: Final = f"""coalesce(
     false)"""
 
 
-def _parsed(raw: Any, schema: str, rejected: Any) -> Any:
+def _parsed(raw: Any, schema: str, rejected: Any, signer: SignerColumn | None) -> Any:
     """The Kafka records of one topic with the columns the validity checks read.
 
     ``r``: the value parsed with ``schema``; ``keys``: its top-level keys; ``k``: the
     key. ``whole``: the record is within the size limit, valid UTF-8, exactly one
     JSON object and not rejected by the coordinator (``rejected``: a frame of
-    ``partition, offset``, or None).
+    ``partition, offset``, or None). ``by``: the record's valid signer, NULL when it
+    has none or when ``signer`` is None (no key folder: ``signed`` is false); ``raw``
+    then needs ``topic`` and ``headers`` too.
 
     One object and nothing after it: the value ``T`` is parsed as ``[T]``, which
     must hold one element, then -- only if ``T`` holds a ``]`` -- counted as
@@ -182,6 +193,10 @@ def _parsed(raw: Any, schema: str, rejected: Any) -> Any:
     else:
         raw = raw.withColumn("dead", F.lit(False))
     text = F.col("value").cast("string")
+    if signer is not None:
+        by = signer(F.col("topic"), F.col("key"), F.col("value"), F.col("headers"))
+    else:
+        by = F.lit(None).cast("string")
     wrapped = F.from_json(
         F.concat(F.lit("["), text, F.lit("]")), f"ARRAY<STRUCT<{schema}>>", _JSON_OPTIONS
     )
@@ -198,22 +213,36 @@ def _parsed(raw: Any, schema: str, rejected: Any) -> Any:
             "AND is_valid_utf8(CAST(value AS STRING))"
         ).alias("sound"),
         text.alias("text"),
+        by.alias("by"),
+        F.lit(signer is not None).alias("signed"),
     ).selectExpr(
         "k",
         "part",
         "off",
         "keys",
+        "by",
+        "signed",
         "try_element_at(objects, 1) AS r",
         """coalesce(sound AND size(objects) = 1 AND (NOT contains(text, ']')
             OR json_array_length(concat('[', text, ',0]')) = 2), false) AS whole""",
     )
 
 
+def _signed_by(allowed: str) -> str:
+    """SQL: the record's signer is one of ``allowed`` (SQL), or signatures are off."""
+    return f"(NOT signed OR coalesce(by IN ({allowed}), false))"
+
+
+_BY_REQUESTER: Final = _signed_by(", ".join(f"'{p}'" for p in REQUEST_SIGNERS))
+_BY_PARTICIPANT: Final = _signed_by("concat('participant-', r.participant)")
+_BY_COORDINATOR: Final = _signed_by("'coordinator'")
+
+
 def _union_row(frame: Any, src: str, **columns: str) -> Any:
     """``frame`` projected onto the union's columns; ``columns`` are SQL for the others."""
     from pyspark.sql import functions as F
 
-    fixed = {"src": f"'{src}'", "part": "part", "off": "off", **columns}
+    fixed = {"src": f"'{src}'", "part": "part", "off": "off", "forged": "forged", **columns}
     return frame.select(
         *(
             F.expr(fixed[name]).cast(kind).alias(name)
@@ -224,12 +253,19 @@ def _union_row(frame: Any, src: str, **columns: str) -> Any:
     )
 
 
-def parse_requests(raw: Any, rejected: Any = None) -> Any:
-    """``saga.request`` and ``saga.abort`` records of the requests topic, or ``invalid``."""
-    checked = _parsed(raw, _REQUESTS_SCHEMA, rejected).selectExpr(
+def parse_requests(raw: Any, rejected: Any = None, signer: SignerColumn | None = None) -> Any:
+    """``saga.request`` and ``saga.abort`` records of the requests topic, or ``invalid``.
+
+    ``signer`` (a key folder's, :func:`._signatures.signer_column`): only records
+    signed by ``client`` or ``operator`` are valid.
+    """
+    checked = _parsed(raw, _REQUESTS_SCHEMA, rejected, signer).selectExpr(
+        "*", f"NOT {_BY_REQUESTER} AS forged"
+    )
+    checked = checked.selectExpr(
         "*",
-        f"CASE WHEN {_REQUEST_VALID} THEN 'request' WHEN {_ABORT_VALID} THEN 'abort' "
-        "ELSE 'invalid' END AS kind",
+        f"CASE WHEN forged THEN 'invalid' WHEN {_REQUEST_VALID} THEN 'request' "
+        f"WHEN {_ABORT_VALID} THEN 'abort' ELSE 'invalid' END AS kind",
     )
     return _union_row(
         checked,
@@ -246,10 +282,16 @@ def parse_requests(raw: Any, rejected: Any = None) -> Any:
     )
 
 
-def parse_events(raw: Any, rejected: Any = None) -> Any:
-    """``saga.step`` records of the events topic, or ``invalid``."""
-    checked = _parsed(raw, _EVENTS_SCHEMA, rejected).selectExpr(
-        "*", f"CASE WHEN {_EVENT_VALID} THEN 'event' ELSE 'invalid' END AS kind"
+def parse_events(raw: Any, rejected: Any = None, signer: SignerColumn | None = None) -> Any:
+    """``saga.step`` records of the events topic, or ``invalid``.
+
+    ``signer``: only events signed by the participant they name are valid.
+    """
+    checked = _parsed(raw, _EVENTS_SCHEMA, rejected, signer).selectExpr(
+        "*", f"NOT {_BY_PARTICIPANT} AS forged"
+    )
+    checked = checked.selectExpr(
+        "*", f"CASE WHEN NOT forged AND {_EVENT_VALID} THEN 'event' ELSE 'invalid' END AS kind"
     )
     valid = "kind = 'event'"
     return _union_row(
@@ -265,10 +307,17 @@ def parse_events(raw: Any, rejected: Any = None) -> Any:
     )
 
 
-def parse_decisions(raw: Any, rejected: Any = None) -> Any:
-    """``saga.decision`` records of the decisions topic, or ``invalid``."""
-    checked = _parsed(raw, _DECISIONS_SCHEMA, rejected).selectExpr(
-        "*", f"CASE WHEN {_DECISION_VALID} THEN 'decision' ELSE 'invalid' END AS kind"
+def parse_decisions(raw: Any, rejected: Any = None, signer: SignerColumn | None = None) -> Any:
+    """``saga.decision`` records of the decisions topic, or ``invalid``.
+
+    ``signer``: only decisions signed by the coordinator are valid.
+    """
+    checked = _parsed(raw, _DECISIONS_SCHEMA, rejected, signer).selectExpr(
+        "*", f"NOT {_BY_COORDINATOR} AS forged"
+    )
+    checked = checked.selectExpr(
+        "*",
+        f"CASE WHEN NOT forged AND {_DECISION_VALID} THEN 'decision' ELSE 'invalid' END AS kind",
     )
     valid = "kind = 'decision'"
     return _union_row(

@@ -14,7 +14,11 @@
 
 Only records the codec accepts, on their key's partition, are re-published
 (:func:`replayable`): the audit may see as stuck a hostile record the coordinator
-has not read yet. Decisions go out (and are acknowledged) before requests. Records are produced
+has not read yet. Each goes out with its original headers, its signature
+(``saga.kid``, ``saga.sig``) included, plus ``saga.replayed.by`` (outside the
+signature, :mod:`streams._signing`): a replayed signed record is as valid as the
+original. With a key folder, a record whose signature does not hold is never
+re-published. Decisions go out (and are acknowledged) before requests. Records are produced
 through :class:`streams.kafka.Producer` (murmur2, like every saga producer), so
 each lands on its transaction's partition. Replaying twice, or again after the
 job was killed half-way, re-sends only what is still stuck, and each consumer
@@ -24,16 +28,22 @@ takes a repeat as a no-op.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from streams._codec import decode_keyed
 from streams._errors import InvalidRecord
 from streams._records import Decision, SagaRequest
+from streams._signing import UNSIGNED_HEADER_PREFIX
 from streams.kafka import Consumer, KafkaSettings, Producer, partition_for
 
-__all__ = ["Resend", "plan_resends", "send"]
+from ._signatures import Verifier
+from ._spark import Original
+
+__all__ = ["REPLAYED_BY", "Resend", "plan_resends", "replay_headers", "send"]
+
+REPLAYED_BY = "saga.replayed.by"
 
 Kind = Literal["request", "decision"]
 
@@ -90,8 +100,24 @@ def plan_resends(
     return decisions + requests
 
 
-def replayable(r: Resend, key: bytes | None, value: bytes | None, partitions: int) -> bool:
-    """Whether the original record is one the coordinator accepts, by the codec itself.
+def replay_headers(original: Sequence[tuple[str, bytes]]) -> list[tuple[str, bytes]]:
+    """The headers of a replayed copy: the original's (signature included, earlier
+    ``saga.replayed.*`` annotations left out) and ``saga.replayed.by``."""
+    kept = [(n, v) for n, v in original if not n.startswith(UNSIGNED_HEADER_PREFIX)]
+    return [*kept, (REPLAYED_BY, b"reconcile")]
+
+
+def replayable(
+    r: Resend,
+    key: bytes | None,
+    value: bytes | None,
+    partitions: int,
+    *,
+    headers: Sequence[tuple[str, bytes]] = (),
+    verifier: Verifier | None = None,
+) -> bool:
+    """Whether the original record is one the coordinator accepts, by the codec itself
+    (and, with ``verifier``, by its signature).
 
     The audit's Spark checks cannot see everything (nesting, numbers inside ``args``,
     the partition), and a record the coordinator has not read yet has no dead letter
@@ -101,8 +127,10 @@ def replayable(r: Resend, key: bytes | None, value: bytes | None, partitions: in
     """
     kinds = (SagaRequest,) if r.kind == "request" else (Decision,)
     try:
-        decode_keyed(key, value, *kinds)
+        record = decode_keyed(key, value, *kinds)
     except InvalidRecord:
+        return False
+    if verifier is not None and not verifier.record_ok(r.topic, key, value, headers, record):
         return False
     return key is not None and partition_for(key, partitions) == r.partition
 
@@ -118,12 +146,14 @@ def _partition_count(settings: KafkaSettings) -> int:
 def send(
     settings: KafkaSettings,
     resends: list[Resend],
-    records: Mapping[tuple[str, int, int], tuple[bytes | None, bytes | None]],
+    records: Mapping[tuple[str, int, int], Original],
     *,
     rate: float | None,
     progress: Callable[[int, int], None],
+    verifier: Verifier | None = None,
 ) -> list[bool]:
-    """Produce each resend's original key and value; returns which were acknowledged.
+    """Produce each resend's original key, value and headers; returns which were
+    acknowledged (``verifier``: a key folder's, see :func:`replayable`).
 
     With ``rate`` (records per second) each record is sent and acknowledged before
     the next, at that pace; otherwise the decisions, then the requests, are
@@ -145,8 +175,8 @@ def send(
                 original = records.get((r.topic, r.partition, r.offset))
                 if original is None or original[1] is None:
                     continue  # gone (retention) since the audit read it
-                key, value = original
-                if not replayable(r, key, value, partitions):
+                key, value, headers = original
+                if not replayable(r, key, value, partitions, headers=headers, verifier=verifier):
                     continue  # the coordinator will reject it (or has): never re-publish it
                 if rate:
                     pause = next_at - time.monotonic()
@@ -157,7 +187,7 @@ def send(
                     r.topic,
                     key if key is not None else r.tx_id,
                     value,
-                    headers=[("saga.replayed.by", b"reconcile")],
+                    headers=replay_headers(headers),
                 )
                 if rate:
                     producer.flush(30)
@@ -170,7 +200,12 @@ def send(
                     key_of = (resends[i].topic, resends[i].partition, resends[i].offset)
                     original = records.get(key_of)
                     sent[i] = original is not None and replayable(
-                        resends[i], original[0], original[1], partitions
+                        resends[i],
+                        original[0],
+                        original[1],
+                        partitions,
+                        headers=original[2],
+                        verifier=verifier,
                     )
                 done = sum(sent)
                 progress(done, total)

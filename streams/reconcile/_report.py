@@ -69,6 +69,18 @@ def render(
         str(sum(invalid.values())),
         ", ".join(f"{k} {v}" for k, v in invalid.items()),
     )
+    signatures = summary.get("signatures") or {}
+    if signatures.get("keys_dir"):
+        forged = signatures["forged_records"]
+        table.add_row(
+            "  not signed by their writer",
+            str(sum(forged.values())),
+            ", ".join(f"{k} {v}" for k, v in forged.items())
+            + f"; dead letters: not the coordinator's {signatures['dlq_forged']}, "
+            f"of unsigned records {signatures['dlq_unauthenticated']}",
+        )
+    else:
+        table.add_row("  signatures", "-", "not checked (no --keys-dir / SAGA_KEYS_DIR)")
     dlq = summary["dlq"]
     table.add_row(
         "dead letters",

@@ -275,10 +275,14 @@ def spark_boundary(doing: str) -> Iterator[None]:
         raise
 
 
+Original = tuple[bytes | None, bytes | None, list[tuple[str, bytes]]]
+"""A record as it is in the log: key, value and headers (in order)."""
+
+
 def fetch_records(
     spark: Any, config: ReconcileConfig, topic: str, pointers: set[tuple[int, int]]
-) -> dict[tuple[int, int], tuple[bytes | None, bytes | None]]:
-    """The key and value bytes of the records at ``(partition, offset)`` of ``topic``.
+) -> dict[tuple[int, int], Original]:
+    """The key, value and headers of the records at ``(partition, offset)`` of ``topic``.
 
     Reads only the partitions named and only between the lowest and the highest
     offset wanted in each; the selection itself runs in Spark (a broadcast join),
@@ -295,6 +299,7 @@ def fetch_records(
     reader = spark.read.format("kafka").options(**kafka_options(config.settings))
     frame = (
         reader.option("assign", json.dumps({topic: sorted(bounds)}))
+        .option("includeHeaders", "true")
         .option("startingOffsets", json.dumps({topic: {str(p): b[0] for p, b in bounds.items()}}))
         .option("endingOffsets", json.dumps({topic: {str(p): b[1] + 1 for p, b in bounds.items()}}))
         .load()
@@ -302,12 +307,17 @@ def fetch_records(
     wanted = spark.createDataFrame(sorted(pointers), "partition INT, offset BIGINT")
     rows = (
         frame.join(F.broadcast(wanted), on=["partition", "offset"])
-        .select("partition", "offset", "key", "value")
+        .select("partition", "offset", "key", "value", "headers")
         .toLocalIterator()
     )
-    found: dict[tuple[int, int], tuple[bytes | None, bytes | None]] = {}
+    found: dict[tuple[int, int], Original] = {}
     for row in rows:
         key = bytes(row["key"]) if row["key"] is not None else None
         value = bytes(row["value"]) if row["value"] is not None else None
-        found[(int(row["partition"]), int(row["offset"]))] = (key, value)
+        found[(int(row["partition"]), int(row["offset"]))] = (key, value, header_list(row))
     return found
+
+
+def header_list(row: Any) -> list[tuple[str, bytes]]:
+    """A Spark Kafka row's ``headers`` as ``(name, value)`` pairs, in order."""
+    return [(str(h["key"]), bytes(h["value"] or b"")) for h in (row["headers"] or [])]

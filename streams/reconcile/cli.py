@@ -151,6 +151,15 @@ Exit status: 0 clean; 1 violations, stuck sagas or a failed check;
     default=None,
     help="At most this many replayed records per second, each acknowledged before the next.",
 )
+@click.option(
+    "--keys-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    envvar="SAGA_KEYS_DIR",
+    default=None,
+    help="Key folder (signed records): a record not signed by a principal allowed to write "
+    "it is invalid, like one that breaks the contract [env SAGA_KEYS_DIR; default: "
+    "signatures not checked].",
+)
 @click.option("--all", "write_all", is_flag=True, help="Write every transaction, ok ones too.")
 @click.option(
     "--show",
@@ -191,6 +200,7 @@ def reconcile(
     checks: tuple[str, ...],
     replay: bool,
     replay_rate: float | None,
+    keys_dir: Path | None,
     write_all: bool,
     show: int,
     driver_memory: str,
@@ -230,6 +240,7 @@ def reconcile(
             checks=tuple(parse_check(s) for s in checks),
             replay=replay,
             replay_rate=replay_rate,
+            keys_dir=keys_dir,
             write_all=write_all,
             show=show,
             driver_memory=driver_memory,

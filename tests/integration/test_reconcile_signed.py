@@ -1,0 +1,270 @@
+"""Signed records in ``saga reconcile``: with a key folder, forged records are not audited.
+
+A log on the real Kafka with valid signed records (a committed saga, a stuck one)
+and forged ones: an unsigned request, one signed by the wrong principal, one
+whose value was changed after signing, one signed with a key the folder does not
+know, a rollback decision signed by the client and a ``failed`` step event signed
+by the client for the committed saga. The forged ones are ``invalid`` (never a
+transaction, never counted as a decision or a step, never stuck, never
+replayed); the valid ones audit clean; the stuck saga's request is replayed with
+its original signature, still valid. Dead letters: one the coordinator signed,
+of the unsigned request, is rightly rejected; one nobody signed, naming the stuck
+saga's request, leaves that request audited.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+import pytest
+
+from streams._signing import Keyring, create_key
+from streams.kafka import (
+    Consumer,
+    KafkaSettings,
+    Message,
+    Producer,
+    create_topics,
+    delete_topics,
+    send_to_dlq,
+)
+from streams.reconcile import ReconcileConfig, run
+from streams.reconcile._spark import check_jars, start_spark
+from tests._infra import Services, unique_name
+
+if TYPE_CHECKING:
+    from streams.log import LogProducer
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+
+NOW = 1_800_000_000_000
+GRACE = 60_000
+OLD = NOW - 600_000
+PRINCIPALS = ("coordinator", "client", "operator", "participant-bank")
+
+
+def dump(value: dict[str, Any]) -> bytes:
+    return json.dumps(value, separators=(",", ":")).encode()
+
+
+def request(tx: str) -> bytes:
+    return dump(
+        {
+            "v": 1,
+            "type": "saga.request",
+            "tx_id": tx,
+            "saga": "test",
+            "steps": [{"participant": "bank", "action": "insert", "args": {"key": tx}}],
+            "deadline_ms": OLD + 30_000,
+            "created_ms": OLD,
+        }
+    )
+
+
+def event(tx: str, status: str, at: int) -> bytes:
+    return dump(
+        {
+            "v": 1,
+            "type": "saga.step",
+            "tx_id": tx,
+            "step": 0,
+            "participant": "bank",
+            "status": status,
+            "at_ms": at,
+        }
+    )
+
+
+def decision(tx: str, outcome: str) -> bytes:
+    reason = "all steps applied" if outcome == "commit" else "forged"
+    return dump(
+        {
+            "v": 1,
+            "type": "saga.decision",
+            "tx_id": tx,
+            "outcome": outcome,
+            "reason": reason,
+            "at_ms": OLD + 2_000,
+        }
+    )
+
+
+@pytest.fixture(scope="module")
+def spark(services: Services, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    config = ReconcileConfig(
+        settings=KafkaSettings(bootstrap=services.kafka_bootstrap),
+        out=tmp_path_factory.mktemp("unused"),
+        master="local[2]",
+        driver_memory="1g",
+        shuffle_partitions=4,
+    )
+    session = start_spark(config, check_jars(services.spark_jars_dir))
+    yield session
+    session.stop()
+
+
+@pytest.fixture
+def settings(services: Services) -> Iterator[KafkaSettings]:
+    s = KafkaSettings(bootstrap=services.kafka_bootstrap, prefix=unique_name("rs"))
+    create_topics(s, 3)
+    yield s
+    delete_topics(s, list(s.topics.all))
+
+
+def read_all(settings: KafkaSettings, topic: str) -> list[Message]:
+    reader = Consumer(settings, group_id=None, client_id="test.reconcile.signed")
+    try:
+        parts = reader.list_partitions(topic)
+        ends = {p: reader.watermarks(topic, p)[1] for p in range(parts)}
+        reader.assign([(topic, p, 0) for p in range(parts)])
+        out: list[Message] = []
+        deadline = time.monotonic() + 30
+        while len(out) < sum(ends.values()) and time.monotonic() < deadline:
+            out += reader.poll_batch(500, 0.5)
+        return out
+    finally:
+        reader.close()
+
+
+def test_forged_records_are_invalid_and_valid_ones_audit_clean(
+    spark: Any, settings: KafkaSettings, tmp_path: Path
+) -> None:
+    t = settings.topics
+    keys_dir = tmp_path / "keys"
+    for principal in PRINCIPALS:
+        create_key(keys_dir, principal)
+    stranger_dir = tmp_path / "stranger"
+    create_key(stranger_dir, "client")  # a client key the folder does not know
+    ring = {p: Keyring.load(keys_dir, p) for p in PRINCIPALS}
+    stranger = Keyring.load(stranger_dir, "client")
+
+    def signed(by: Keyring, topic: str, key: str, value: bytes) -> tuple[Any, ...]:
+        return (topic, key, value, by.sign(topic, key, value))
+
+    tampered = signed(ring["client"], t.requests, "f-tampered", request("f-tampered"))
+    records = {
+        # valid
+        "ok.request": signed(ring["client"], t.requests, "ok-1", request("ok-1")),
+        "ok.applied": signed(
+            ring["participant-bank"], t.events, "ok-1", event("ok-1", "applied", OLD + 1_000)
+        ),
+        "ok.decision": signed(ring["coordinator"], t.decisions, "ok-1", decision("ok-1", "commit")),
+        "ok.committed": signed(
+            ring["participant-bank"], t.events, "ok-1", event("ok-1", "committed", OLD + 3_000)
+        ),
+        "stuck.request": signed(ring["operator"], t.requests, "stuck-1", request("stuck-1")),
+        # forged
+        "f-unsigned": (t.requests, "f-unsigned", request("f-unsigned"), []),
+        "f-wrong": signed(ring["participant-bank"], t.requests, "f-wrong", request("f-wrong")),
+        "f-tampered": (
+            tampered[0],
+            tampered[1],
+            tampered[2].replace(b'"saga":"test"', b'"saga":"evil"'),
+            tampered[3],
+        ),
+        "f-unknown-key": signed(stranger, t.requests, "f-unknown-key", request("f-unknown-key")),
+        "f-decision": signed(
+            ring["client"], t.decisions, "stuck-1", decision("stuck-1", "rollback")
+        ),
+        "f-event": signed(ring["client"], t.events, "ok-1", event("ok-1", "failed", OLD + 1_500)),
+    }
+    delivered: dict[str, Message] = {}
+
+    def remember(name: str) -> Any:
+        def on_delivery(error: Exception | None, message: Message) -> None:
+            assert error is None, error
+            delivered[name] = message
+
+        return on_delivery
+
+    with Producer(settings) as producer:
+        for name, (topic, key, value, headers) in records.items():
+            producer.produce(topic, key, value, headers=headers, on_delivery=remember(name))
+        producer.flush(30)
+        # The coordinator's dead letter of the unsigned request, signed by it: justified.
+        letter = delivered["f-unsigned"]
+        send_to_dlq(
+            cast("LogProducer", _Signing(producer, ring["coordinator"])),
+            t,
+            letter,
+            "record is not signed: expected a signature by client or operator",
+            component="coordinator",
+        )
+        # A dead letter nobody signed, naming a valid request: not believed.
+        send_to_dlq(producer, t, delivered["stuck.request"], "forged", component="coordinator")
+        producer.flush(30)
+
+    config = ReconcileConfig(
+        settings=settings,
+        out=tmp_path / "out",
+        grace_ms=GRACE,
+        now_ms=NOW,
+        write_all=True,
+        show=100,
+        keys_dir=keys_dir,
+        replay=True,
+    )
+    result = run(config, spark=spark, say=lambda _: None)
+    summary = result.summary
+    rows = {
+        r["tx_id"]: r.asDict(recursive=True)
+        for r in spark.read.parquet(str(tmp_path / "out" / "findings")).collect()
+    }
+
+    assert {tx: r["class"] for tx, r in rows.items()} == {
+        "ok-1": "ok",
+        "stuck-1": "stuck_no_decision",
+    }
+    assert rows["ok-1"]["events"] == 2  # the forged "failed" is not counted
+    assert rows["ok-1"]["invariants"] == []
+    assert rows["stuck-1"]["decisions"] == 0  # the client's rollback is no decision
+    assert summary["invalid_records"] == {"requests": 4, "events": 1, "decisions": 1}
+    assert summary["signatures"]["forged_records"] == summary["invalid_records"]
+    assert summary["signatures"]["dlq_forged"] == 1
+    assert summary["signatures"]["dlq_unauthenticated"] == 1
+    assert summary["dlq"]["records"] == 2
+    assert summary["dlq"]["justified"] == 1
+    assert summary["dlq"]["violations"] == 0
+    assert summary["invariants"] == {"I1": 0, "I2": 0, "I3": 0, "I4": 0, "I6": 0}
+    assert summary["classes"]["violation"] == 0
+
+    # Only the stuck saga's request is replayed, with its original signature.
+    assert [(r.tx_id, r.kind, sent) for r, sent in result.resends] == [("stuck-1", "request", True)]
+    original = delivered["stuck.request"]
+    copies = [
+        m
+        for m in read_all(settings, t.requests)
+        if m.key == b"stuck-1" and m.offset != original.offset
+    ]
+    assert len(copies) == 1
+    copy = copies[0]
+    assert copy.value == original.value
+    assert copy.header("saga.replayed.by") == b"reconcile"
+    assert copy.header("saga.sig") == original.header("saga.sig")
+    assert copy.header("saga.kid") == original.header("saga.kid")
+    check = Keyring.load(keys_dir).check(
+        t.requests, copy.key, copy.value, copy.headers, frozenset({"client", "operator"})
+    )
+    assert check is None
+
+
+class _Signing:
+    """A producer that signs what it writes (as the coordinator's signed log does)."""
+
+    def __init__(self, inner: Producer, keys: Keyring) -> None:
+        self._inner = inner
+        self._keys = keys
+
+    def produce(
+        self,
+        topic: str,
+        key: str | bytes | None,
+        value: bytes | None,
+        headers: list[tuple[str, bytes]] | None = None,
+        **rest: Any,
+    ) -> None:
+        self._inner.produce(topic, key, value, headers=self._keys.sign(topic, key, value, headers))
