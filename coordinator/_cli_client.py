@@ -1,9 +1,16 @@
-"""The client commands of ``saga``: ``submit``, ``status`` and ``watch``."""
+"""The client commands of ``saga``: ``submit``, ``status``, ``watch`` and ``abort``.
+
+With a key folder (``--keys-dir`` or ``SAGA_KEYS_DIR``) ``submit`` signs its request
+with the ``client`` key, ``abort`` with the ``client`` key (``operator`` with
+``--as-operator``), and every command believes only status records and dead letters
+the coordinator signed (``status`` and ``watch`` need only the public keys).
+"""
 
 from __future__ import annotations
 
 import json
 import math
+import re
 import sys
 import time
 from collections import Counter
@@ -11,7 +18,15 @@ from typing import Any
 
 import click
 
-from coordinator._cli_common import MAX_TIMEOUT_S, Seconds, fail, kafka_options, settings_from
+from coordinator._cli_common import (
+    MAX_TIMEOUT_S,
+    Seconds,
+    fail,
+    kafka_options,
+    keys_dir_option,
+    load_keys,
+    settings_from,
+)
 from streams import ConfigurationError, InvalidRecord, to_dict
 
 
@@ -124,6 +139,7 @@ def _check_seconds(value: Any, what: str) -> float:
     default=None,
     help="Seconds until the saga's deadline (overrides the file's timeout_s; default 30).",
 )
+@keys_dir_option
 def submit(
     bootstrap: str | None,
     prefix: str | None,
@@ -131,6 +147,7 @@ def submit(
     source: str,
     wait: bool,
     timeout: float | None,
+    keys_dir: str | None,
 ) -> None:
     """Submit a saga from a JSON file (or - for stdin); prints its tx_id.
 
@@ -155,7 +172,8 @@ def submit(
     except InvalidRecord as exc:
         where = "standard input" if source == "-" else source
         raise ConfigurationError(f"{where}: {exc.reason}") from exc
-    with SagaClient(settings, status_from_beginning=False) as client:
+    keys = load_keys(keys_dir, "client")
+    with SagaClient(settings, status_from_beginning=False, keys=keys) as client:
         client.send(request)
         tx_id = request.tx_id
         click.echo(tx_id)
@@ -169,11 +187,19 @@ def submit(
 @click.command()
 @kafka_options
 @click.argument("tx_id")
-def status(bootstrap: str | None, prefix: str | None, kafka_config: str | None, tx_id: str) -> None:
+@keys_dir_option
+def status(
+    bootstrap: str | None,
+    prefix: str | None,
+    kafka_config: str | None,
+    tx_id: str,
+    keys_dir: str | None,
+) -> None:
     """Print the latest status of a transaction (reads the status topic)."""
     from coordinator._client import StatusView
 
-    view = StatusView(settings_from(bootstrap, prefix, kafka_config), from_beginning=True)
+    settings = settings_from(bootstrap, prefix, kafka_config)
+    view = StatusView(settings, from_beginning=True, keys=load_keys(keys_dir, None))
     try:
         view.wait_caught_up(60)
         found = view.get(tx_id)
@@ -188,12 +214,14 @@ def status(bootstrap: str | None, prefix: str | None, kafka_config: str | None, 
 @kafka_options
 @click.option("--interval", type=float, default=1.0, show_default=True, help="Seconds per refresh.")
 @click.option("--once", is_flag=True, help="Print one snapshot and exit (for scripts).")
+@keys_dir_option
 def watch(
     bootstrap: str | None,
     prefix: str | None,
     kafka_config: str | None,
     interval: float,
     once: bool,
+    keys_dir: str | None,
 ) -> None:
     """A live view of the status topic: counts per state and the latest transactions."""
     from rich.console import Group
@@ -202,7 +230,8 @@ def watch(
 
     from coordinator._client import StatusView
 
-    view = StatusView(settings_from(bootstrap, prefix, kafka_config), from_beginning=True)
+    settings = settings_from(bootstrap, prefix, kafka_config)
+    view = StatusView(settings, from_beginning=True, keys=load_keys(keys_dir, None))
 
     def render() -> Group:
         snap = view.snapshot()
@@ -253,3 +282,35 @@ def watch(
         pass
     finally:
         view.close()
+
+
+@click.command()
+@kafka_options
+@click.argument("tx_id")
+@click.option("--reason", default="", help="Why (kept with the abort record).")
+@click.option(
+    "--as-operator",
+    is_flag=True,
+    help="Sign the abort with the operator key instead of the client key (with a key folder).",
+)
+@keys_dir_option
+def abort(
+    bootstrap: str | None,
+    prefix: str | None,
+    kafka_config: str | None,
+    tx_id: str,
+    reason: str,
+    as_operator: bool,
+    keys_dir: str | None,
+) -> None:
+    """Ask the coordinator to roll back a transaction that has no decision yet."""
+    from coordinator._client import SagaClient
+    from streams import TX_ID_PATTERN
+
+    if not re.fullmatch(TX_ID_PATTERN, tx_id):
+        fail(f"{tx_id!r} is not a transaction id (pattern {TX_ID_PATTERN})", 2)
+    keys = load_keys(keys_dir, "operator" if as_operator else "client")
+    settings = settings_from(bootstrap, prefix, kafka_config)
+    with SagaClient(settings, status_from_beginning=False, keys=keys) as client:
+        client.abort(tx_id, reason)
+    click.echo(f"abort of {tx_id} sent")

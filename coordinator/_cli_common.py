@@ -10,12 +10,15 @@ import math
 import os
 import sys
 from collections.abc import Callable
-from typing import Any, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import click
 
 from streams._secrets import redact, remember_settings
 from streams.kafka import KafkaSettings
+
+if TYPE_CHECKING:
+    from streams._signing import Keyring
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -112,3 +115,32 @@ def settings_from(
     # sasl.password, ssl.key.password, ...: never shown by a message or log line.
     remember_settings(settings.extra)
     return settings
+
+
+def keys_dir_option(fn: F) -> F:
+    """``--keys-dir`` [env SAGA_KEYS_DIR]: the key folder that turns signing on."""
+    return click.option(
+        "--keys-dir",
+        type=click.Path(file_okay=False),
+        default=None,
+        envvar="SAGA_KEYS_DIR",
+        help="Key folder (made by `saga keys create`): sign what this process writes and "
+        "verify what it acts on [env SAGA_KEYS_DIR; default: records are not authenticated].",
+    )(fn)
+
+
+def load_keys(keys_dir: str | None, principal: str | None) -> Keyring | None:
+    """The keyring of ``principal`` from ``keys_dir`` (None: no key folder, no signing).
+
+    ``principal=None`` loads the public keys only (a process that only verifies). A
+    missing folder or private key: one sentence, exit 2.
+    """
+    if not keys_dir:
+        return None
+    from streams._errors import ConfigurationError
+    from streams._signing import Keyring
+
+    try:
+        return Keyring.load(keys_dir, principal)
+    except ConfigurationError as exc:
+        fail(str(exc), 2)

@@ -27,15 +27,18 @@ import sys
 
 import click
 
-from coordinator._cli_client import status, submit, watch
+from coordinator._cli_client import abort, status, submit, watch
 from coordinator._cli_common import (
     TOOLS_HINT,
     connect_timeout_option,
     fail,
     kafka_options,
+    keys_dir_option,
+    load_keys,
     retention_option,
     settings_from,
 )
+from coordinator._cli_keys import keys
 from streams import (
     ConfigurationError,
     ConflictingRequest,
@@ -170,6 +173,7 @@ def coordinator() -> None:
 )
 @retention_option("Forget sagas (memory, status topic) finished longer ago than this")
 @connect_timeout_option
+@keys_dir_option
 def coordinator_run(
     bootstrap: str | None,
     prefix: str | None,
@@ -178,6 +182,7 @@ def coordinator_run(
     participants: str | None,
     retention_ms: int,
     connect_timeout: float,
+    keys_dir: str | None,
 ) -> None:
     """Consume requests and step events, decide commit or rollback, publish status.
 
@@ -194,6 +199,7 @@ def coordinator_run(
         frozenset(p.strip() for p in participants.split(",") if p.strip()) if participants else None
     )
     settings = settings_from(bootstrap, prefix, kafka_config)
+    signing_keys = load_keys(keys_dir, "coordinator")
     wait_for_broker(settings, timeout=connect_timeout)
     service = CoordinatorService(
         settings,
@@ -202,6 +208,7 @@ def coordinator_run(
         retention_ms=retention_ms,
         log=KafkaLog(settings, on_wedged=_exit_wedged),
         faults=faults,
+        keys=signing_keys,
     )
     service.install_signal_handlers()
     service.run()
@@ -255,6 +262,7 @@ def participant() -> None:
 @click.option("--schema", "db_schema", default=None, help="SQL schema of the tables and ledger.")
 @retention_option("Remove ledger entries of transactions finished longer ago than this")
 @connect_timeout_option
+@keys_dir_option
 def participant_run(
     bootstrap: str | None,
     prefix: str | None,
@@ -270,6 +278,7 @@ def participant_run(
     db_schema: str | None,
     retention_ms: int,
     connect_timeout: float,
+    keys_dir: str | None,
 ) -> None:
     """Apply this participant's steps, confirm on commit, compensate on rollback.
 
@@ -295,6 +304,7 @@ def participant_run(
         url=url, url_file=url_file, url_env=url_env, password_file=password_file, environ=os.environ
     )
     settings = settings_from(bootstrap, prefix, kafka_config)
+    signing_keys = load_keys(keys_dir, f"participant-{name}")
     target_list = [t.strip() for t in targets.split(",") if t.strip()]
     store = open_storage(
         storage,
@@ -313,6 +323,7 @@ def participant_run(
         retention_ms=retention_ms,
         log=KafkaLog(settings, on_wedged=_exit_wedged),
         faults=faults,
+        keys=signing_keys,
     )
     runtime.install_signal_handlers()
     runtime.run()
@@ -336,7 +347,7 @@ def schema_cmd(record_type: str | None) -> None:
 from streams.reconcile.cli import reconcile  # noqa: E402  (registered after main exists)
 
 main.add_command(reconcile)
-for _command in (submit, status, watch):
+for _command in (submit, status, watch, abort, keys):
     main.add_command(_command)
 
 
