@@ -3,6 +3,15 @@
 # Apache Kafka (KRaft, one node), PostgreSQL, Redis (AOF on) and FerretDB
 # (MongoDB wire protocol, SQLite backend), plus the Spark connector jars.
 #
+# Credentials, as in production: PostgreSQL asks TCP clients for a password
+# (SCRAM-SHA-256), Redis for its password (requirepass), and Kafka has a second
+# listener, SASL_SSL with SCRAM-SHA-512 users and ACLs (KAFKA_SASL in config.env),
+# next to the PLAINTEXT one everything else uses. Generated secrets live under
+# <infra dir>/secrets, readable by the owner only. FerretDB runs without
+# authentication. An install made before credentials existed is upgraded in place
+# by the next `up` (Redis gets its password live, PostgreSQL reloads pg_hba.conf,
+# Kafka restarts once with the new listener).
+#
 #   infra/services.sh provision   install / download what is missing (cheap when repeated)
 #   infra/services.sh up          provision, then start what is not running and wait for it
 #   infra/services.sh down        stop every service this script started (by pid)
@@ -20,11 +29,110 @@ source infra/config.env
 D=$(realpath -m "$SAGA_INFRA_DIR")
 LOGS=$D/logs
 PIDS=$D/pids
+SECRETS=$D/secrets
+KAFKA_SECRETS=$SECRETS/kafka
+TLS=$SECRETS/tls
 SERVICES=(kafka postgres redis mongo)
 READY_TIMEOUT=${SAGA_READY_TIMEOUT:-90}
 
 say() { printf 'saga infra: %s\n' "$*" >&2; }
 die() { say "$*"; exit 1; }
+
+# ---------------------------------------------------------------- secrets
+
+sasl_on() { [ "$KAFKA_SASL" = on ]; }
+
+private_dir() { mkdir -p "$1" && chmod 700 "$1"; }
+
+# A random secret in a file only its owner can read, created once.
+secret_file() { # path
+  if [ ! -s "$1" ]; then
+    private_dir "$(dirname "$1")"
+    (umask 077 && openssl rand -hex 24 >"$1.tmp") && mv "$1.tmp" "$1"
+  fi
+  chmod 600 "$1"
+}
+
+# Kafka's SCRAM users, one per line: admin (a super user), the other roles, then
+# participant-<name> per participant.
+kafka_users() {
+  local item
+  local -a items
+  echo admin
+  IFS=, read -r -a items <<<"$KAFKA_SASL_ROLES"
+  for item in "${items[@]}"; do [ -n "$item" ] && [ "$item" != admin ] && echo "$item"; done
+  IFS=, read -r -a items <<<"$KAFKA_SASL_PARTICIPANTS"
+  for item in "${items[@]}"; do [ -n "$item" ] && echo "participant-$item"; done
+  return 0
+}
+
+check_settings() {
+  case "$KAFKA_SASL" in on | off) ;; *) die "KAFKA_SASL is '$KAFKA_SASL': use on or off" ;; esac
+  case "$REDIS_PASSWORD" in
+    *[[:space:]\'\"\\]*) die "REDIS_PASSWORD may not hold spaces, quotes or backslashes" ;;
+  esac
+  local user
+  while read -r user; do
+    [[ $user =~ ^[A-Za-z0-9._-]+$ ]] ||
+      die "Kafka user '$user' (KAFKA_SASL_ROLES, KAFKA_SASL_PARTICIPANTS): use A-Z, a-z, 0-9, '.', '_' and '-'"
+  done < <(kafka_users)
+}
+
+redis_password() {
+  if [ -n "$REDIS_PASSWORD" ]; then
+    printf '%s' "$REDIS_PASSWORD"
+  else
+    secret_file "$SECRETS/redis.password"
+    tr -d '\n' <"$SECRETS/redis.password"
+  fi
+}
+
+# A value percent-encoded for the user information of a URL.
+url_encode() {
+  local s=$1 out='' c i
+  for ((i = 0; i < ${#s}; i++)); do
+    c=${s:i:1}
+    case "$c" in [A-Za-z0-9._~-]) out+=$c ;; *) printf -v c '%%%02X' "'$c"; out+=$c ;; esac
+  done
+  printf '%s' "$out"
+}
+
+# A self-signed CA and the broker's certificate (for SAGA_HOST, 127.0.0.1 and
+# localhost) in a PKCS#12 keystore; made once per infra folder and host.
+provision_tls() {
+  if [ -s "$TLS/broker.p12" ] && [ "$(cat "$TLS/.host" 2>/dev/null)" = "$SAGA_HOST" ]; then return 0; fi
+  command -v openssl >/dev/null || die "openssl is missing: install it with 'apt-get install openssl', then retry."
+  say "making a local CA and the Kafka broker's TLS certificate"
+  local san="IP:127.0.0.1,DNS:localhost"
+  if [[ $SAGA_HOST =~ ^[0-9]+\.[0-9]+\.[0-9]+\.[0-9]+$ ]]; then
+    [ "$SAGA_HOST" = 127.0.0.1 ] || san="IP:$SAGA_HOST,$san"
+  elif [ "$SAGA_HOST" != localhost ]; then
+    san="DNS:$SAGA_HOST,$san"
+  fi
+  private_dir "$SECRETS"
+  rm -rf "$TLS.tmp" && private_dir "$TLS.tmp"
+  if ! (
+    set -e
+    cd "$TLS.tmp"
+    umask 077
+    openssl rand -hex 24 >keystore.password
+    openssl req -x509 -newkey rsa:2048 -nodes -sha256 -days 3650 -subj "/CN=saga local CA" \
+      -addext "basicConstraints=critical,CA:TRUE" -addext "keyUsage=critical,keyCertSign,cRLSign" \
+      -keyout ca.key -out ca.pem
+    openssl req -newkey rsa:2048 -nodes -subj "/CN=$SAGA_HOST" -keyout broker.key -out broker.csr
+    printf 'basicConstraints=CA:FALSE\nkeyUsage=digitalSignature,keyEncipherment\nextendedKeyUsage=serverAuth\nsubjectAltName=%s\n' \
+      "$san" >broker.ext
+    openssl x509 -req -sha256 -days 3650 -in broker.csr -CA ca.pem -CAkey ca.key -CAcreateserial \
+      -extfile broker.ext -out broker.pem
+    openssl pkcs12 -export -name broker -in broker.pem -inkey broker.key -certfile ca.pem \
+      -passout file:keystore.password -out broker.p12
+    rm -f broker.csr broker.ext ca.srl
+    chmod 644 ca.pem broker.pem # certificates are public; the keys stay 0600
+  ) >"$LOGS/tls.log" 2>&1; then
+    die "could not make the TLS certificates; see $LOGS/tls.log"
+  fi
+  rm -rf "$TLS" && mv "$TLS.tmp" "$TLS" && echo "$SAGA_HOST" >"$TLS/.host"
+}
 
 # ---------------------------------------------------------------- provision
 
@@ -112,6 +220,7 @@ provision_ferretdb() {
 
 provision() {
   mkdir -p "$LOGS" "$PIDS"
+  check_settings
   provision_debian
   command -v java >/dev/null || die "Java is missing: install a Java 17 runtime, then retry."
   maven_fetch infra/kafka "$D/kafka-libs" "kafka $KAFKA_VERSION slf4j2" -DincludeScope=runtime \
@@ -169,13 +278,26 @@ pg_data() {
   echo "$want"
 }
 
+# Who may connect how: the script itself as the superuser over the server's socket,
+# which lives in the data folder only the server's user can enter; everyone else
+# over TCP, with a password (SCRAM-SHA-256).
+pg_hba() {
+  cat <<'EOF'
+# Written by infra/services.sh on every `up`: edits here are lost.
+# TYPE  DATABASE  USER  ADDRESS  METHOD
+local   all       all            trust
+host    all       all   all      scram-sha-256
+EOF
+}
+
 start_postgres() {
   local bin data; bin=$(pg_bindir) || die "PostgreSQL is not installed; run 'make infra-up' as root to install it."
   data=$(pg_data)
   if [ ! -f "$data/PG_VERSION" ]; then
-    pg_run "$bin/initdb" -D "$data" -U postgres --auth=trust -E UTF8 >"$LOGS/postgres-initdb.log" 2>&1 ||
-      die "PostgreSQL initdb failed; see $LOGS/postgres-initdb.log"
+    pg_run "$bin/initdb" -D "$data" -U postgres --auth-local=trust --auth-host=scram-sha-256 -E UTF8 \
+      >"$LOGS/postgres-initdb.log" 2>&1 || die "PostgreSQL initdb failed; see $LOGS/postgres-initdb.log"
   fi
+  pg_hba >"$data/pg_hba.conf"
   : >"$LOGS/postgres.log"; chmod 666 "$LOGS/postgres.log"
   pg_run "$bin/pg_ctl" -D "$data" -l "$LOGS/postgres.log" -w -t "$READY_TIMEOUT" \
     -o "-p $POSTGRES_PORT -c listen_addresses=$SAGA_HOST -c unix_socket_directories='$data' -c max_connections=200" \
@@ -183,22 +305,74 @@ start_postgres() {
   head -1 "$data/postmaster.pid" >"$PIDS/postgres.pid"
   echo "$data" >"$PIDS/postgres.data"
   wait_ready postgres pg_run "$bin/pg_isready" -q -h "$SAGA_HOST" -p "$POSTGRES_PORT"
-  psql_admin() { pg_run psql -q -v ON_ERROR_STOP=1 -h "$SAGA_HOST" -p "$POSTGRES_PORT" -U postgres -d postgres "$@"; }
-  if [ -z "$(psql_admin -tAc "SELECT 1 FROM pg_roles WHERE rolname='$POSTGRES_USER'")" ]; then
-    psql_admin -c "CREATE ROLE \"$POSTGRES_USER\" LOGIN CREATEDB PASSWORD '$POSTGRES_PASSWORD'" >/dev/null
+}
+
+# The user and database of config.env, the user's password (set on every `up`, so a
+# changed POSTGRES_PASSWORD applies), and pg_hba.conf: an install that trusted every
+# TCP connection (before passwords) is switched over with a reload, no restart.
+secure_postgres() {
+  local data; data=$(cat "$PIDS/postgres.data" 2>/dev/null || pg_data)
+  psql_admin() { pg_run psql -q -X -v ON_ERROR_STOP=1 -h "$data" -p "$POSTGRES_PORT" -U postgres -d postgres "$@"; }
+  local user=${POSTGRES_USER//\"/\"\"} password=${POSTGRES_PASSWORD//\'/\'\'}
+  if [ -z "$(psql_admin -tAc "SELECT 1 FROM pg_roles WHERE rolname='${POSTGRES_USER//\'/\'\'}'")" ]; then
+    psql_admin -c "CREATE ROLE \"$user\" LOGIN CREATEDB" >/dev/null
   fi
-  if [ -z "$(psql_admin -tAc "SELECT 1 FROM pg_database WHERE datname='$POSTGRES_DB'")" ]; then
-    psql_admin -c "CREATE DATABASE \"$POSTGRES_DB\" OWNER \"$POSTGRES_USER\"" >/dev/null
+  # On standard input, not the command line: no password in the process list.
+  printf "SET log_min_error_statement = panic;\nSET password_encryption = 'scram-sha-256';\nALTER ROLE \"%s\" PASSWORD '%s';\n" \
+    "$user" "$password" | psql_admin >/dev/null || die "could not set the PostgreSQL password of $POSTGRES_USER"
+  if [ -z "$(psql_admin -tAc "SELECT 1 FROM pg_database WHERE datname='${POSTGRES_DB//\'/\'\'}'")" ]; then
+    psql_admin -c "CREATE DATABASE \"${POSTGRES_DB//\"/\"\"}\" OWNER \"$user\"" >/dev/null
+  fi
+  if ! cmp -s <(pg_hba) "$data/pg_hba.conf"; then
+    pg_hba >"$data/pg_hba.conf"
+    psql_admin -tAc "SELECT pg_reload_conf()" >/dev/null
+    say "postgres: TCP connections need a password now (pg_hba.conf rewritten and reloaded)"
   fi
 }
 
+# The settings live in a file (0600) rather than on the command line, which every
+# user can read in the process list: it holds the password.
+redis_conf() {
+  cat <<EOF
+# Written by infra/services.sh on every start of Redis: edits here are lost.
+bind $SAGA_HOST
+port $REDIS_PORT
+dir $D/redis
+appendonly yes
+appendfsync everysec
+save ""
+protected-mode no
+daemonize no
+requirepass $(redis_password)
+EOF
+}
+
+write_redis_conf() { mkdir -p "$D/redis" && (umask 077 && redis_conf >"$D/redis/redis.conf") && chmod 600 "$D/redis/redis.conf"; }
+
+# redis-cli takes the password from REDISCLI_AUTH (not in the process list).
+redis_cli() { REDISCLI_AUTH=$(redis_password) redis-cli --no-auth-warning -h "$SAGA_HOST" -p "$REDIS_PORT" "$@"; }
+redis_answers() { redis_cli ping 2>/dev/null | grep -q PONG; }
+
 start_redis() {
-  mkdir -p "$D/redis"
-  nohup redis-server --bind "$SAGA_HOST" --port "$REDIS_PORT" --dir "$D/redis" \
-    --appendonly yes --appendfsync everysec --save '' --protected-mode no \
-    --daemonize no >"$LOGS/redis.log" 2>&1 &
+  write_redis_conf
+  nohup redis-server "$D/redis/redis.conf" >"$LOGS/redis.log" 2>&1 &
   echo $! >"$PIDS/redis.pid"
-  wait_ready redis sh -c "redis-cli -h $SAGA_HOST -p $REDIS_PORT ping 2>/dev/null | grep -q PONG"
+  wait_ready redis redis_answers
+}
+
+# A Redis started before passwords (no requirepass) gets its password live; the
+# config file has it for the next start.
+secure_redis() {
+  local reply
+  reply=$(redis-cli -h "$SAGA_HOST" -p "$REDIS_PORT" ping 2>&1 || true)
+  if [ "$reply" = PONG ]; then
+    # On standard input, not the command line: no password in the process list.
+    reply=$(printf 'CONFIG SET requirepass "%s"\n' "$(redis_password)" | redis-cli -h "$SAGA_HOST" -p "$REDIS_PORT" 2>&1 || true)
+    [ "$reply" = OK ] || die "could not set the Redis password: $reply"
+    say "redis: clients need the password now (set live)"
+  fi
+  redis_answers || die "Redis at $SAGA_HOST:$REDIS_PORT refuses the password of REDIS_PASSWORD / $SECRETS/redis.password"
+  write_redis_conf
 }
 
 start_mongo() {
@@ -222,18 +396,30 @@ kafka_java() {
 
 kafka_started() { port_open "$KAFKA_PORT" && grep -q "Kafka Server started" "$LOGS/kafka.log"; }
 
-start_kafka() {
-  local conf=$D/kafka/server.properties
-  mkdir -p "$D/kafka/data"
-  cat >"$conf" <<EOF
+# The broker's settings. With KAFKA_SASL=on: a SASL_SSL listener (SCRAM-SHA-512, the
+# certificate of provision_tls) and KRaft's StandardAuthorizer, which denies what no
+# ACL allows; User:ANONYMOUS -- every PLAINTEXT and CONTROLLER client, the broker
+# itself included -- and the admin user are super users, so the PLAINTEXT listener
+# works as it did before.
+kafka_conf() {
+  local listeners="PLAINTEXT://$SAGA_HOST:$KAFKA_PORT,CONTROLLER://$SAGA_HOST:$KAFKA_CONTROLLER_PORT"
+  local advertised="PLAINTEXT://$SAGA_HOST:$KAFKA_PORT"
+  local protocols="PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT"
+  if sasl_on; then
+    listeners+=",SASL_SSL://$SAGA_HOST:$KAFKA_SASL_PORT"
+    advertised+=",SASL_SSL://$SAGA_HOST:$KAFKA_SASL_PORT"
+    protocols+=",SASL_SSL:SASL_SSL"
+  fi
+  cat <<EOF
+# Written by infra/services.sh on every start of Kafka: edits here are lost.
 process.roles=broker,controller
 node.id=1
 controller.quorum.bootstrap.servers=$SAGA_HOST:$KAFKA_CONTROLLER_PORT
-listeners=PLAINTEXT://$SAGA_HOST:$KAFKA_PORT,CONTROLLER://$SAGA_HOST:$KAFKA_CONTROLLER_PORT
-advertised.listeners=PLAINTEXT://$SAGA_HOST:$KAFKA_PORT
+listeners=$listeners
+advertised.listeners=$advertised
 controller.listener.names=CONTROLLER
 inter.broker.listener.name=PLAINTEXT
-listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT
+listener.security.protocol.map=$protocols
 log.dirs=$D/kafka/data
 auto.create.topics.enable=false
 num.partitions=1
@@ -251,6 +437,27 @@ log.retention.hours=168
 # retention is twice the coordinator's; 5 minutes by default)
 log.retention.check.interval.ms=30000
 EOF
+  if sasl_on; then
+    cat "$ROOT/infra/kafka/security.properties"
+    cat <<EOF
+super.users=User:ANONYMOUS;User:admin
+listener.name.sasl_ssl.ssl.keystore.location=$TLS/broker.p12
+listener.name.sasl_ssl.ssl.keystore.password=$(cat "$TLS/keystore.password")
+EOF
+  fi
+}
+
+# The file holds the keystore's password: only its owner reads it.
+write_kafka_conf() { # path
+  sasl_on && provision_tls
+  mkdir -p "$(dirname "$1")"
+  (umask 077 && kafka_conf >"$1") && chmod 600 "$1"
+}
+
+start_kafka() {
+  local conf=$D/kafka/server.properties
+  mkdir -p "$D/kafka/data"
+  write_kafka_conf "$conf"
   if [ ! -f "$D/kafka/data/meta.properties" ]; then
     local cluster_id
     cluster_id=$( (kafka_java kafka.tools.StorageTool random-uuid) 2>>"$LOGS/kafka-format.log")
@@ -262,13 +469,77 @@ EOF
   wait_ready kafka kafka_started
 }
 
+# A running broker whose settings differ from what this script writes now (e.g. one
+# started before the SASL listener existed) is restarted once; its data stays.
+refresh_kafka() {
+  local conf=$D/kafka/server.properties
+  write_kafka_conf "$conf.new"
+  if cmp -s "$conf.new" "$conf"; then rm -f "$conf.new"; return 0; fi
+  rm -f "$conf.new"
+  say "restarting kafka: its settings changed (listeners, authorizer)"
+  stop_one kafka
+  start_kafka
+}
+
+# Small JVM for Kafka's command-line tools; always in a subshell (it execs).
+kafka_tool() {
+  exec java -Xms64m -Xmx256m -XX:+UseSerialGC -XX:TieredStopAtLevel=1 -Djava.awt.headless=true \
+    -Dlog4j2.configurationFile="$ROOT/infra/kafka/log4j2.properties" \
+    -cp "$D/kafka-libs/*" "$@"
+}
+
+# One SCRAM-SHA-512 user per role, created (or given its password again) through
+# the PLAINTEXT listener with Kafka's own tool, once per user, password and cluster.
+# The password goes in a 0600 file (--add-config-file), never on a command line.
+# Also writes each user's librdkafka settings for `saga --kafka-config FILE`.
+secure_kafka() {
+  sasl_on || return 0
+  private_dir "$SECRETS" && private_dir "$KAFKA_SECRETS"
+  local cluster user pwfile want stamp tmp=$KAFKA_SECRETS/.add-config
+  cluster=$(sed -n 's/^cluster.id=//p' "$D/kafka/data/meta.properties")
+  while read -r user; do
+    pwfile=$KAFKA_SECRETS/$user.password
+    secret_file "$pwfile"
+    (
+      umask 077
+      cat >"$KAFKA_SECRETS/$user.properties" <<EOF
+# librdkafka settings of the Kafka user $user (saga ... --kafka-config THIS_FILE);
+# written by infra/services.sh. bootstrap.servers applies only when neither
+# --bootstrap nor SAGA_KAFKA_BOOTSTRAP is given.
+bootstrap.servers=$SAGA_HOST:$KAFKA_SASL_PORT
+security.protocol=SASL_SSL
+sasl.mechanism=SCRAM-SHA-512
+sasl.username=$user
+sasl.password=$(tr -d '\n' <"$pwfile")
+ssl.ca.location=$TLS/ca.pem
+EOF
+    )
+    want=$(printf '%s %s' "$cluster" "$(sha256sum <"$pwfile")" | sha256sum | cut -c1-32)
+    stamp=$KAFKA_SECRETS/$user.created
+    if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then continue; fi
+    # A properties file: the value without the brackets of --add-config's syntax.
+    (umask 077 && printf 'SCRAM-SHA-512=password=%s\n' "$(tr -d '\n' <"$pwfile")" >"$tmp")
+    if ! (kafka_tool kafka.admin.ConfigCommand --bootstrap-server "$SAGA_HOST:$KAFKA_PORT" --alter \
+      --entity-type users --entity-name "$user" --add-config-file "$tmp") </dev/null >>"$LOGS/kafka-users.log" 2>&1; then
+      rm -f "$tmp"
+      die "could not create the Kafka user $user; see $LOGS/kafka-users.log"
+    fi
+    rm -f "$tmp"
+    echo "$want" >"$stamp"
+  done < <(kafka_users)
+}
+
 up() {
   provision
   local s
   for s in "${SERVICES[@]}"; do
-    if running "$s"; then continue; fi
-    say "starting $s"
-    "start_$s"
+    if running "$s"; then
+      [ "$s" = kafka ] && refresh_kafka
+    else
+      say "starting $s"
+      "start_$s"
+    fi
+    case "$s" in kafka) secure_kafka ;; postgres) secure_postgres ;; redis) secure_redis ;; esac
   done
   say "all services are up (addresses: 'make infra-status')"
 }
@@ -295,14 +566,27 @@ down() {
   for s in "${SERVICES[@]}"; do stop_one "$s"; done
 }
 
+# The SASL listener's variables are not SAGA_KAFKA_*: every SAGA_KAFKA_<NAME> variable
+# is a librdkafka setting for saga's own clients (streams/kafka/_settings.py).
 exports() {
+  local pg_user pg_password redis
+  pg_user=$(url_encode "$POSTGRES_USER")
+  pg_password=$(url_encode "$POSTGRES_PASSWORD")
+  redis=$(url_encode "$(redis_password)")
   cat <<EOF
 export SAGA_KAFKA_BOOTSTRAP=$SAGA_HOST:$KAFKA_PORT
-export SAGA_POSTGRES_URL=postgresql://$POSTGRES_USER:$POSTGRES_PASSWORD@$SAGA_HOST:$POSTGRES_PORT/$POSTGRES_DB
+export SAGA_POSTGRES_URL=postgresql://$pg_user:$pg_password@$SAGA_HOST:$POSTGRES_PORT/$POSTGRES_DB
 export SAGA_MONGO_URL=mongodb://$SAGA_HOST:$MONGO_PORT/
-export SAGA_REDIS_URL=redis://$SAGA_HOST:$REDIS_PORT/0
+export SAGA_REDIS_URL=redis://:$redis@$SAGA_HOST:$REDIS_PORT/0
 export SAGA_SPARK_JARS=$D/spark-jars
 EOF
+  if sasl_on; then
+    cat <<EOF
+export SAGA_SASL_BOOTSTRAP=$SAGA_HOST:$KAFKA_SASL_PORT
+export SAGA_SASL_CA=$TLS/ca.pem
+export SAGA_SASL_USERS=$KAFKA_SECRETS
+EOF
+  fi
 }
 
 status() {
@@ -323,6 +607,6 @@ case "${1:-}" in
   up) up ;;
   down) down ;;
   status) status ;;
-  env) exports ;;
+  env) check_settings && exports ;;
   *) echo "usage: infra/services.sh provision|up|down|status|env" >&2; exit 2 ;;
 esac
