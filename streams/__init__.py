@@ -39,6 +39,8 @@ from ._records import (
     StepProgress,
     StepStatus,
 )
+from ._signed_log import SignedLog
+from ._signing import Keyring
 from ._topics import Topics
 from .kafka import KafkaSettings
 
@@ -60,6 +62,7 @@ __all__ = [
     "FatalKafkaError",
     "InvalidRecord",
     "KafkaSettings",
+    "Keyring",
     "Mode",
     "Outcome",
     "Record",
@@ -69,6 +72,7 @@ __all__ = [
     "SagaState",
     "SagaStatus",
     "SagaTimeout",
+    "SignedLog",
     "Step",
     "StepEvent",
     "StepProgress",
