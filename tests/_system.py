@@ -4,6 +4,12 @@
 and ``saga participant run`` as subprocesses (so kill -9 is a real crash), with
 their logs in the test's tmp folder. Tests talk to it through the real client
 library and read the stores directly.
+
+``SagaSystem(..., signing=["bank", "shop"])`` runs it with signed records: a key
+folder in the test's tmp folder holds a key pair for the coordinator, the client,
+the operator and ``participant-<name>`` for each name given, every process gets
+``SAGA_KEYS_DIR`` and :meth:`SagaSystem.client` signs with the client's key. By
+default (``signing=None``) nothing is signed, as before.
 """
 
 from __future__ import annotations
@@ -23,6 +29,14 @@ import sqlalchemy as sa
 
 from coordinator import SagaClient
 from streams import Decision, StepEvent, decode
+from streams._signing import (
+    CLIENT,
+    COORDINATOR,
+    OPERATOR,
+    Keyring,
+    create_key,
+    participant_principal,
+)
 from streams.kafka import (
     Consumer,
     KafkaSettings,
@@ -87,6 +101,29 @@ class SagaSystem:
     extra_env: dict[str, str] = field(default_factory=dict)
     # Log level of the processes started from now on: 1 = info, 2 = debug (``saga -v``).
     verbose: int = 0
+    # Signed records: the participants to make keys for (None: signing off, the default).
+    # Keys are made once, before any process starts, in <tmp>/keys (SAGA_KEYS_DIR).
+    signing: Sequence[str] | None = None
+
+    def __post_init__(self) -> None:
+        if self.signing is not None:
+            for principal in (
+                COORDINATOR,
+                CLIENT,
+                OPERATOR,
+                *(participant_principal(name) for name in self.signing),
+            ):
+                create_key(self.keys_dir, principal)
+
+    @property
+    def keys_dir(self) -> Path:
+        """The key folder of a signing system (see ``signing``)."""
+        return self.tmp / "keys"
+
+    def keyring(self, principal: str | None) -> Keyring:
+        """The key folder's public keys and ``principal``'s private key (None: none)."""
+        assert self.signing is not None, "this system runs without signing"
+        return Keyring.load(self.keys_dir, principal)
 
     @property
     def settings(self) -> KafkaSettings:
@@ -97,6 +134,9 @@ class SagaSystem:
         env["SAGA_KAFKA_BOOTSTRAP"] = self.services.kafka_bootstrap
         env["SAGA_TOPIC_PREFIX"] = self.prefix
         env.pop("SAGA_FAULTS", None)
+        env.pop("SAGA_KEYS_DIR", None)
+        if self.signing is not None:
+            env["SAGA_KEYS_DIR"] = str(self.keys_dir)
         env.update(self.extra_env)
         if faults:
             env["SAGA_FAULTS"] = faults
@@ -157,8 +197,13 @@ class SagaSystem:
 
     @contextmanager
     def client(self) -> Iterator[SagaClient]:
-        with SagaClient(self.settings) as c:
-            yield c
+        """The client library; signing with the client's key when the system signs."""
+        if self.signing is None:
+            with SagaClient(self.settings) as c:
+                yield c
+        else:
+            with SagaClient(self.settings, keys=self.keyring(CLIENT)) as c:
+                yield c
 
     def producer(self) -> Producer:
         return Producer(self.settings, client_id="test")
@@ -167,7 +212,7 @@ class SagaSystem:
         """Every decodable record of a topic, in partition then offset order."""
         consumer = Consumer(self.settings, group_id=None, client_id="test-reader")
         try:
-            records = []
+            records: list[Any] = []
             n = consumer.list_partitions(topic)
             for p in range(n):
                 low, high = consumer.watermarks(topic, p)
