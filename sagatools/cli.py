@@ -234,6 +234,14 @@ def demo(
 @click.option("--seed", type=int, default=7, show_default=True, help="Workload random seed.")
 @click.option("--keep-topics", is_flag=True, help="Keep each phase's topics (for inspection).")
 @click.option(
+    "--signing",
+    type=click.Choice(["off", "on", "both"]),
+    default="off",
+    show_default=True,
+    help="Signed records: off; on (every saga phase with a key folder of its own); both "
+    "(the main phase twice, without then with, side by side with the throughput ratio).",
+)
+@click.option(
     "--service-pid",
     "service_pid",
     multiple=True,
@@ -283,6 +291,7 @@ def bench(
     logs: str,
     seed: int,
     keep_topics: bool,
+    signing: str,
     service_pid: tuple[str, ...],
     postgres_url: str,
     mongo_url: str,
@@ -339,6 +348,7 @@ def bench(
         logs=Path(logs),
         seed=seed,
         keep_topics=keep_topics,
+        signing=signing,
         service_pids=pids,
     )
     sys.exit(run_bench(cfg, Console()))

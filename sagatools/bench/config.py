@@ -18,6 +18,9 @@ STORAGE_OF: Final = {"bank": "sql", "wallet": "mongo", "rewards": "redis"}
 TARGET_OF: Final = {"bank": "accounts", "wallet": "wallets", "rewards": "points"}
 OPENING_BALANCE: Final = 10**12  # debits never reach the minimum: only designed failures fail
 MAX_AMOUNT: Final = 100
+SIGNING: Final = ("off", "on", "both")
+SIGNED_MAIN: Final = "main-signed"
+"""The main phase run again with signed records (``--signing both``)."""
 SERVICES: Final = ("kafka", "postgres", "redis", "ferretdb")
 CLIENT: Final = "client (bench)"
 
@@ -49,6 +52,7 @@ class BenchConfig:
     logs: Path = Path(".infra/logs/bench")
     seed: int = 7
     keep_topics: bool = False
+    signing: str = "off"
     service_pids: Mapping[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -66,6 +70,12 @@ class BenchConfig:
             raise ConfigurationError("--rate, --window, --batch and --accounts must be positive")
         if not 0 <= self.fail_share <= 1 or not 0 <= self.rollback_fail_share <= 1:
             raise ConfigurationError("a failure share is a fraction between 0 and 1")
+        if self.signing not in SIGNING:
+            raise ConfigurationError(f"--signing {self.signing!r}: use {', '.join(SIGNING)}")
+        if self.signing == "both" and "main" not in self.phases:
+            raise ConfigurationError(
+                "--signing both compares two main phases: keep main in --phases"
+            )
         unknown = [n for n in self.service_pids if n not in SERVICES]
         if unknown:
             raise ConfigurationError(

@@ -1,4 +1,11 @@
-"""The saga phases: fresh topics, data and processes; warm-up, measured window, drain."""
+"""The saga phases: fresh topics, data and processes; warm-up, measured window, drain.
+
+A signed phase (``--signing on|both``) creates a key folder of its own (every
+principal's keys, deleted with the phase), starts the processes with
+``SAGA_KEYS_DIR`` naming it, signs each request with the ``client`` key and
+verifies the final status record of each saga (the coordinator's signature) as a
+client would: what signing costs is in every process's CPU figures.
+"""
 
 from __future__ import annotations
 
@@ -6,23 +13,35 @@ import math
 import os
 import random
 import subprocess
+import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import suppress
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Final
 
 import orjson
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from sagatools.bench.config import CLIENT, BenchConfig
+from sagatools.bench.config import CLIENT, PARTICIPANTS, BenchConfig
 from sagatools.bench.proc import CpuMeter
 from sagatools.bench.processes import check_alive, saga_processes
 from sagatools.bench.stores import prepare_data, store_totals
 from sagatools.bench.workload import Workload
 from streams import TransientError, encode
 from streams._lifecycle import wall_clock_ms
+from streams._signing import (
+    CLIENT as CLIENT_PRINCIPAL,
+)
+from streams._signing import (
+    COORDINATOR,
+    OPERATOR,
+    Keyring,
+    create_key,
+    participant_principal,
+)
 from streams.kafka import Consumer, KafkaSettings, Producer, create_topics, delete_topics
 
 _PROBE_TIMEOUT_S: Final = 120.0
@@ -78,6 +97,8 @@ class SagaPhaseResult:
     stores_agree: bool | None = None
     store_totals: dict[str, int] = field(default_factory=dict)
     expected_total: int = 0
+    signed: bool = False
+    forged_status: int = 0  # final status records whose signature did not hold (ignored)
 
     def as_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -93,9 +114,18 @@ class _Tracker:
         self.decided_at: dict[str, int] = {}
         self.decision_seen: dict[str, int] = {}
         self.done: dict[str, tuple[int, str]] = {}
+        self.forged = 0
 
-    def on_records(self, messages: Sequence[Any], decisions_topic: str) -> int:
-        """Take decision and status records; returns how many sagas became final."""
+    def on_records(
+        self,
+        messages: Sequence[Any],
+        decisions_topic: str,
+        authentic: Callable[[Any], bool] | None = None,
+    ) -> int:
+        """Take decision and status records; returns how many sagas became final.
+
+        ``authentic`` (signed phases) must accept a final status record before it counts.
+        """
         finished = 0
         now = wall_clock_ms()
         for m in messages:
@@ -115,6 +145,9 @@ class _Tracker:
             elif (
                 data.get("state") in ("committed", "rolled_back", "failed") and tx not in self.done
             ):
+                if authentic is not None and not authentic(m):
+                    self.forged += 1
+                    continue
                 self.done[tx] = (int(data["updated_ms"]), str(data["state"]))
                 finished += 1
         return finished
@@ -130,8 +163,12 @@ class SagaPhase:
         result: SagaPhaseResult,
         services: Mapping[str, int | None],
         seed: int,
+        *,
+        signed: bool = False,
     ) -> None:
         self.cfg = cfg
+        self.signed = signed
+        self.keys: Keyring | None = None
         self.console = console
         self.result = result
         self.services = services
@@ -175,12 +212,23 @@ class SagaPhase:
         self.tracker.amount[tx] = amount
         if doomed:
             self.tracker.doomed.add(tx)
-        self.producer.produce(self.topics.requests, tx, encode(request))
+        value = encode(request)
+        topic = self.topics.requests
+        if self.keys is not None:
+            self.producer.produce(topic, tx, value, headers=self.keys.sign(topic, tx, value))
+        else:
+            self.producer.produce(topic, tx, value)
+
+    def _authentic(self, m: Any) -> bool:
+        assert self.keys is not None
+        return self.keys.check(m.topic, m.key, m.value, m.headers, frozenset({COORDINATOR})) is None
 
     def receive(self, timeout: float) -> None:
         batch = self.consumer.poll_batch(5000, timeout)
         if batch:
-            self.completed += self.tracker.on_records(batch, self.topics.decisions)
+            self.completed += self.tracker.on_records(
+                batch, self.topics.decisions, self._authentic if self.keys is not None else None
+            )
 
     @property
     def in_flight(self) -> int:
@@ -199,8 +247,13 @@ class SagaPhase:
         ):
             prepare_data(cfg)
             create_topics(self.settings, cfg.partitions)
+        keys_dir: tempfile.TemporaryDirectory[str] | None = None
+        if self.signed:
+            keys_dir = tempfile.TemporaryDirectory(prefix="saga-bench-keys-")
+            self.keys = _create_keys(Path(keys_dir.name))
         try:
-            with saga_processes(cfg, self.settings, self.logs) as procs:
+            folder = Path(keys_dir.name) if keys_dir is not None else None
+            with saga_processes(cfg, self.settings, self.logs, folder) as procs:
                 self.procs = procs
                 self._producer = Producer(self.settings, client_id="saga.bench")
                 self._consumer = Consumer(
@@ -236,7 +289,11 @@ class SagaPhase:
                 )
             with self.console.status(f"{result.name}: checking the three stores"):
                 self._check_stores()
+            result.signed = self.signed
+            result.forged_status = self.tracker.forged
         finally:
+            if keys_dir is not None:
+                keys_dir.cleanup()
             if not cfg.keep_topics:
                 with suppress(Exception):
                     delete_topics(self.settings, self.topics.all)
@@ -405,8 +462,10 @@ def run_saga_phase(
     duration: float,
     services: Mapping[str, int | None],
     seed: int,
+    signed: bool = False,
 ) -> tuple[SagaPhaseResult, list[tuple[bytes | None, bytes | None]]]:
-    """One saga phase; returns its figures and a sample of the records it wrote."""
+    """One saga phase (``signed``: with a key folder); returns its figures and a sample
+    of the records it wrote."""
     result = SagaPhaseResult(
         name=name,
         mode=mode,
@@ -416,9 +475,22 @@ def run_saga_phase(
         offered_rate=cfg.rate if mode == "open" else None,
         window=cfg.window if mode == "closed" else None,
     )
-    phase = SagaPhase(cfg, console, result, services, seed)
+    phase = SagaPhase(cfg, console, result, services, seed, signed=signed)
     sample = phase.run()
     return result, sample
+
+
+def _create_keys(folder: Path) -> Keyring:
+    """Every principal's keys in ``folder`` (as ``saga keys create`` makes them); the
+    bench's client keyring."""
+    for principal in (
+        COORDINATOR,
+        CLIENT_PRINCIPAL,
+        OPERATOR,
+        *(participant_principal(p) for p in PARTICIPANTS),
+    ):
+        create_key(folder, principal)
+    return Keyring.load(folder, CLIENT_PRINCIPAL)
 
 
 def _end_offsets(settings: KafkaSettings, partitions: int) -> dict[str, int]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from collections.abc import Iterator, Mapping
@@ -15,10 +16,17 @@ from streams.kafka import KafkaSettings
 
 @contextmanager
 def saga_processes(
-    cfg: BenchConfig, settings: KafkaSettings, logs: Path
+    cfg: BenchConfig, settings: KafkaSettings, logs: Path, keys_dir: Path | None = None
 ) -> Iterator[dict[str, subprocess.Popen[bytes]]]:
-    """The coordinator and ``workers`` processes per participant, as the user would run them."""
+    """The coordinator and ``workers`` processes per participant, as the user would run them.
+
+    ``keys_dir``: signed records (``SAGA_KEYS_DIR`` in their environment); without it
+    they run unsigned, whatever the environment of ``saga bench`` says.
+    """
     logs.mkdir(parents=True, exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if k != "SAGA_KEYS_DIR"}
+    if keys_dir is not None:
+        env["SAGA_KEYS_DIR"] = str(keys_dir)
     common = ["--bootstrap", settings.bootstrap, "--prefix", settings.prefix]
     urls = {"sql": cfg.postgres_url, "mongo": cfg.mongo_url, "redis": cfg.redis_url}
     commands: dict[str, list[str]] = {
@@ -43,6 +51,7 @@ def saga_processes(
                     [sys.executable, "-m", "coordinator", *args],
                     stdout=log,
                     stderr=subprocess.STDOUT,
+                    env=env,
                 )
         yield procs
     finally:

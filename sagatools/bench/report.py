@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from sagatools.bench.baselines import DirectResult, LogResult
-from sagatools.bench.config import PARTICIPANTS, BenchConfig
+from sagatools.bench.config import PARTICIPANTS, SIGNED_MAIN, BenchConfig
 from sagatools.bench.phases import SagaPhaseResult
 
 
@@ -40,6 +40,44 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     if a is None or b is None or b <= 0:
         return None
     return round(a / b, 3)
+
+
+def _cpu_ms(r: SagaPhaseResult) -> dict[str, float | None]:
+    return {k: None if v is None else round(1000 * v, 3) for k, v in r.cpu_s_per_saga.items()}
+
+
+def _total_ms(per_process: Mapping[str, float | None]) -> float:
+    return round(sum(v for v in per_process.values() if v is not None), 3)
+
+
+def signing_figures(
+    cfg: BenchConfig, phases: Mapping[str, SagaPhaseResult]
+) -> dict[str, Any] | None:
+    """What signing costs (``--signing both``): the main phase without and with a key
+    folder, side by side: sagas/s, CPU ms per saga per process, and the ratios."""
+    if cfg.signing != "both":
+        return {"mode": cfg.signing} if cfg.signing == "on" else None
+    off, on = phases.get("main"), phases.get(SIGNED_MAIN)
+    if off is None or on is None:
+        return {"mode": "both"}
+    off_ms, on_ms = _cpu_ms(off), _cpu_ms(on)
+    delta: dict[str, float | None] = {}
+    for name, value in on_ms.items():
+        before = off_ms.get(name)
+        delta[name] = None if value is None or before is None else round(value - before, 3)
+    return {
+        "mode": "both",
+        "phases": {"off": off.name, "on": on.name},
+        "sagas_per_s": {"off": off.sagas_per_s, "on": on.sagas_per_s},
+        "throughput_ratio": _ratio(on.sagas_per_s, off.sagas_per_s),
+        "cpu_ms_per_saga": {"off": off_ms, "on": on_ms, "delta": delta},
+        "cpu_ms_per_saga_total": {"off": _total_ms(off_ms), "on": _total_ms(on_ms)},
+        "cpu_ratio": _ratio(_total_ms(on_ms), _total_ms(off_ms)),
+        "decision_p99_ms": {
+            "off": off.decision_latency_ms.get("p99"),
+            "on": on.decision_latency_ms.get("p99"),
+        },
+    }
 
 
 def build_report(
@@ -74,6 +112,7 @@ def build_report(
         "cpu_s_per_saga": main.cpu_s_per_saga if main else None,
         "cpu_cores_used": main.cpu_cores_used if main else None,
         "records_per_saga": records_per_saga,
+        "signing": signing_figures(cfg, phases),
         "phases": {name: r.as_json() for name, r in phases.items()},
         "direct_write": direct.as_json() if direct else None,
         "log_bound": log_bound.as_json() if log_bound else None,
@@ -95,6 +134,7 @@ def build_report(
             "batch": cfg.batch,
             "saga_timeout_s": cfg.saga_timeout,
             "steps_per_saga": len(PARTICIPANTS),
+            "signing": cfg.signing,
         },
         "machine": {
             "cores": os.cpu_count(),
@@ -229,6 +269,14 @@ def print_summary(console: Console, report: Mapping[str, Any]) -> None:
             f"{log_bound['records_per_saga']:g}",
         )
         base.add_row("[bold]log-bound sagas/s[/]", f"[bold]{log_bound['sagas_per_s']:,.0f}[/]")
+    signing = report.get("signing") or {}
+    if signing.get("throughput_ratio") is not None:
+        rates, totals = signing["sagas_per_s"], signing["cpu_ms_per_saga_total"]
+        base.add_row("sagas/s unsigned / signed", f"{rates['off']:,.1f} / {rates['on']:,.1f}")
+        base.add_row("CPU ms/saga unsigned / signed", f"{totals['off']:.2f} / {totals['on']:.2f}")
+        base.add_row(
+            "[bold]signed / unsigned sagas/s[/]", f"[bold]{signing['throughput_ratio']:.3f}[/]"
+        )
     base.add_row("sagas/s (main)", _num(report["sagas_per_s"]))
     base.add_row("rollback sagas/s", _num(report["rollback_sagas_per_s"]))
     for label, key in (

@@ -16,7 +16,7 @@ from sagatools.bench.baselines import (
     run_log_bound,
     synthetic_records,
 )
-from sagatools.bench.config import SAGA_PHASES, BenchConfig
+from sagatools.bench.config import SAGA_PHASES, SIGNED_MAIN, BenchConfig
 from sagatools.bench.phases import SagaPhaseResult, run_saga_phase
 from sagatools.bench.proc import infra_dir, service_pids
 from sagatools.bench.report import build_report, print_phase, print_summary
@@ -40,6 +40,7 @@ def run_bench(cfg: BenchConfig, console: Console) -> int:
         f"({cfg.partitions} partitions); {cfg.accounts} accounts per store; "
         f"{cfg.workers} worker(s) per participant; logs in {cfg.logs}"
     )
+    console.print(_signing_line(cfg.signing))
     load_before = os.getloadavg()
     phases: dict[str, SagaPhaseResult] = {}
     sample: list[tuple[bytes | None, bytes | None]] = []
@@ -52,13 +53,15 @@ def run_bench(cfg: BenchConfig, console: Console) -> int:
         "rollback": ("closed", cfg.rollback_fail_share, cfg.rollback_duration),
     }
     try:
-        for i, name in enumerate(SAGA_PHASES):
-            if name not in cfg.phases:
-                continue
-            mode, share, duration = plan[name]
+        order = [(i, name, name) for i, name in enumerate(SAGA_PHASES) if name in cfg.phases]
+        if cfg.signing == "both":  # the same main phase again, signed, right after
+            order.insert(1, (0, SIGNED_MAIN, "main"))
+        for i, name, kind in order:
+            mode, share, duration = plan[kind]
+            signed = cfg.signing == "on" or name == SIGNED_MAIN
             result, records = run_saga_phase(
                 cfg, console, name, mode=mode, fail_share=share, duration=duration,
-                services=services, seed=cfg.seed + 1000 * i,
+                services=services, seed=cfg.seed + 1000 * i, signed=signed,
             )  # fmt: skip
             phases[name] = result
             print_phase(console, result)
@@ -104,6 +107,12 @@ def run_bench(cfg: BenchConfig, console: Console) -> int:
     ]
     problems = [f"{r.name}: {r.failed:,} sagas failed" for r in runs if r.failed]
     problems += [
+        f"{r.name}: {r.forged_status:,} final status records without the coordinator's "
+        "valid signature"
+        for r in runs
+        if r.forged_status
+    ]
+    problems += [
         f"{r.name}: the stores disagree with the committed sagas: {r.store_totals} "
         f"moved, {r.expected_total} expected"
         for r in runs
@@ -114,3 +123,14 @@ def run_bench(cfg: BenchConfig, console: Console) -> int:
     for p in problems:
         console.print(f"[bold red]{p}[/]")
     return 1 if problems else 0
+
+
+def _signing_line(signing: str) -> str:
+    if signing == "both":
+        return (
+            "Signing: the main phase runs twice, without then with a key folder "
+            f"({SIGNED_MAIN}); the other phases unsigned"
+        )
+    if signing == "on":
+        return "Signing: on (every saga phase with a key folder of its own)"
+    return "Signing: off (records are not signed)"
