@@ -27,6 +27,7 @@ import sys
 
 import click
 
+from coordinator._cli_acls import acls
 from coordinator._cli_client import abort, status, submit, watch
 from coordinator._cli_common import (
     TOOLS_HINT,
@@ -347,6 +348,7 @@ def schema_cmd(record_type: str | None) -> None:
 from streams.reconcile.cli import reconcile  # noqa: E402  (registered after main exists)
 
 main.add_command(reconcile)
+main.add_command(acls)
 for _command in (submit, status, watch, abort, keys):
     main.add_command(_command)
 

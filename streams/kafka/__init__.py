@@ -37,12 +37,14 @@ Python. librdkafka's own default (CRC32) would not.
 
 Modules (private; import from here): ``_settings`` (:class:`KafkaSettings`,
 client configuration), ``_message`` (:class:`Message`, partitions, offsets),
-``_translate`` (librdkafka errors to saga's), ``_producer`` (the two producers
+``_translate`` (librdkafka errors to saga's), ``_acls`` (the ACLs of each saga
+role: :func:`saga_acls`, :func:`apply_acls`), ``_producer`` (the two producers
 and the transactional watchdog), ``_consumer``, ``_admin`` (topics, broker
 readiness), ``_dlq`` (:func:`partition_for`, :func:`send_to_dlq`) and ``_log``
 (:class:`KafkaLog`, the production :class:`streams.log.Log`).
 """
 
+from ._acls import AclRule, apply_acls, delete_acls, format_acls, saga_acls
 from ._admin import create_topics, delete_topics, describe_partitions, topic_config, wait_for_broker
 from ._consumer import Consumer
 from ._dlq import partition_for, send_to_dlq
@@ -62,6 +64,7 @@ from ._translate import TransactionAborted
 __all__ = [
     "OFFSET_BEGINNING",
     "OFFSET_END",
+    "AclRule",
     "Consumer",
     "DeliveryCallback",
     "KafkaLog",
@@ -72,10 +75,14 @@ __all__ = [
     "RebalanceCallback",
     "TransactionAborted",
     "TransactionalProducer",
+    "apply_acls",
     "create_topics",
+    "delete_acls",
     "delete_topics",
     "describe_partitions",
+    "format_acls",
     "partition_for",
+    "saga_acls",
     "send_to_dlq",
     "topic_config",
     "wait_for_broker",

@@ -12,6 +12,7 @@ import streams.log
 
 # In sorted() order: code points, so upper case before lower case.
 EXPECTED = [
+    "AclRule",
     "Consumer",
     "DeliveryCallback",
     "KafkaLog",
@@ -24,10 +25,14 @@ EXPECTED = [
     "RebalanceCallback",
     "TransactionAborted",
     "TransactionalProducer",
+    "apply_acls",
     "create_topics",
+    "delete_acls",
     "delete_topics",
     "describe_partitions",
+    "format_acls",
     "partition_for",
+    "saga_acls",
     "send_to_dlq",
     "topic_config",
     "wait_for_broker",

@@ -1,0 +1,263 @@
+"""Kafka ACLs: the least each saga role needs, as data, and applied with the admin client.
+
+Behind a broker whose authorizer denies what no ACL allows
+(``allow.everyone.if.no.acl.found=false``), each role gets only its own job:
+
+* ``User:client`` writes requests, reads status and dead letters, describes the topics;
+* ``User:operator`` writes requests (aborts go there) and reads status and dead letters;
+* ``User:participant-<name>`` reads requests, events and decisions, writes events,
+  and reads through its own group ``<prefix>.participant.<name>``;
+* ``User:coordinator`` reads every topic, writes decisions, status and dead letters,
+  owns the transactional ids ``<prefix>.coordinator.*`` and the group
+  ``<prefix>.coordinator``;
+* ``User:reconcile`` reads every topic; with ``replay`` it also writes requests and
+  decisions (``saga reconcile --replay``).
+
+Every role that reads through a plain reader (:class:`~streams.kafka.Consumer` without
+a group: ``<prefix>.reader.<random>``) may use the groups under ``<prefix>.reader.``;
+the reconciliation job also the groups of Spark's Kafka source (``spark-kafka-``).
+No role gets a cluster-wide permission: idempotent and transactional producers need
+none since Kafka 2.8 (KIP-679), and only an administrator creates topics.
+
+:func:`saga_acls` is pure; :func:`apply_acls` and :func:`delete_acls` talk to Kafka.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Final, Literal
+
+import confluent_kafka as ck
+from confluent_kafka.admin._acl import (
+    AclBinding,
+    AclBindingFilter,
+    AclOperation,
+    AclPermissionType,
+)
+from confluent_kafka.admin._resource import ResourcePatternType, ResourceType
+
+from .._errors import ConfigurationError, SagaError, TransientError
+from .._topics import Topics
+from ._admin import _admin
+from ._settings import KafkaSettings
+from ._translate import _E, _error_of, _translate
+
+Resource = Literal["topic", "group", "transactional-id"]
+Pattern = Literal["literal", "prefixed"]
+Operation = Literal["read", "write", "describe"]
+
+_NAME: Final = re.compile(r"[A-Za-z0-9._-]{1,100}")
+
+_RESOURCE_TYPES: Final = {
+    "topic": ResourceType.TOPIC,
+    "group": ResourceType.GROUP,
+    "transactional-id": ResourceType.TRANSACTIONAL_ID,
+}
+_PATTERNS: Final = {
+    "literal": ResourcePatternType.LITERAL,
+    "prefixed": ResourcePatternType.PREFIXED,
+}
+_OPERATIONS: Final = {
+    "read": AclOperation.READ,
+    "write": AclOperation.WRITE,
+    "describe": AclOperation.DESCRIBE,
+}
+
+# The group prefix of Spark's Kafka source (its default ``groupIdPrefix``s start so).
+SPARK_GROUP_PREFIX: Final = "spark-kafka-"
+
+
+@dataclass(frozen=True, order=True)
+class AclRule:
+    """One allow rule: ``principal`` may ``operation`` the ``resource`` named ``name``
+    (exactly, or every name starting with it when ``pattern`` is ``prefixed``), from
+    any host."""
+
+    principal: str
+    resource: Resource
+    pattern: Pattern
+    name: str
+    operation: Operation
+
+    def __str__(self) -> str:
+        return _row(self.principal, self.operation, self.resource, self.pattern, self.name)
+
+
+def _row(principal: str, operation: str, resource: str, pattern: str, name: str) -> str:
+    return f"{principal:<28} {operation:<9} {resource:<17} {pattern:<9} {name}"
+
+
+def participant_principal(name: str) -> str:
+    """The Kafka principal of the participant ``name``: ``User:participant-<name>``."""
+    return f"User:participant-{name}"
+
+
+def saga_acls(
+    prefix: str, participants: Sequence[str] = (), *, replay: bool = False
+) -> list[AclRule]:
+    """The ACLs of one deployment (topics under ``prefix``), sorted, without duplicates.
+
+    Raises:
+        ConfigurationError: a bad prefix or participant name.
+    """
+    topics = Topics(prefix)
+    for name in participants:
+        if _NAME.fullmatch(name) is None:
+            raise ConfigurationError(
+                f"participant name {name!r} is not allowed: use 1 to 100 characters "
+                "of A-Z, a-z, 0-9, '.', '_' and '-'"
+            )
+    rules: set[AclRule] = set()
+
+    def allow(
+        principal: str,
+        operations: Iterable[Operation],
+        names: Iterable[str],
+        resource: Resource = "topic",
+        pattern: Pattern = "literal",
+    ) -> None:
+        for name in names:
+            for operation in operations:
+                rules.add(AclRule(principal, resource, pattern, name, operation))
+
+    readers = f"{prefix}.reader."
+
+    client = "User:client"
+    allow(client, ["describe"], topics.all)
+    allow(client, ["write"], [topics.requests])
+    allow(client, ["read"], [topics.status, topics.dlq])
+    allow(client, ["read"], [readers], "group", "prefixed")
+
+    operator = "User:operator"
+    allow(operator, ["describe"], topics.all)
+    allow(operator, ["write"], [topics.requests])
+    allow(operator, ["read"], [topics.status, topics.dlq])
+    allow(operator, ["read"], [readers], "group", "prefixed")
+
+    for name in participants:
+        principal = participant_principal(name)
+        allow(principal, ["read"], [topics.requests, topics.events, topics.decisions])
+        allow(principal, ["write"], [topics.events])
+        allow(principal, ["read"], [f"{prefix}.participant.{name}"], "group")
+
+    coordinator = "User:coordinator"
+    allow(coordinator, ["read"], topics.all)
+    allow(coordinator, ["write"], [topics.decisions, topics.status, topics.dlq])
+    allow(coordinator, ["read"], [f"{prefix}.coordinator"], "group")
+    allow(coordinator, ["read"], [readers], "group", "prefixed")
+    allow(
+        coordinator,
+        ["write", "describe"],
+        [f"{prefix}.coordinator."],
+        "transactional-id",
+        "prefixed",
+    )
+
+    reconcile = "User:reconcile"
+    allow(reconcile, ["read"], topics.all)
+    allow(
+        reconcile,
+        ["read"],
+        [readers, f"{prefix}.reconcile", SPARK_GROUP_PREFIX],
+        "group",
+        "prefixed",
+    )
+    if replay:
+        allow(reconcile, ["write"], [topics.requests, topics.decisions])
+    return sorted(rules)
+
+
+def format_acls(rules: Iterable[AclRule]) -> str:
+    """The rules as a table: a header line, then one line per rule."""
+    header = _row("PRINCIPAL", "OPERATION", "RESOURCE", "PATTERN", "NAME")
+    return "\n".join([header, *(str(rule) for rule in rules)])
+
+
+def _binding(rule: AclRule) -> AclBinding:
+    return AclBinding(
+        _RESOURCE_TYPES[rule.resource],
+        rule.name,
+        _PATTERNS[rule.pattern],
+        rule.principal,
+        "*",
+        _OPERATIONS[rule.operation],
+        AclPermissionType.ALLOW,
+    )
+
+
+def _filter(rule: AclRule) -> AclBindingFilter:
+    return AclBindingFilter(
+        _RESOURCE_TYPES[rule.resource],
+        rule.name,
+        _PATTERNS[rule.pattern],
+        rule.principal,
+        "*",
+        _OPERATIONS[rule.operation],
+        AclPermissionType.ALLOW,
+    )
+
+
+def _refused(exc: ck.KafkaException, doing: str) -> SagaError:
+    err = _error_of(exc)
+    if err is not None and err.code() == _E.SECURITY_DISABLED:
+        return ConfigurationError(
+            f"{doing} failed: the broker has no authorizer (authorizer.class.name), so it "
+            "keeps no ACLs; connect to a broker or listener that has one"
+        )
+    return _translate(err, doing, text=str(exc))
+
+
+def apply_acls(settings: KafkaSettings, rules: Sequence[AclRule], timeout: float = 30.0) -> int:
+    """Create ``rules`` on the cluster (existing ones stay as they are); returns their count.
+
+    Needs a principal allowed to alter the cluster's ACLs (a super user, or
+    ``Alter`` on the cluster).
+
+    Raises:
+        ConfigurationError: refused (credentials, no permission, no authorizer).
+        TransientError: the broker did not answer in time.
+    """
+    if not rules:
+        return 0
+    admin = _admin(settings)
+    doing = f"creating the Kafka ACLs on {settings.bootstrap}"
+    try:
+        futures = admin.create_acls([_binding(r) for r in rules], request_timeout=timeout)
+    except (ck.KafkaException, ValueError, TypeError) as exc:
+        raise ConfigurationError(f"{doing} failed: {exc}") from exc
+    for future in futures.values():
+        try:
+            future.result(timeout=timeout + 5)
+        except ck.KafkaException as exc:
+            raise _refused(exc, doing) from exc
+        except TimeoutError as exc:
+            raise TransientError(f"{doing} failed: no answer within {timeout:g}s") from exc
+    return len(rules)
+
+
+def delete_acls(settings: KafkaSettings, rules: Sequence[AclRule], timeout: float = 30.0) -> int:
+    """Delete exactly ``rules`` from the cluster; returns how many ACLs were deleted.
+
+    Raises:
+        ConfigurationError: refused (credentials, no permission, no authorizer).
+        TransientError: the broker did not answer in time.
+    """
+    if not rules:
+        return 0
+    admin = _admin(settings)
+    doing = f"deleting the Kafka ACLs on {settings.bootstrap}"
+    try:
+        futures = admin.delete_acls([_filter(r) for r in rules], request_timeout=timeout)
+    except (ck.KafkaException, ValueError, TypeError) as exc:
+        raise ConfigurationError(f"{doing} failed: {exc}") from exc
+    deleted = 0
+    for future in futures.values():
+        try:
+            deleted += len(future.result(timeout=timeout + 5))
+        except ck.KafkaException as exc:
+            raise _refused(exc, doing) from exc
+        except TimeoutError as exc:
+            raise TransientError(f"{doing} failed: no answer within {timeout:g}s") from exc
+    return deleted
