@@ -44,6 +44,15 @@ ENV_VARS = {
     "spark_jars_dir": "SAGA_SPARK_JARS",
 }
 
+# KafkaSasl field -> environment variable: the SASL_SSL listener of the local services
+# (KAFKA_SASL=on in infra/config.env). Optional: all three or none. Not SAGA_KAFKA_*,
+# which saga reads as librdkafka settings.
+SASL_ENV_VARS = {
+    "bootstrap": "SAGA_SASL_BOOTSTRAP",
+    "ca": "SAGA_SASL_CA",
+    "users_dir": "SAGA_SASL_USERS",
+}
+
 # Images for SAGA_INFRA=containers. KafkaContainer drives Confluent's start-up scripts,
 # so its image is cp-kafka (Apache Kafka 3.7) rather than apache/kafka.
 KAFKA_IMAGE = "confluentinc/cp-kafka:7.7.1"
@@ -57,14 +66,52 @@ T = TypeVar("T")
 
 
 @dataclass(frozen=True)
+class KafkaSasl:
+    """Kafka's SASL_SSL listener (SCRAM-SHA-512, ACLs) and its users' secrets."""
+
+    bootstrap: str  # host:port of the SASL_SSL listener
+    ca: Path  # the CA certificate (PEM) the broker's certificate is signed with
+    users_dir: Path  # <user>.password and <user>.properties per SCRAM user (0600)
+
+    def password(self, user: str) -> str:
+        """The SCRAM password of ``user`` (e.g. ``client``, ``participant-bank``)."""
+        return (self.users_dir / f"{user}.password").read_text(encoding="utf-8").strip()
+
+    def client_config(self, user: str) -> dict[str, str]:
+        """librdkafka settings that log in as ``user`` (without bootstrap.servers)."""
+        return {
+            "security.protocol": "SASL_SSL",
+            "sasl.mechanism": "SCRAM-SHA-512",
+            "sasl.username": user,
+            "sasl.password": self.password(user),
+            "ssl.ca.location": str(self.ca),
+        }
+
+    def config_file(self, user: str) -> Path:
+        """The ``--kafka-config`` file of ``user`` that ``infra/services.sh`` writes."""
+        return self.users_dir / f"{user}.properties"
+
+
+def _sasl_from(values: Mapping[str, str]) -> KafkaSasl | None:
+    if not all(values.get(var) for var in SASL_ENV_VARS.values()):
+        return None
+    return KafkaSasl(
+        bootstrap=values["SAGA_SASL_BOOTSTRAP"],
+        ca=Path(values["SAGA_SASL_CA"]).resolve(),
+        users_dir=Path(values["SAGA_SASL_USERS"]).resolve(),
+    )
+
+
+@dataclass(frozen=True)
 class Services:
     """Addresses of the services one test session runs against."""
 
     kafka_bootstrap: str  # host:port
     postgres_url: str  # postgresql://user:password@host:port/db
     mongo_url: str  # mongodb://[user:password@]host:port/
-    redis_url: str  # redis://host:port/db
+    redis_url: str  # redis://[:password@]host:port/db
     spark_jars_dir: Path  # folder with spark-sql-kafka and its dependencies
+    kafka_sasl: KafkaSasl | None = None  # None: no SASL listener configured
 
     @property
     def spark_jars(self) -> list[Path]:
@@ -145,12 +192,15 @@ def _from_values(values: Mapping[str, str]) -> Services:
         mongo_url=values["SAGA_MONGO_URL"],
         redis_url=values["SAGA_REDIS_URL"],
         spark_jars_dir=Path(values["SAGA_SPARK_JARS"]).resolve(),
+        kafka_sasl=_sasl_from(values),
     )
 
 
 def local_services(environ: Mapping[str, str] = os.environ) -> Services:
-    """Addresses from the SAGA_* variables that are set, the rest from ``services.sh env``."""
+    """Addresses from the SAGA_* variables that are set, the rest from ``services.sh env``
+    (the SASL listener's all from the one or all from the other, when configured)."""
     values = {var: environ[var] for var in ENV_VARS.values() if environ.get(var)}
+    sasl = {var: environ[var] for var in SASL_ENV_VARS.values() if environ.get(var)}
     if len(values) < len(ENV_VARS):
         printed = services_sh_env(environ)
         for var in ENV_VARS.values():
@@ -158,7 +208,9 @@ def local_services(environ: Mapping[str, str] = os.environ) -> Services:
                 if var not in printed:
                     raise pytest.UsageError(f"`infra/services.sh env` printed no {var}")
                 values[var] = printed[var]
-    return _from_values(values)
+        if not sasl:
+            sasl = {var: printed[var] for var in SASL_ENV_VARS.values() if var in printed}
+    return _from_values({**values, **sasl})
 
 
 def external_services(environ: Mapping[str, str] = os.environ) -> Services:
