@@ -157,8 +157,10 @@ class Cluster:
         workers: Mapping[str, int] | None = None,
         unsafe: str | None = None,
         clock_start: float | None = None,
+        keys_dir: Path | None = None,
     ) -> None:
         self.services = services
+        self.keys_dir = keys_dir  # signed records: SAGA_KEYS_DIR of every process
         self.prefix = prefix
         self.token = token
         self.logs = logs
@@ -188,6 +190,8 @@ class Cluster:
             SAGA_TOPIC_PREFIX=self.prefix,
             SAGA_KAFKA_SESSION_TIMEOUT_MS=str(SESSION_TIMEOUT_MS),
         )
+        if self.keys_dir is not None:
+            env["SAGA_KEYS_DIR"] = str(self.keys_dir)
         if participant:
             env["SAGA_KAFKA_MAX_POLL_INTERVAL_MS"] = str(MAX_POLL_INTERVAL_MS)
             if self.unsafe:

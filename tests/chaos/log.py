@@ -8,6 +8,13 @@
   (the duplicates and the barrier trio need them).
 * :func:`read_log` reads requests, events, decisions, the DLQ and the status topic
   to their end, for the checker.
+
+Signed records (the suite's default, :mod:`streams._signing`): the sender signs
+what the run writes as the ``client`` (a duplicate goes out as the original
+record, its original headers and signature included, plus the unsigned
+annotation :data:`INJECTED_HEADER`: a replayed signed record is valid); poison
+goes out unsigned or forged. The tails and :func:`read_log` take only records
+signed by a principal allowed to write them, as every consumer does.
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from streams import (
@@ -28,10 +35,12 @@ from streams import (
     decode_as,
 )
 from streams._errors import SagaError
+from streams._signing import COORDINATOR, UNSIGNED_HEADER_PREFIX, Keyring, allowed_signers
 from streams.kafka import Consumer, KafkaSettings, Message, Producer
 
-INJECTED_HEADER = "chaos.injected"
-"""Header on the records the run repeats on purpose (value ``duplicate``)."""
+INJECTED_HEADER = f"{UNSIGNED_HEADER_PREFIX}chaos"
+"""Header on the records the run repeats on purpose (value ``duplicate``); under
+``saga.replayed.``, outside the signature, so a repeated signed record stays valid."""
 REPLAYED_HEADER = "saga.replayed.by"
 """Header the reconciliation job puts on the records it re-publishes."""
 
@@ -48,13 +57,19 @@ class Delivery:
     partition: int = -1
     offset: int = -1
     error: str | None = None
+    headers: tuple[tuple[str, bytes], ...] = ()  # as sent
 
 
 class Sender:
-    """One producer for the run's own records; every delivery report is kept."""
+    """One producer for the run's own records; every delivery report is kept.
 
-    def __init__(self, settings: KafkaSettings) -> None:
+    ``keys`` (the ``client``'s keyring): records are signed unless sent with
+    ``sign=False`` or with the exact ``headers`` to send (a duplicate's original ones).
+    """
+
+    def __init__(self, settings: KafkaSettings, keys: Keyring | None = None) -> None:
         self.settings = settings
+        self.keys = keys
         self.topics = settings.topics
         # Poison includes records near 1 MB, over the producer's default limit.
         roomy = KafkaSettings(
@@ -85,9 +100,17 @@ class Sender:
         injected: str | None = None,
         on_done: Callable[[Delivery], None] | None = None,
         partition: int | None = None,
+        headers: Sequence[tuple[str, bytes]] | None = None,
+        sign: bool = True,
     ) -> Delivery:
         keyed = key.encode() if isinstance(key, str) else key
-        record = Delivery(topic, keyed, value, label)
+        if headers is not None:
+            own = list(headers)
+        elif sign and self.keys is not None:
+            own = self.keys.sign(topic, key, value)
+        else:
+            own = []
+        record = Delivery(topic, keyed, value, label, headers=tuple(own))
 
         def delivered(error: object, message: Message) -> None:
             with self._lock:
@@ -100,9 +123,10 @@ class Sender:
             if on_done is not None:
                 on_done(record)
 
-        headers = [(INJECTED_HEADER, injected.encode())] if injected else None
+        if injected:
+            own.append((INJECTED_HEADER, injected.encode()))
         self._producer.produce(
-            topic, key, value, headers=headers, on_delivery=delivered, partition=partition
+            topic, key, value, headers=own or None, on_delivery=delivered, partition=partition
         )
         return record
 
@@ -131,13 +155,26 @@ class DecisionSeen:
     value: bytes
     partition: int
     offset: int
+    headers: tuple[tuple[str, bytes], ...] = ()
+
+
+def authentic(keys: Keyring | None, m: Message, allowed: frozenset[str]) -> bool:
+    """Whether ``m`` carries a valid signature of one of ``allowed`` (always, without keys)."""
+    return keys is None or keys.check(m.topic, m.key, m.value, m.headers, allowed) is None
+
+
+_BY_COORDINATOR = frozenset({COORDINATOR})
 
 
 class DecisionTail:
-    """Follows the decisions topic from its start; keeps each transaction's first decision."""
+    """Follows the decisions topic from its start; keeps each transaction's first decision
+    (with ``keys``: the first the coordinator signed)."""
 
-    def __init__(self, settings: KafkaSettings, partitions: int) -> None:
+    def __init__(
+        self, settings: KafkaSettings, partitions: int, keys: Keyring | None = None
+    ) -> None:
         self.settings = settings
+        self.keys = keys
         self.partitions = partitions
         self.first: dict[str, DecisionSeen] = {}
         self.listeners: list[Callable[[DecisionSeen], None]] = []
@@ -175,8 +212,12 @@ class DecisionTail:
         assert isinstance(record, Decision)
         if m.key is None or m.key.decode(errors="replace") != record.tx_id:
             return
+        if not authentic(self.keys, m, _BY_COORDINATOR):
+            return  # forged: no decision
         assert m.value is not None
-        seen = DecisionSeen(record.tx_id, str(record.outcome), m.value, m.partition, m.offset)
+        seen = DecisionSeen(
+            record.tx_id, str(record.outcome), m.value, m.partition, m.offset, m.headers
+        )
         with self._lock:
             if record.tx_id in self.first:
                 return
@@ -196,10 +237,14 @@ class DecisionTail:
 
 class StatusTail:
     """Follows the status topic from its start: each transaction's latest state, and when
-    it was first seen final (``time.monotonic()``)."""
+    it was first seen final (``time.monotonic()``); with ``keys``, only the records the
+    coordinator signed."""
 
-    def __init__(self, settings: KafkaSettings, partitions: int) -> None:
+    def __init__(
+        self, settings: KafkaSettings, partitions: int, keys: Keyring | None = None
+    ) -> None:
         self.settings = settings
+        self.keys = keys
         self.partitions = partitions
         self.state: dict[str, str] = {}
         self.final_at: dict[str, float] = {}
@@ -230,6 +275,8 @@ class StatusTail:
                         except InvalidRecord:
                             continue
                         assert isinstance(status, SagaStatus)
+                        if not authentic(self.keys, m, _BY_COORDINATOR):
+                            continue  # forged
                         self.state[status.tx_id] = str(status.state)
                         if status.state.final:
                             self.final_at.setdefault(status.tx_id, now)
@@ -318,10 +365,12 @@ def _keyed(m: Message, tx_id: str) -> bool:
     return m.key is not None and m.key.decode(errors="replace") == tx_id
 
 
-def read_log(settings: KafkaSettings) -> LogView:
-    """Read the whole log of ``settings.prefix`` as it is now."""
+def read_log(settings: KafkaSettings, keys: Keyring | None = None) -> LogView:
+    """Read the whole log of ``settings.prefix`` as it is now (with ``keys``: only the
+    records signed by a principal allowed to write them, as consumers take them)."""
     t = settings.topics
     view = LogView()
+    forged = 0
     n = 0
     for m in read_messages(settings, t.requests):
         n += 1
@@ -330,6 +379,9 @@ def read_log(settings: KafkaSettings) -> LogView:
         except InvalidRecord:
             continue
         if not _keyed(m, record.tx_id):
+            continue
+        if not authentic(keys, m, allowed_signers(record)):
+            forged += 1
             continue
         if isinstance(record, SagaRequest):
             view.requests.setdefault(record.tx_id, record)
@@ -344,6 +396,9 @@ def read_log(settings: KafkaSettings) -> LogView:
         except InvalidRecord:
             continue
         assert isinstance(event, StepEvent)
+        if not authentic(keys, m, allowed_signers(event)):
+            forged += 1
+            continue
         if _keyed(m, event.tx_id):
             view.events[(event.tx_id, event.step)].add(str(event.status))
     view.records["events"] = n
@@ -355,6 +410,9 @@ def read_log(settings: KafkaSettings) -> LogView:
         except InvalidRecord:
             continue
         assert isinstance(decision, Decision) and m.value is not None
+        if not authentic(keys, m, _BY_COORDINATOR):
+            forged += 1
+            continue
         if _keyed(m, decision.tx_id):
             view.decisions[decision.tx_id].append(
                 DecisionRecord(
@@ -380,5 +438,9 @@ def read_log(settings: KafkaSettings) -> LogView:
         except InvalidRecord:
             continue
         assert isinstance(status, SagaStatus)
+        if not authentic(keys, m, _BY_COORDINATOR):
+            forged += 1
+            continue
         view.statuses[status.tx_id] = status
+    view.records["forged"] = forged
     return view

@@ -5,16 +5,38 @@ records that would do damage if a consumer acted on them: a request that moves
 money from a hot account, or a step event or a rollback for a real transaction
 in flight, each keyed by another transaction (so consumers must ignore it, and
 the coordinator must move it to the DLQ).
+
+With signed records (the suite's default) poison goes out unsigned, and
+:func:`forged` adds records that are well formed but not signed by one allowed to
+write them (the hostile profile): a step event signed by another participant, a
+rollback decision signed by the client, a decision changed after the coordinator
+signed it, aborts signed by a stranger's key and by a participant, each for a real
+transaction in flight (the coordinator moves each to the DLQ and nobody acts on
+it), and a final status signed by the client (no consumer takes it; no DLQ reads
+the status topic).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import orjson
 
-from streams import Decision, Outcome, SagaRequest, Step, StepEvent, StepStatus, encode
+from streams import (
+    Decision,
+    Outcome,
+    SagaAbort,
+    SagaRequest,
+    SagaState,
+    SagaStatus,
+    Step,
+    StepEvent,
+    StepStatus,
+    encode,
+)
 from streams._records import Mode
+from streams._signing import Keyring
 from tests.chaos.workload import FIELD, PARTICIPANTS, TARGET
 
 Poison = tuple[str, str, str | None, bytes | None]  # (label, topic kind, key, value)
@@ -193,3 +215,85 @@ def misplaced(tag: str, now_ms: int) -> list[Poison]:
     """Valid requests that move money, each to be sent to a partition not its key's."""
     tx = f"poison-{tag}-wrong-partition"
     return [("request: on the wrong partition", "requests", tx, orjson.dumps(_request(tx, now_ms)))]
+
+
+Forged = tuple[str, str, str, bytes, list[tuple[str, bytes]]]
+"""(label, topic kind, key, value, headers): a well-formed record with a bad signature."""
+
+FORGED_IN_DLQ = ("events", "decisions", "requests")
+"""The kinds of forged records the coordinator reads, so moves to the DLQ."""
+
+
+def forged(
+    real_tx: str,
+    now_ms: int,
+    signers: Mapping[str, Keyring],
+    topics: Mapping[str, str],
+) -> list[Forged]:
+    """Forged records for ``real_tx`` (in flight). ``signers``: keyrings by principal,
+    ``stranger`` a key the folder does not know; ``topics``: topic names by kind."""
+
+    def signed(by: str, kind: str, value: bytes) -> list[tuple[str, bytes]]:
+        return signers[by].sign(topics[kind], real_tx, value)
+
+    applied = encode(StepEvent(real_tx, 1, PARTICIPANTS["redis"], StepStatus.APPLIED, now_ms))
+    rollback = encode(Decision(real_tx, Outcome.ROLLBACK, "step 0 failed: forged", now_ms))
+    tampered = encode(Decision(real_tx, Outcome.ROLLBACK, "step 0 failed: genuine", now_ms))
+    abort = encode(SagaAbort(real_tx, "forged abort", now_ms))
+    status = encode(
+        SagaStatus(
+            tx_id=real_tx,
+            saga="transfer",
+            state=SagaState.ROLLED_BACK,
+            steps=(),
+            reason="forged",
+            created_ms=now_ms,
+            updated_ms=now_ms,
+            deadline_ms=now_ms,
+        )
+    )
+    other = f"participant-{PARTICIPANTS['sql']}"
+    return [
+        (
+            "forged: applied event signed by another participant",
+            "events",
+            real_tx,
+            applied,
+            signed(other, "events", applied),
+        ),
+        (
+            "forged: rollback decision signed by the client",
+            "decisions",
+            real_tx,
+            rollback,
+            signed("client", "decisions", rollback),
+        ),
+        (
+            "forged: decision changed after the coordinator signed it",
+            "decisions",
+            real_tx,
+            tampered.replace(b"genuine", b"forged!"),
+            signed("coordinator", "decisions", tampered),
+        ),
+        (
+            "forged: abort signed by a stranger's key",
+            "requests",
+            real_tx,
+            abort,
+            signed("stranger", "requests", abort),
+        ),
+        (
+            "forged: abort signed by a participant",
+            "requests",
+            real_tx,
+            abort,
+            signed(other, "requests", abort),
+        ),
+        (
+            "forged: final status signed by the client",
+            "status",
+            real_tx,
+            status,
+            signed("client", "status", status),
+        ),
+    ]

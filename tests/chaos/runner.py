@@ -24,6 +24,12 @@ A run has four parts:
    unsafe test switch (``barrier-off``; ``auto-commit`` with kills right after
    the local commit): the checker must find violations in each.
 
+Signed records are on by default (``CHAOS_SIGNING=off`` turns them off): each
+system gets a key folder of its own, its processes ``SAGA_KEYS_DIR``, the run's
+sender and readers the ``client`` key, ``saga reconcile`` the folder too; the
+hostile profile adds forged records (:func:`tests.chaos.poison.forged`) to its
+poison, which the checker expects in the DLQ, without effect.
+
 The report (a table on the terminal and JSON) has the counts, their sum as
 ``violations``, ``negative_controls_detected``, faults by type, kills by
 component, quiesce times, throughput with and without faults, and the seed.
@@ -42,7 +48,7 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -81,6 +87,12 @@ class Profile:
     poison_batches: int = 3  # per round, one record of every poison kind each
     poison_gap_s: tuple[float, float] = (3.0, 15.0)
     min_poison: int = 0
+    forged: bool = False  # forged records join the poison (signed runs only)
+
+
+def signing_on(environ: Mapping[str, str] = os.environ) -> bool:
+    """Signed records, unless ``CHAOS_SIGNING`` is ``off`` (or ``0``, ``no``, ``false``)."""
+    return environ.get("CHAOS_SIGNING", "on").strip().lower() not in ("off", "0", "no", "false")
 
 
 PROFILES = {
@@ -124,6 +136,7 @@ PROFILES = {
         poison_batches=36,
         poison_gap_s=(0.3, 1.2),
         min_poison=1000,
+        forged=True,
     ),
 }
 
@@ -201,6 +214,7 @@ class Runner:
         self.control = ServiceControl(services)
         self.replays: list[dict[str, Any]] = []
         self.nc_systems: list[System] = []
+        self.signing = signing_on()
 
     def log(self, text: str) -> None:
         self.say(f"[{self.book.now():7.1f}s] {text}")
@@ -220,6 +234,12 @@ class Runner:
             stores=STORES,
             partitions=p.partitions,
             book=self.book,
+            signing=self.signing,
+            forged=p.forged,
+        )
+        self.log(
+            "signed records: "
+            + (f"on (keys in {main.keys_dir})" if main.keys_dir else "off (CHAOS_SIGNING)")
         )
         warm = plan(10, seed=self.seed, tag="warm", start=0, reject_share=0)
         baseline = plan(p.baseline_sagas, seed=self.seed, tag="base", start=0)
@@ -448,12 +468,14 @@ class Runner:
         is let finish."""
         time.sleep(self.rnd.uniform(3, 6))
         far = int(time.time() * 1000) + 10 * 86_400_000  # every saga in flight looks stuck
-        env = dict(os.environ)
+        env = {k: v for k, v in os.environ.items() if k != "SAGA_KEYS_DIR"}
         env.update(
             SAGA_KAFKA_BOOTSTRAP=self.services.kafka_bootstrap,
             SAGA_TOPIC_PREFIX=main.prefix,
             SAGA_SPARK_JARS=str(self.services.spark_jars_dir),
         )
+        if main.keys_dir is not None:
+            env["SAGA_KEYS_DIR"] = str(main.keys_dir)
 
         def launch(i: int, attempt: int) -> tuple[subprocess.Popen[str], list[str]]:
             out = main.workdir / f"replay-r{r}-{i}-{attempt}"
@@ -560,6 +582,7 @@ class Runner:
             coordinators=1,
             workers={"sql": 1, "redis": 1},
             unsafe=switch,
+            signing=self.signing,
         )
         transfers = plan(p.nc_sagas, seed=self.seed, tag=f"nc{switch[:2]}", stores=stores)
         trio = [
@@ -696,6 +719,7 @@ class Runner:
                     tables=tuple(parse_table(x) for x in tables),
                     checks=tuple(parse_check(x) for x in checks),
                     shuffle_partitions=4,
+                    keys_dir=system.keys_dir,
                 )
                 summary: dict[str, Any] = run(config, spark=spark, say=lambda _: None).summary
                 checker_clean = verdicts[name].violations == 0 if name in verdicts else None
@@ -707,6 +731,7 @@ class Runner:
                     "invariants": summary["invariants"],
                     "checks": {c["name"]: c["holds"] for c in summary["checks"]},
                     "dlq": summary["dlq"],
+                    "signatures": summary.get("signatures"),
                     "agrees": checker_clean == clean,
                 }
                 self.log(f"reconcile {name}: {summary['verdict']} (exit {summary['exit_code']})")
@@ -752,6 +777,7 @@ class Runner:
         report: dict[str, Any] = {
             "profile": p.name,
             "seed": self.seed,
+            "signing": main.keys_dir is not None,
             "prefix": main.prefix,
             "wall_s": round(wall_s, 1),
             "sagas": {
@@ -825,6 +851,7 @@ def render(console: Console, report: dict[str, Any], path: Path) -> None:
     table.add_column("what")
     table.add_column("value", justify="right")
     sagas = report["sagas"]
+    table.add_row("signed records", "on" if report.get("signing") else "off")
     table.add_row("sagas submitted", str(sagas["submitted"]))
     table.add_row(
         "  outcomes (log)", ", ".join(f"{k} {v}" for k, v in sagas["outcomes_in_log"].items())

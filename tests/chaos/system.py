@@ -7,6 +7,13 @@ status topics). It submits transfers and records the history of every
 submission (acknowledged or not, its final state as the status topic shows it),
 injects the record faults (duplicates, the barrier trio, poison) and finally
 gathers everything the checker needs.
+
+Signed records (``signing``, the default): the system gets a key folder of its
+own (``<workdir>/keys``: every principal's keys, :func:`streams._signing.create_key`),
+its processes get ``SAGA_KEYS_DIR``, the run's sender signs as the ``client``, and
+the run's readers take only records signed by one allowed to write them. A
+duplicate is the original record with its original headers; poison is unsigned,
+and with ``forged`` the forged records of :func:`tests.chaos.poison.forged` join it.
 """
 
 from __future__ import annotations
@@ -25,6 +32,14 @@ from pathlib import Path
 
 from streams import Mode, SagaAbort, SagaRequest, encode
 from streams._errors import SagaError
+from streams._signing import (
+    CLIENT,
+    COORDINATOR,
+    OPERATOR,
+    Keyring,
+    create_key,
+    participant_principal,
+)
 from streams.kafka import Consumer, KafkaSettings, create_topics, delete_topics, partition_for
 from tests._infra import Services
 from tests.chaos import poison
@@ -54,6 +69,7 @@ class Submission:
     value: bytes
     sent_at: float
     acked: bool | None = None
+    headers: tuple[tuple[str, bytes], ...] = ()  # as sent (a duplicate repeats them)
 
 
 @dataclass
@@ -93,6 +109,8 @@ class System:
         coordinators: int = 2,
         workers: dict[str, int] | None = None,
         unsafe: str | None = None,
+        signing: bool = True,
+        forged: bool = False,
     ) -> None:
         self.services = services
         self.label = label
@@ -107,6 +125,13 @@ class System:
         self.workdir = workdir / label
         self.book = book
         self.rnd = random.Random(f"{seed}:{label}")
+        self.keys_dir: Path | None = None
+        self.keys: Keyring | None = None  # the client's: signs what the run sends
+        self.signers: dict[str, Keyring] = {}  # every principal's, and a stranger's
+        self.forged = forged and signing
+        if signing:
+            self.keys_dir = self.workdir / "keys"
+            self.keys, self.signers = _make_keys(self.keys_dir, self.workdir / "stranger-keys")
         self.cluster = Cluster(
             services,
             prefix=self.prefix,
@@ -117,6 +142,7 @@ class System:
             workers=workers,
             unsafe=unsafe,
             clock_start=book.t0,
+            keys_dir=self.keys_dir,
         )
         self.submissions: dict[str, Submission] = {}
         self.order: list[str] = []
@@ -143,11 +169,11 @@ class System:
         create_topics(self.settings, self.partitions)
 
     def start(self) -> None:
-        self._sender = Sender(self.settings)
-        self._decisions = DecisionTail(self.settings, self.partitions)
+        self._sender = Sender(self.settings, self.keys)
+        self._decisions = DecisionTail(self.settings, self.partitions, self.keys)
         self._decisions.listeners.append(self._maybe_duplicate_decision)
         self._decisions.start()
-        self._status = StatusTail(self.settings, self.partitions).start()
+        self._status = StatusTail(self.settings, self.partitions, self.keys).start()
         self.cluster.start()
         self._monitor = threading.Thread(target=self._watch_quiesce, name="quiesce", daemon=True)
         self._monitor.start()
@@ -198,7 +224,9 @@ class System:
             meta={"chaos": self.label},
         )
         value = encode(request)
-        sub = Submission(t, value, time.monotonic())
+        topic = self.topics.requests
+        headers = tuple(self.keys.sign(topic, t.tx_id, value)) if self.keys is not None else ()
+        sub = Submission(t, value, time.monotonic(), headers=headers)
         with self._lock:
             self.submissions[t.tx_id] = sub
             self.order.append(t.tx_id)
@@ -206,20 +234,34 @@ class System:
         def done(d: Delivery) -> None:
             sub.acked = bool(d.acked)
 
-        self.sender.send(self.topics.requests, t.tx_id, value, label="request", on_done=done)
+        self.sender.send(topic, t.tx_id, value, label="request", on_done=done, headers=headers)
         if duplicate_share and self.rnd.random() < duplicate_share:
             self.duplicate_request(t.tx_id, "duplicate.request.in_flight")
 
     def duplicate_request(self, tx_id: str, kind: str) -> None:
         sub = self.submissions[tx_id]
-        self.sender.send(self.topics.requests, tx_id, sub.value, label=kind, injected="duplicate")
+        # The original record as it was sent: value, headers and signature.
+        self.sender.send(
+            self.topics.requests,
+            tx_id,
+            sub.value,
+            label=kind,
+            injected="duplicate",
+            headers=sub.headers,
+        )
         self.records.add(kind)
         for store in {sub.transfer.src, sub.transfer.dst}:
             self.records.add(f"barrier.duplicate_request.{store}")
 
     def duplicate_decision(self, seen: DecisionSeen, kind: str) -> None:
+        # The coordinator's decision as it is in the log: value, headers and signature.
         self.sender.send(
-            self.topics.decisions, seen.tx_id, seen.value, label=kind, injected="duplicate"
+            self.topics.decisions,
+            seen.tx_id,
+            seen.value,
+            label=kind,
+            injected="duplicate",
+            headers=seen.headers,
         )
         sub = self.submissions.get(seen.tx_id)
         what = "duplicate_compensation" if seen.outcome == "rollback" else "duplicate_decision"
@@ -286,18 +328,29 @@ class System:
         }
         sent = 0
         for label, kind, key, value in poison.batch(f"{tag}", real, now):
-            record = self.sender.send(topic[kind], key, value, label=label)
+            record = self.sender.send(topic[kind], key, value, label=label, sign=False)
             with self._lock:
                 self.poison.append(record)
             self.records.add(f"poison.{kind}")
             sent += 1
         for label, kind, key, value in poison.misplaced(tag, now):
             wrong = (partition_for(key or "", self.partitions) + 1) % self.partitions
-            record = self.sender.send(topic[kind], key, value, label=label, partition=wrong)
+            record = self.sender.send(
+                topic[kind], key, value, label=label, partition=wrong, sign=False
+            )
             with self._lock:
                 self.poison.append(record)
             self.records.add(f"poison.{kind}")
             sent += 1
+        if self.forged and ids:
+            names = {**topic, "status": self.topics.status}
+            for label, kind, key, value, headers in poison.forged(real, now, self.signers, names):
+                record = self.sender.send(names[kind], key, value, label=label, headers=headers)
+                self.records.add(f"forged.{kind}")
+                if kind in poison.FORGED_IN_DLQ:  # the status topic has no DLQ reader
+                    with self._lock:
+                        self.poison.append(record)
+                    sent += 1
         return sent
 
     def duplicates_after(self, tx_ids: list[str], share: float) -> None:
@@ -432,7 +485,7 @@ class System:
 
     def check(self) -> Verdict:
         """Read the log, the stores and the ledgers (the processes are stopped) and judge."""
-        log = read_log(self.settings)
+        log = read_log(self.settings, self.keys)
         self.write_history(log)
         with self._lock:
             transfers = [self.submissions[tx].transfer for tx in self.order]
@@ -453,3 +506,21 @@ class System:
                 late=late,
             )
         )
+
+
+def _make_keys(folder: Path, stranger: Path) -> tuple[Keyring, dict[str, Keyring]]:
+    """Every principal's keys in ``folder`` (as ``saga keys create`` makes them) and a
+    client key in ``stranger`` (a key the folder does not know); the client's keyring
+    and every principal's, by name (``stranger`` too)."""
+    principals = [
+        COORDINATOR,
+        CLIENT,
+        OPERATOR,
+        *(participant_principal(p) for p in PARTICIPANTS.values()),
+    ]
+    for principal in principals:
+        create_key(folder, principal)
+    create_key(stranger, CLIENT)
+    signers = {p: Keyring.load(folder, p) for p in principals}
+    signers["stranger"] = Keyring.load(stranger, CLIENT)
+    return signers[CLIENT], signers
