@@ -27,7 +27,7 @@ from streams._secrets import forget_all
 
 pytestmark = pytest.mark.unit
 
-NOWHERE = {"SAGA_KAFKA_BOOTSTRAP": "127.0.0.1:1", "SAGA_STORAGE_URL": None}
+NOWHERE = {"SAGA_KAFKA_BOOTSTRAP": "127.0.0.1:1", "SAGA_STORAGE_URL": None, "SAGA_KEYS_DIR": None}
 STEP = '{"participant": "ledger", "action": "insert", "args": {"table": "t", "key": 1}}'
 
 
@@ -395,3 +395,144 @@ def test_a_wedged_kafka_client_exits_the_process_after_one_sentence(
         "saga: the transactional producer's commit did not return within 60 s; "
         "exiting so that a restarted process takes over\n"
     )
+
+
+# ---------------------------------------------------------------- keys
+
+
+def test_keys_create_makes_a_folder_and_refuses_to_overwrite_without_rotate(tmp_path: Path) -> None:
+    folder = tmp_path / "keys"
+    made = saga("keys", "create", "--dir", str(folder), "--participants", "bank, shop")
+    assert made.code == 0, made
+    principals = [line.split("\t")[0] for line in made.stdout.splitlines()]
+    assert principals == [
+        "coordinator",
+        "client",
+        "operator",
+        "participant-bank",
+        "participant-shop",
+    ]
+    assert sorted(p.name for p in folder.glob("*.key")) == sorted(f"{p}.key" for p in principals)
+    for path in folder.glob("*.key"):
+        assert path.stat().st_mode & 0o077 == 0, path
+    again = saga("keys", "create", "--dir", str(folder), "--participants", "bank")
+    one_sentence(again, "already holds the private keys of coordinator, client, operator, "
+                 "participant-bank", "--rotate")  # fmt: skip
+    rotated = saga("keys", "create", "--dir", str(folder), "--participants", "bank", "--rotate")
+    assert rotated.code == 0, rotated
+    listed = saga("keys", "list", "--dir", str(folder))
+    rows = [line.split("\t") for line in listed.stdout.splitlines()]
+    assert len(rows) == 9  # four principals rotated: two public keys each
+    assert sum(1 for row in rows if row[2] == "private key here") == 5
+
+
+def test_keys_rotate_then_retire_the_old_key_but_never_the_current_one(tmp_path: Path) -> None:
+    folder = str(tmp_path / "keys")
+    assert saga("keys", "create", "--dir", folder).code == 0
+    old = saga("keys", "list", "--dir", folder).stdout
+    old_kid = next(line.split("\t")[1] for line in old.splitlines() if line.startswith("client"))
+    rotated = saga("keys", "rotate", "--dir", folder, "--principal", "client")
+    assert rotated.code == 0 and f"the old key {old_kid} stays valid" in rotated.stdout
+    new_kid = rotated.stdout.splitlines()[0].split("\t")[1]
+    one_sentence(
+        saga("keys", "retire", "--dir", folder, "--kid", new_kid),
+        f"{new_kid} is the current key of client",
+        "rotate it first",
+    )
+    retired = saga("keys", "retire", "--dir", folder, "--kid", old_kid)
+    assert retired.code == 0 and old_kid not in saga("keys", "list", "--dir", folder).stdout
+    one_sentence(
+        saga("keys", "retire", "--dir", folder, "--kid", old_kid), "there is no public key"
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["keys", "create", "--participants", "a.b"], "'participant-a.b' is not a principal"),
+        (["keys", "rotate", "--principal", "root"], "'root' is not a principal"),
+        (["keys", "retire", "--kid", "../x"], "'../x' is not a key id"),
+    ],
+)
+def test_keys_commands_refuse_bad_names(tmp_path: Path, args: list[str], expected: str) -> None:
+    one_sentence(saga(*args, "--dir", str(tmp_path / "keys")), expected)
+
+
+def test_keys_list_of_a_missing_folder_is_one_sentence(tmp_path: Path) -> None:
+    one_sentence(saga("keys", "list", "--dir", str(tmp_path / "none")), "does not exist")
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["coordinator", "run"],
+        ["participant", "run", "--name", "bank", "--storage", "sql", "--targets", "t",
+         "--url", "sqlite:///x.db"],
+        ["submit", "-"],
+        ["status", "tx-1"],
+        ["watch", "--once"],
+        ["abort", "tx-1"],
+    ],
+)  # fmt: skip
+def test_a_missing_key_folder_is_one_sentence_before_connecting(
+    tmp_path: Path, args: list[str]
+) -> None:
+    missing = str(tmp_path / "nowhere")
+    stdin = f'{{"steps": [{STEP}]}}'.encode()
+    for outcome in (
+        saga(*args, "--keys-dir", missing, stdin=stdin),
+        saga(*args, stdin=stdin, env={"SAGA_KEYS_DIR": missing}),
+    ):
+        one_sentence(outcome, f"the key folder {missing} does not exist", "saga keys create")
+
+
+@pytest.mark.parametrize(
+    ("args", "principal"),
+    [
+        (["coordinator", "run"], "coordinator"),
+        (["participant", "run", "--name", "bank", "--storage", "sql", "--targets", "t",
+          "--url", "sqlite:///x.db"], "participant-bank"),
+        (["submit", "-"], "client"),
+        (["abort", "tx-1", "--as-operator"], "operator"),
+    ],
+)  # fmt: skip
+def test_a_key_folder_without_the_processs_private_key_is_one_sentence(
+    tmp_path: Path, args: list[str], principal: str
+) -> None:
+    from streams._signing import create_key
+
+    folder = tmp_path / "keys"
+    create_key(folder, "participant-other")
+    outcome = saga(
+        *args, env={"SAGA_KEYS_DIR": str(folder)}, stdin=f'{{"steps": [{STEP}]}}'.encode()
+    )
+    one_sentence(outcome, f"no private key for {principal} in {folder}")
+
+
+def test_the_services_get_their_keyring_from_the_key_folder(tmp_path: Path) -> None:
+    from streams._signing import create_key
+
+    folder = tmp_path / "keys"
+    for principal in ("coordinator", "participant-bank"):
+        create_key(folder, principal)
+    with (
+        mock.patch("coordinator.cli.wait_for_broker"),
+        mock.patch("coordinator._service.CoordinatorService") as service,
+        mock.patch("participants.open_storage"),
+        mock.patch("participants.ParticipantRuntime") as runtime,
+    ):
+        signed = saga("coordinator", "run", env={"SAGA_KEYS_DIR": str(folder)})
+        unsigned = saga("coordinator", "run")
+        participant = saga(
+            "participant", "run", "--name", "bank", "--storage", "sql", "--targets", "t",
+            "--url", "sqlite:///x.db", "--keys-dir", str(folder),
+        )  # fmt: skip
+    assert signed.code == unsigned.code == participant.code == 0, (signed, unsigned, participant)
+    (_, with_keys), (_, without) = service.call_args_list
+    assert with_keys["keys"].principal == "coordinator" and with_keys["keys"].signs
+    assert without["keys"] is None
+    assert runtime.call_args.kwargs["keys"].principal == "participant-bank"
+
+
+def test_abort_refuses_a_bad_transaction_id() -> None:
+    one_sentence(saga("abort", "not a tx id!"), "'not a tx id!' is not a transaction id")
