@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import pytest
 
+from streams import decode
 from streams._signing import Keyring, create_key
 from streams.kafka import (
     Consumer,
@@ -30,9 +31,13 @@ from streams.kafka import (
     Producer,
     create_topics,
     delete_topics,
+    partition_for,
     send_to_dlq,
 )
 from streams.reconcile import ReconcileConfig, run
+from streams.reconcile._dlq import DeadLetter, TxFacts, judge, rejected_at
+from streams.reconcile._replay import Resend, replay_headers, replayable
+from streams.reconcile._signatures import Verifier
 from streams.reconcile._spark import check_jars, start_spark
 from tests._infra import Services, unique_name
 
@@ -268,3 +273,90 @@ class _Signing:
         **rest: Any,
     ) -> None:
         self._inner.produce(topic, key, value, headers=self._keys.sign(topic, key, value, headers))
+
+
+# ---------------------------------------------------------------- the pure parts, no services
+
+T = KafkaSettings(bootstrap="unused:9092", prefix="p").topics
+
+
+def _keys(tmp_path: Path) -> tuple[Path, dict[str, Keyring]]:
+    folder = tmp_path / "keys"
+    for principal in PRINCIPALS:
+        create_key(folder, principal)
+    return folder, {p: Keyring.load(folder, p) for p in PRINCIPALS}
+
+
+def _dead_letter(
+    keys: Keyring | None, original: tuple[str, int, int], key: bytes, value: bytes, error: str
+) -> DeadLetter:
+    headers = [
+        ("saga.error", error.encode()),
+        ("saga.source.topic", original[0].encode()),
+        ("saga.source.partition", str(original[1]).encode()),
+        ("saga.source.offset", str(original[2]).encode()),
+        ("saga.component", b"coordinator"),
+    ]
+    if keys is not None:
+        headers = keys.sign(T.dlq, key, value, headers)
+    return DeadLetter(0, original[2], key, value, dict(headers), tuple(headers))
+
+
+def test_dead_letters_with_a_key_folder(tmp_path: Path) -> None:
+    """Only the coordinator's signed letters count; a letter of a record not signed by
+    its writer was rightly rejected, one of a signed record was not."""
+    folder, ring = _keys(tmp_path)
+    verifier = Verifier(folder)
+    request_value = request("t1")
+    signed = ring["client"].sign(T.requests, b"t1", request_value)
+    store = {
+        (T.requests, 0, 1): (b"t1", request_value, []),  # unsigned
+        (T.requests, 0, 2): (b"t1", request_value, signed),  # signed by the client
+    }
+    letters = [
+        _dead_letter(ring["coordinator"], (T.requests, 0, 1), b"t1", request_value, "x"),
+        _dead_letter(ring["coordinator"], (T.requests, 0, 2), b"t1", request_value, "x"),
+        _dead_letter(None, (T.requests, 0, 2), b"t1", request_value, "x"),  # nobody signed
+        _dead_letter(ring["client"], (T.requests, 0, 2), b"t1", request_value, "x"),
+        # gone from the log: the coordinator's reason stands
+        _dead_letter(
+            ring["coordinator"],
+            (T.requests, 0, 3),
+            b"t1",
+            request_value,
+            "record is not signed: expected a signature by client or operator",
+        ),
+    ]
+
+    def facts(txs: set[str]) -> dict[str, TxFacts]:
+        return dict.fromkeys(txs, TxFacts(False, None, None))
+
+    def originals(wanted: set[tuple[str, int, int]]) -> dict[tuple[str, int, int], Any]:
+        return {w: store[w] for w in wanted if w in store}
+
+    verdict = judge(letters, T, facts, verifier=verifier, originals=originals)
+    assert (verdict.records, verdict.forged, verdict.unauthenticated) == (5, 2, 2)
+    assert verdict.justified == 2
+    assert verdict.violations == 1  # the signed request was wrongly rejected
+    assert rejected_at(letters, T, verifier) == {T.requests: {(0, 1), (0, 2), (0, 3)}}
+    assert rejected_at(letters, T) == {T.requests: {(0, 1), (0, 2), (0, 3)}}
+    assert len(rejected_at(letters[2:3], T)) == 1 and rejected_at(letters[2:3], T, verifier) == {}
+
+
+def test_a_replayed_record_keeps_its_signature(tmp_path: Path) -> None:
+    folder, ring = _keys(tmp_path)
+    verifier = Verifier(folder)
+    tx = "t-replay"
+    value = request(tx)
+    home = partition_for(tx, 4)
+    signed = ring["client"].sign(T.requests, tx, value)
+    again = replay_headers([*signed, ("saga.replayed.by", b"an earlier replay")])
+    assert again == [*signed, ("saga.replayed.by", b"reconcile")]
+    assert verifier.record_ok(T.requests, tx.encode(), value, again, decode(value))
+
+    resend = Resend(tx, "request", T.requests, home, 5, "stuck_no_decision")
+    assert replayable(resend, tx.encode(), value, 4, headers=signed, verifier=verifier)
+    assert replayable(resend, tx.encode(), value, 4)  # no key folder: no signature rule
+    wrong = ring["participant-bank"].sign(T.requests, tx, value)
+    assert not replayable(resend, tx.encode(), value, 4, headers=wrong, verifier=verifier)
+    assert not replayable(resend, tx.encode(), value, 4, headers=[], verifier=verifier)
