@@ -18,6 +18,8 @@ The dead letters are few and are checked here in the driver (:class:`Verifier`).
 
 from __future__ import annotations
 
+import hashlib
+import json
 import tempfile
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -42,8 +44,8 @@ REQUEST_SIGNERS: Final = ("client", "operator")
 SignerColumn = Callable[[Any, Any, Any, Any], Any]
 """``(topic, key, value, headers) -> Column``: the record's valid signer, or NULL."""
 
-# One keyring per broadcast per Python worker: built on the first record, kept.
-_RINGS: dict[int, Keyring] = {}
+# One keyring per key set per Python worker: built on the first record, kept.
+_RINGS: dict[str, Keyring] = {}
 
 
 def public_key_files(folder: Path) -> list[tuple[str, str]]:
@@ -61,14 +63,15 @@ def public_key_files(folder: Path) -> list[tuple[str, str]]:
         raise ReconcileError(f"--keys-dir: cannot read {folder}: {exc.strerror}") from None
 
 
-def _ring(broadcast: Any) -> Keyring:
-    ring = _RINGS.get(broadcast.id)
+def _ring(digest: str, broadcast: Any) -> Keyring:
+    """The keyring of the broadcast public key files (``digest`` names the set)."""
+    ring = _RINGS.get(digest)
     if ring is None:
         with tempfile.TemporaryDirectory(prefix="saga-keys-") as folder:
             for name, text in broadcast.value:
                 (Path(folder) / name).write_text(text, encoding="utf-8")
             ring = Keyring.load(folder)
-        _RINGS[broadcast.id] = ring
+        _RINGS[digest] = ring
     return ring
 
 
@@ -77,10 +80,15 @@ def _headers(raw: Iterable[Any] | None) -> list[tuple[str, bytes]]:
 
 
 def _signer(
-    broadcast: Any, topic: str, key: Any, value: Any, headers: Sequence[Any] | None
+    digest: str,
+    broadcast: Any,
+    topic: str,
+    key: Any,
+    value: Any,
+    headers: Sequence[Any] | None,
 ) -> str | None:
     try:
-        return _ring(broadcast).signer(
+        return _ring(digest, broadcast).signer(
             topic,
             bytes(key) if key is not None else None,
             bytes(value) if value is not None else None,
@@ -95,9 +103,10 @@ def signer_column(spark: Any, files: list[tuple[str, str]]) -> SignerColumn:
     from pyspark.sql import functions as F
 
     broadcast = spark.sparkContext.broadcast(files)
+    digest = hashlib.sha256(json.dumps(files).encode()).hexdigest()
 
     def signer(topic: str, key: Any, value: Any, headers: Any) -> str | None:
-        return _signer(broadcast, topic, key, value, headers)
+        return _signer(digest, broadcast, topic, key, value, headers)
 
     udf = F.udf(signer, "string")
 
