@@ -6,12 +6,23 @@ import contextlib
 import os
 import re
 import socket
+import stat
 from collections.abc import Iterator
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 
-from tests._infra import ENV_VARS, ROOT, Services, parse_exports, run_services_sh, unreachable
+from tests._infra import (
+    ENV_VARS,
+    ROOT,
+    SASL_ENV_VARS,
+    Services,
+    host_port,
+    parse_exports,
+    run_services_sh,
+    unreachable,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -30,7 +41,8 @@ def only_local(infra_mode: str) -> None:
 
 def test_status_lists_every_service_up_and_the_exports(infra_mode: str) -> None:
     """`status` exits 0, says "up" for each of the four services, and prints the export line
-    of each address (and of the Spark jars folder)."""
+    of each address (and of the Spark jars folder), plus all or none of Kafka's SASL
+    listener's."""
     only_local(infra_mode)
     done = run_services_sh("status", timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -39,7 +51,9 @@ def test_status_lists_every_service_up_and_the_exports(infra_mode: str) -> None:
             f"{name} is not reported up:\n{done.stdout}"
         )
     exported = re.findall(r"^export (SAGA_\w+)=\S+$", done.stdout, re.M)
-    assert sorted(exported) == sorted(ENV_VARS.values())
+    sasl = [var for var in SASL_ENV_VARS.values() if var in exported]
+    assert sasl in ([], list(SASL_ENV_VARS.values())), done.stdout
+    assert sorted(exported) == sorted([*ENV_VARS.values(), *sasl])
 
 
 def test_env_prints_the_addresses_the_tests_use(infra_mode: str, services: Services) -> None:
@@ -50,8 +64,57 @@ def test_env_prints_the_addresses_the_tests_use(infra_mode: str, services: Servi
     assert done.returncode == 0, done.stderr
     printed = parse_exports(done.stdout)
     resolved = {var: str(getattr(services, field)) for field, var in ENV_VARS.items()}
-    printed["SAGA_SPARK_JARS"] = str(Path(printed["SAGA_SPARK_JARS"]).resolve())
+    if services.kafka_sasl is not None:
+        for field, var in SASL_ENV_VARS.items():
+            resolved[var] = str(getattr(services.kafka_sasl, field))
+    for var in ("SAGA_SPARK_JARS", "SAGA_SASL_CA", "SAGA_SASL_USERS"):
+        if var in printed:
+            printed[var] = str(Path(printed[var]).resolve())
     assert printed == resolved
+
+
+def without_password(url: str) -> str:
+    parts = urlsplit(url)
+    user = f"{parts.username}@" if parts.username else ""
+    return urlunsplit((parts.scheme, user + host_port(url), parts.path, "", ""))
+
+
+def test_postgres_and_redis_ask_for_the_password(infra_mode: str, services: Services) -> None:
+    """The local PostgreSQL refuses a wrong password over TCP and Redis a client without
+    one, as production servers do: the tests run with credentials."""
+    only_local(infra_mode)
+    import psycopg
+    import redis
+
+    assert urlsplit(services.redis_url).password, services.redis_url.split("@")[-1]
+    with pytest.raises(redis.exceptions.AuthenticationError):
+        redis.Redis.from_url(without_password(services.redis_url), socket_timeout=5).ping()
+    parts = urlsplit(services.postgres_url)
+    wrong = urlunsplit(
+        (parts.scheme, f"{parts.username}:wrong-password@{host_port(services.postgres_url)}",
+         parts.path, parts.query, ""),
+    )  # fmt: skip
+    with pytest.raises(psycopg.OperationalError, match="password authentication failed"):
+        psycopg.connect(wrong, connect_timeout=5).close()
+
+
+def test_secrets_are_readable_by_their_owner_only(infra_mode: str, services: Services) -> None:
+    """Every file under the infra folder's secrets/ (generated passwords, the users'
+    Kafka settings, the broker's keys) but the certificates is mode 0600, its folders 0700."""
+    only_local(infra_mode)
+    if services.kafka_sasl is None:
+        pytest.skip("Kafka's SASL listener is off (KAFKA_SASL=off): fewer secrets to check")
+    secrets = services.kafka_sasl.users_dir.parent
+    assert secrets.name == "secrets", secrets
+    checked = 0
+    for path in [secrets, *secrets.rglob("*")]:
+        mode = stat.S_IMODE(path.stat().st_mode)
+        if path.is_dir():
+            assert mode == 0o700, f"{path} is {oct(mode)}"
+        elif path.suffix in (".password", ".properties", ".key", ".p12"):
+            assert mode == 0o600, f"{path} is {oct(mode)}"
+            checked += 1
+    assert checked >= 3
 
 
 @contextlib.contextmanager
@@ -81,7 +144,7 @@ def test_failed_start_names_the_service_and_its_log(tmp_path: Path, services: Se
     for name in ("kafka-libs", "spark-jars", "bin"):  # provisioned already: no downloads
         (instance / name).symlink_to(real / name, target_is_directory=True)
 
-    with taken_ports(5) as ports:
+    with taken_ports(6) as ports:
         env = dict(
             os.environ,
             SAGA_INFRA_DIR=str(instance),
@@ -92,6 +155,7 @@ def test_failed_start_names_the_service_and_its_log(tmp_path: Path, services: Se
             POSTGRES_PORT=str(ports[2]),
             REDIS_PORT=str(ports[3]),
             MONGO_PORT=str(ports[4]),
+            KAFKA_SASL_PORT=str(ports[5]),
             SAGA_READY_TIMEOUT="20",
         )
         try:
