@@ -202,3 +202,35 @@ def test_an_account_created_from_nothing() -> None:
     inp.balances["mongo"]["nobody"] = 5
     assert nonzero(inp) == {"money_not_conserved": 1}
     assert HOT_OPENING > OWN_OPENING  # hot accounts never go near zero
+
+
+def test_forged_records_fail_their_signature_and_duplicates_keep_theirs(tmp_path: Any) -> None:
+    """Each forged record of the hostile profile is refused for its signature; a duplicate
+    (the original record and headers, plus the run's unsigned mark) is accepted."""
+    from streams import decode
+    from streams._signing import Keyring, allowed_signers, create_key
+    from tests.chaos import poison
+    from tests.chaos.log import INJECTED_HEADER
+
+    folder = tmp_path / "keys"
+    principals = ["coordinator", "client", "operator", "participant-bank-sql"]
+    for p in principals:
+        create_key(folder, p)
+    create_key(tmp_path / "stranger", "client")
+    signers = {p: Keyring.load(folder, p) for p in principals}
+    signers["stranger"] = Keyring.load(tmp_path / "stranger", "client")
+    topics = {k: f"p.{k}" for k in ("requests", "events", "decisions", "status")}
+    verify = Keyring.load(folder)
+
+    records = poison.forged("t-real", 1_000, signers, topics)
+    assert len({label for label, *_ in records}) == len(records) == 6
+    for label, kind, key, value, headers in records:
+        allowed = allowed_signers(decode(value))
+        why = verify.check(topics[kind], key.encode(), value, headers, allowed)
+        assert why is not None, label
+
+    value = b'{"v":1,"type":"saga.abort","tx_id":"t-real","reason":"r","at_ms":1}'
+    signed = signers["client"].sign(topics["requests"], "t-real", value)
+    again = [*signed, (INJECTED_HEADER, b"duplicate")]
+    allowed = allowed_signers(decode(value))
+    assert verify.check(topics["requests"], b"t-real", value, again, allowed) is None
