@@ -11,11 +11,10 @@ subprocess and asserts on its exit code and its whole output:
   driver's error says, and a participant whose URL and password come from files
   runs without showing the password in its (debug) log.
 
-The local PostgreSQL trusts connections from 127.0.0.1 (``infra/services.sh``
-runs ``initdb --auth=trust``), so a wrong password is accepted there: the
-PostgreSQL login failure the local server can produce is a user that does not
-exist (SQLSTATE 28000, the same error path as a wrong password, 28P01). The
-wrong-password case runs where the server checks passwords (``SAGA_INFRA=containers``).
+The local PostgreSQL asks TCP clients for a password (``infra/services.sh`` writes
+a ``scram-sha-256`` pg_hba.conf) and the local Redis for its password
+(``requirepass``), as production servers do: both a user that does not exist
+(SQLSTATE 28000) and a wrong password (28P01) are refused.
 """
 
 from __future__ import annotations
@@ -168,15 +167,8 @@ def test_postgresql_wrong_password_is_an_authentication_failure(
     user = urlsplit(services.postgres_url).username or "saga"
     password = secret()
     url = with_credentials(services.postgres_url, user, password)
-    try:
-        psycopg.connect(url, connect_timeout=5).close()
-    except psycopg.OperationalError:
-        pass
-    else:
-        pytest.skip(
-            "this PostgreSQL accepts any password from 127.0.0.1 (trust authentication, as "
-            "infra/services.sh sets it up); a wrong password cannot fail here"
-        )
+    with pytest.raises(psycopg.OperationalError, match="password authentication failed"):
+        psycopg.connect(url, connect_timeout=5).close()  # the server checks passwords
     ran = saga(
         *participant("sql", bootstrap=services.kafka_bootstrap, prefix=topic_prefix),
         env={"SAGA_STORAGE_URL": url},
@@ -275,16 +267,18 @@ def test_url_and_password_from_files_run_without_showing_the_password(
 ) -> None:
     import redis
 
-    password = secret()
-    probe = redis.Redis.from_url(with_credentials(services.redis_url, "default", password))
+    parts = urlsplit(services.redis_url)
+    # The URL file holds the address only; the password file, Redis's password (or, for
+    # a Redis without one, any password: it accepts every one then).
+    url = urlunsplit((parts.scheme, host_port(services.redis_url), parts.path, "", ""))
+    password = parts.password or secret()
+    probe = redis.Redis.from_url(with_credentials(url, "default", password))
     try:
         probe.ping()
-    except redis.exceptions.AuthenticationError:
-        pytest.skip("this Redis checks passwords; the test needs one that accepts any")
     finally:
         probe.close()
     url_file = tmp_path / "storage-url"
-    url_file.write_text(services.redis_url + "\n", encoding="utf-8")
+    url_file.write_text(url + "\n", encoding="utf-8")
     password_file = tmp_path / "storage-password"
     password_file.write_text(password + "\n", encoding="utf-8")
     log_path = tmp_path / "participant.log"
