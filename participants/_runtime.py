@@ -155,6 +155,10 @@ class ParticipantRuntime(Stoppable):
         # sequential transactions with a step here -> when last touched; only
         # their neighbours' events need a look at the ledger
         self._sequential: OrderedDict[str, int] = OrderedDict()
+        # With keys: the participants of the steps of sequential transactions whose
+        # request was read here (kept as long as _sequential keeps them): a neighbour's
+        # event is believed only from the participant of that step.
+        self._owners: dict[str, tuple[str, ...]] = {}
         self._carry: list[Message] = []
         self._partition_count = 0  # of every saga topic; read at start
         # Partitions were assigned: sequential transactions another worker was
@@ -400,6 +404,13 @@ class ParticipantRuntime(Stoppable):
         if self._keys is None:
             return True
         reason = self._keys.check(m.topic, m.key, m.value, m.headers, allowed_signers(record))
+        if reason is None and isinstance(record, StepEvent):
+            owners = self._owners.get(record.tx_id)
+            if owners is not None and (
+                record.step >= len(owners) or owners[record.step] != record.participant
+            ):
+                # Signed by who it names, but that one speaks for another's step.
+                reason = f"step {record.step} of {record.tx_id} is not {record.participant}'s"
         if reason is None:
             return True
         # The coordinator moves it to the DLQ (requests, decisions); here it is not acted on.
@@ -438,6 +449,9 @@ class ParticipantRuntime(Stoppable):
         out: list[WorkItem] = []
         n = len(request.steps)
         fingerprint = request.fingerprint()
+        owners = tuple(s.participant for s in request.steps)
+        if self._keys is not None and request.mode is Mode.SEQUENTIAL and self.name in owners:
+            self._owners[request.tx_id] = owners  # before the neighbours' events are checked
         for index, step in enumerate(request.steps):
             if step.participant != self.name:
                 continue
@@ -485,4 +499,5 @@ class ParticipantRuntime(Stoppable):
         # A sequential saga outlives its deadline by far less than an hour.
         horizon = now - max(self.event_window_ms, 3_600_000)
         while self._sequential and next(iter(self._sequential.values())) <= horizon:
-            self._sequential.popitem(last=False)
+            tx, _ = self._sequential.popitem(last=False)
+            self._owners.pop(tx, None)

@@ -2,7 +2,8 @@
 
 The services run on the in-memory log, one poll at a time (:class:`Stepper`), with
 keys made in the test's folder: coordinator, client, operator, ``participant-bank``
-(a real runtime on SQLite) and ``participant-shop`` (whose events the test writes).
+(a real runtime on SQLite), ``participant-shop`` (whose events the test writes) and
+``participant-ledger`` (a participant with no step in the test's sagas).
 Each attack of the issue is refused:
 
 * a forged ``applied`` event, unsigned or signed by another participant: the saga
@@ -13,7 +14,9 @@ Each attack of the issue is refused:
 * a stranger's abort (a participant key), or a client's where only operators may
   abort: dead-lettered, the saga unaffected;
 * a forged request: dead-lettered, applied by no one;
-* a forged neighbour's event in a sequential saga: the step keeps waiting;
+* a forged neighbour's event in a sequential saga (unsigned, signed by another
+  participant, or by a participant for a step that is not its own): the step keeps
+  waiting;
 * a participant key signs no decision, status or other participant's event anyone
   accepts.
 
@@ -70,13 +73,14 @@ PARTITIONS = 2
 SETTINGS = KafkaSettings(bootstrap="memory:9092", prefix="sg")
 TOPICS = SETTINGS.topics
 Record = SagaRequest | SagaAbort | StepEvent | Decision | SagaStatus
+PARTICIPANTS = ("participant-bank", "participant-shop", "participant-ledger")
 
 
 class Keys:
     """Every principal's keyring, from one folder made for the test."""
 
     def __init__(self, folder: Path) -> None:
-        for principal in (COORDINATOR, CLIENT, OPERATOR, "participant-bank", "participant-shop"):
+        for principal in (COORDINATOR, CLIENT, OPERATOR, *PARTICIPANTS):
             create_key(folder, principal)
         self.folder = folder
         self.coordinator = Keyring.load(folder, COORDINATOR)
@@ -84,6 +88,7 @@ class Keys:
         self.operator = Keyring.load(folder, OPERATOR)
         self.bank = Keyring.load(folder, "participant-bank")
         self.shop = Keyring.load(folder, "participant-shop")
+        self.ledger = Keyring.load(folder, "participant-ledger")
         self.verifier = Keyring.load(folder)
 
 
@@ -659,6 +664,7 @@ def test_the_client_believes_only_the_coordinators_dead_letters(
 
 
 @pytest.mark.parametrize("before_the_request", [False, True])
+@pytest.mark.parametrize("forger", ["nobody", "bank", "ledger"])
 def test_a_forged_predecessors_event_does_not_start_a_sequential_step(
     log: InMemoryLog,
     clock: ManualClock,
@@ -666,26 +672,31 @@ def test_a_forged_predecessors_event_does_not_start_a_sequential_step(
     running: Running,
     database: str,
     before_the_request: bool,
+    forger: str,
 ) -> None:
+    """Unsigned, signed by bank for the shop, or by a participant for a step not its own."""
     bank_runtime, bank = running.bank()
     tx = tx_on(1)
     sequential = request(tx, clock, [shop_step(), move()], Mode.SEQUENTIAL)
-    forged = event(tx, 0, "shop", StepStatus.APPLIED, clock)
+    real = event(tx, 0, "shop", StepStatus.APPLIED, clock)
+    signer, forged = {
+        "nobody": (None, real),
+        "bank": (keys.bank, real),
+        "ledger": (keys.ledger, event(tx, 0, "ledger", StepStatus.APPLIED, clock)),
+    }[forger]
     if before_the_request:
-        send(log, None, TOPICS.events, forged)
-        send(log, keys.bank, TOPICS.events, forged)  # the bank speaks for the shop
+        send(log, signer, TOPICS.events, forged)
         bank.step()
         send(log, keys.client, TOPICS.requests, sequential)
         bank.step()
     else:
         send(log, keys.client, TOPICS.requests, sequential)
         bank.step()
-        send(log, None, TOPICS.events, forged)
-        send(log, keys.bank, TOPICS.events, forged)
+        send(log, signer, TOPICS.events, forged)
         bank.step()
     assert balance(database) == 100 and bank_reported(log, tx) == []
-    assert bank_runtime.stats.unauthenticated >= 1
-    send(log, keys.shop, TOPICS.events, forged)  # now by the shop itself
+    assert bank_runtime.stats.unauthenticated == 1
+    send(log, keys.shop, TOPICS.events, real)  # now by the shop itself
     bank.step()
     assert balance(database) == 105 and bank_reported(log, tx) == [(1, StepStatus.APPLIED)]
 
