@@ -175,6 +175,12 @@ def coordinator() -> None:
 @retention_option("Forget sagas (memory, status topic) finished longer ago than this")
 @connect_timeout_option
 @keys_dir_option
+@click.option(
+    "--aborters",
+    default="client,operator",
+    show_default=True,
+    help="With a key folder: whose signed aborts are honoured (client, operator or both).",
+)
 def coordinator_run(
     bootstrap: str | None,
     prefix: str | None,
@@ -184,6 +190,7 @@ def coordinator_run(
     retention_ms: int,
     connect_timeout: float,
     keys_dir: str | None,
+    aborters: str,
 ) -> None:
     """Consume requests and step events, decide commit or rollback, publish status.
 
@@ -199,6 +206,9 @@ def coordinator_run(
     known = (
         frozenset(p.strip() for p in participants.split(",") if p.strip()) if participants else None
     )
+    allowed = frozenset(a.strip() for a in aborters.split(",") if a.strip())
+    if not allowed or not allowed <= {"client", "operator"}:
+        fail(f"--aborters must name client, operator or both, got {aborters!r}", 2)
     settings = settings_from(bootstrap, prefix, kafka_config)
     signing_keys = load_keys(keys_dir, "coordinator")
     wait_for_broker(settings, timeout=connect_timeout)
@@ -210,6 +220,7 @@ def coordinator_run(
         log=KafkaLog(settings, on_wedged=_exit_wedged),
         faults=faults,
         keys=signing_keys,
+        aborters=allowed,
     )
     service.install_signal_handlers()
     service.run()

@@ -534,5 +534,18 @@ def test_the_services_get_their_keyring_from_the_key_folder(tmp_path: Path) -> N
     assert runtime.call_args.kwargs["keys"].principal == "participant-bank"
 
 
+def test_coordinator_aborters_name_client_or_operator() -> None:
+    one_sentence(
+        saga("coordinator", "run", "--aborters", "client,participant-bank"),
+        "--aborters must name client, operator or both",
+    )
+    with (
+        mock.patch("coordinator.cli.wait_for_broker"),
+        mock.patch("coordinator._service.CoordinatorService") as service,
+    ):
+        assert saga("coordinator", "run", "--aborters", "operator").code == 0
+    assert service.call_args.kwargs["aborters"] == {"operator"}
+
+
 def test_abort_refuses_a_bad_transaction_id() -> None:
     one_sentence(saga("abort", "not a tx id!"), "'not a tx id!' is not a transaction id")
