@@ -41,6 +41,9 @@ PUBLISHED_PORTS = {
 # participant --storage -> the compose service holding that storage
 STORAGE_SERVICE = {"sql": "postgres", "mongo": "mongo", "redis": "redis"}
 
+# `${NAME:-default}` in a compose value
+INTERPOLATION = re.compile(r"\$\{(?P<name>[A-Z_]+):-(?P<default>[^}]*)\}")
+
 
 # ---------------------------------------------------------------- helpers
 
@@ -95,6 +98,26 @@ def words_of(value: Any) -> list[str]:
     if isinstance(value, str):
         return shlex.split(value)
     return [str(w) for w in value]
+
+
+def script_words(value: Any) -> list[str]:
+    """The words of a command, with a `sh -c SCRIPT` command's script split into words too."""
+    words = words_of(value)
+    if words[:2] == ["sh", "-c"] and len(words) >= 3:
+        return shlex.split(words[2])
+    return words
+
+
+def with_defaults(value: str) -> str:
+    """A compose value with each `${NAME:-default}` replaced by its default."""
+    return INTERPOLATION.sub(lambda m: m["default"], value)
+
+
+def storage_url(svc: dict[str, Any]) -> str:
+    """A participant's storage URL: its --url, else its SAGA_STORAGE_URL (defaults filled in)."""
+    return with_defaults(option(words_of(svc.get("command")), "--url") or "") or with_defaults(
+        env_of(svc).get("SAGA_STORAGE_URL", "")
+    )
 
 
 def depends_of(svc: dict[str, Any]) -> dict[str, str]:
@@ -301,10 +324,35 @@ def test_postgres_credentials_match_config_env(
 
 
 def test_redis_appends_every_write(services: dict[str, dict[str, Any]]) -> None:
-    words = words_of(services["redis"].get("command"))
+    words = script_words(services["redis"].get("command"))
     assert option(words, "--appendonly") == "yes", (
         f"redis: the command must include `--appendonly yes` (AOF on), it is {words}"
     )
+
+
+def test_postgres_asks_for_passwords(services: dict[str, dict[str, Any]]) -> None:
+    env = env_of(services["postgres"])
+    assert env.get("POSTGRES_HOST_AUTH_METHOD") == "scram-sha-256", (
+        "postgres: POSTGRES_HOST_AUTH_METHOD should be scram-sha-256, as the local "
+        f"services' pg_hba.conf; it is {env.get('POSTGRES_HOST_AUTH_METHOD')!r}"
+    )
+
+
+def test_redis_asks_for_its_password_without_showing_it(
+    services: dict[str, dict[str, Any]],
+) -> None:
+    """requirepass comes from REDIS_PASSWORD through a config file (never a command-line
+    argument, which `ps` shows), and the healthcheck authenticates."""
+    svc = services["redis"]
+    assert env_of(svc).get("REDIS_PASSWORD"), "redis: no REDIS_PASSWORD in its environment"
+    words = script_words(svc.get("command"))
+    assert "--requirepass" not in words, f"redis: the password is on the command line: {words}"
+    script = " ".join(words_of(svc.get("command")))
+    assert "requirepass" in script and "$$REDIS_PASSWORD" in script, (
+        f"redis: the command does not set requirepass from $REDIS_PASSWORD: {script}"
+    )
+    test = " ".join(words_of((svc.get("healthcheck") or {}).get("test")))
+    assert "REDISCLI_AUTH" in test, f"redis: the healthcheck does not authenticate: {test}"
 
 
 def test_mongo_is_a_replica_set(services: dict[str, dict[str, Any]]) -> None:
@@ -441,10 +489,22 @@ def test_participants_use_their_storage(services: dict[str, dict[str, Any]], nam
     storage = option(words, "--storage")
     assert storage in STORAGE_SERVICE, f"{name}: unknown --storage {storage!r}"
     backing = STORAGE_SERVICE[storage]
-    url = option(words, "--url") or ""
+    url = storage_url(svc)
     assert f"@{backing}:" in url or f"//{backing}:" in url, (
-        f"{name}: --url {url!r} does not point at the {backing!r} service"
+        f"{name}: the storage URL {url!r} does not point at the {backing!r} service"
     )
+    if backing in ("postgres", "redis"):
+        assert ":" in url.split("//", 1)[1].split("@", 1)[0] and "@" in url, (
+            f"{name}: the storage URL {url!r} has no password, but {backing} asks for one"
+        )
+        assert "@" not in (option(words, "--url") or ""), (
+            f"{name}: a URL with a password on the command line (ps shows it): "
+            "use SAGA_STORAGE_URL in the environment"
+        )
+    env = env_of(svc)
+    assert env.get("SAGA_KAFKA_BOOTSTRAP") == env_of(services["coordinator"]).get(
+        "SAGA_KAFKA_BOOTSTRAP"
+    ), f"{name}: its own environment lost SAGA_KAFKA_BOOTSTRAP"
     assert option(words, "--targets"), f"{name}: no --targets"
     assert depends_of(svc).get(backing) == "service_healthy", (
         f"{name}: must wait for {backing!r} to be healthy"
@@ -466,19 +526,23 @@ def test_header_comment_gives_the_same_addresses_as_the_local_setup(
     assert "docker compose up -d" in header, "the top comment does not say `docker compose up -d`"
     assert "--profile app" in header, "the top comment does not say how to start `--profile app`"
     user, password, db = (config[k] for k in ("POSTGRES_USER", "POSTGRES_PASSWORD", "POSTGRES_DB"))
+    redis_env = env_of(yaml.safe_load(compose_text)["services"]["redis"])
+    redis_password = with_defaults(redis_env.get("REDIS_PASSWORD", ""))
     expected = {
         "SAGA_KAFKA_BOOTSTRAP": f"localhost:{config['KAFKA_PORT']}",
         "SAGA_POSTGRES_URL": f"postgresql://{user}:{password}@localhost:{config['POSTGRES_PORT']}/{db}",
         "SAGA_MONGO_URL": f"mongodb://localhost:{config['MONGO_PORT']}/",
-        "SAGA_REDIS_URL": f"redis://localhost:{config['REDIS_PORT']}/0",
+        "SAGA_REDIS_URL": f"redis://:{redis_password}@localhost:{config['REDIS_PORT']}/0",
     }
     for var, value in expected.items():
         assert re.search(rf"{var}='?{re.escape(value)}", header), (
             f"the top comment does not export {var}={value}..."
         )
-    # Every address the local setup exports (but its jar folder) is given for Docker too.
+    # Every address the local setup exports (but its jar folder and Kafka's SASL listener,
+    # which only the local services have) is given for Docker too.
     local = set(re.findall(r"export (SAGA_[A-Z_]+)=", SERVICES_SH.read_text(encoding="utf-8")))
-    missing = sorted(local - {"SAGA_SPARK_JARS"} - set(expected))
+    local_only = {"SAGA_SPARK_JARS", "SAGA_SASL_BOOTSTRAP", "SAGA_SASL_CA", "SAGA_SASL_USERS"}
+    missing = sorted(local - local_only - set(expected))
     assert not missing, f"infra/services.sh exports {missing}, which this test does not check"
 
 
