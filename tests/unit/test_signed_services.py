@@ -26,6 +26,7 @@ topics is signed by the principal allowed to write it.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -34,7 +35,7 @@ from typing import Any, cast
 import pytest
 import sqlalchemy as sa
 
-from coordinator import CoordinatorService, SagaClient, StatusView
+from coordinator import AsyncSagaClient, CoordinatorService, SagaClient, StatusView
 from participants import ParticipantRuntime, open_storage
 from streams import (
     ConflictingRequest,
@@ -658,6 +659,31 @@ def test_the_client_believes_only_the_coordinators_dead_letters(
         c.step()
         with pytest.raises(ConflictingRequest):
             late.result(tx, timeout=5)
+
+
+def test_the_async_client_resolves_a_wait_only_on_the_coordinators_status(
+    log: InMemoryLog, clock: ManualClock, keys: Keys, running: Running
+) -> None:
+    _, c = running.coordinator()
+    tx = tx_on(0)
+
+    async def scenario() -> SagaStatus:
+        async with AsyncSagaClient(SETTINGS, keys=keys.client, log=ClientLog(log)) as client:
+            await client.submit([move(), shop_step()], tx_id=tx, timeout=60)
+            await asyncio.to_thread(c.step)
+            waiting = asyncio.ensure_future(client.result(tx, timeout=5))
+            await asyncio.sleep(0.05)
+            send(log, None, TOPICS.status, forged_status(tx, SagaState.ROLLED_BACK, clock))
+            send(log, keys.shop, TOPICS.status, forged_status(tx, SagaState.COMMITTED, clock))
+            await asyncio.sleep(0.2)
+            assert not waiting.done(), "a forged status ended the wait"
+            for status in (StepStatus.APPLIED, StepStatus.COMMITTED):
+                send(log, keys.bank, TOPICS.events, event(tx, 0, "bank", status, clock))
+                send(log, keys.shop, TOPICS.events, event(tx, 1, "shop", status, clock))
+                await asyncio.to_thread(c.step)
+            return await waiting
+
+    assert asyncio.run(scenario()).state is SagaState.COMMITTED
 
 
 # ---------------------------------------------------------------- sequential neighbours
