@@ -322,6 +322,14 @@ def create_key(directory: str | os.PathLike[str], principal: str) -> str:
 
 def retire_key(directory: str | os.PathLike[str], kid: str) -> None:
     """Remove public key ``kid``: records signed with it are no longer accepted."""
+    principal, _, digest = kid.rpartition(".")
+    try:
+        check_principal(principal)
+        bytes.fromhex(digest)
+    except (ConfigurationError, ValueError):
+        raise ConfigurationError(
+            f"{kid!r} is not a key id (<principal>.<16 hex digits>; see `saga keys list`)"
+        ) from None
     path = Path(directory) / f"{kid}.pub"
     if not path.exists():
         raise ConfigurationError(f"there is no public key {kid} in {directory}")

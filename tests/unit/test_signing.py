@@ -171,6 +171,9 @@ def test_rotation_keeps_the_old_key_valid_until_it_is_retired(folder: Path) -> N
     assert after.check(TOPIC, b"tx-1", b"v", new, allowed) is None
     with pytest.raises(ConfigurationError, match="there is no public key"):
         retire_key(folder, dict(old)["saga.kid"].decode())
+    for bad in ("../coordinator.key", "coordinator", "participant-bank.zz", "x/y.00"):
+        with pytest.raises(ConfigurationError, match="is not a key id"):
+            retire_key(folder, bad)
 
 
 def test_private_key_files_are_readable_by_their_owner_only(folder: Path) -> None:
