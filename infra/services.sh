@@ -495,7 +495,7 @@ kafka_tool() {
 secure_kafka() {
   sasl_on || return 0
   private_dir "$SECRETS" && private_dir "$KAFKA_SECRETS"
-  local cluster user pwfile want stamp tmp=$KAFKA_SECRETS/.add-config
+  local cluster user pwfile password output rc want stamp tmp=$KAFKA_SECRETS/.add-config
   cluster=$(sed -n 's/^cluster.id=//p' "$D/kafka/data/meta.properties")
   while read -r user; do
     pwfile=$KAFKA_SECRETS/$user.password
@@ -518,13 +518,15 @@ EOF
     stamp=$KAFKA_SECRETS/$user.created
     if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then continue; fi
     # A properties file: the value without the brackets of --add-config's syntax.
-    (umask 077 && printf 'SCRAM-SHA-512=password=%s\n' "$(tr -d '\n' <"$pwfile")" >"$tmp")
-    if ! (kafka_tool kafka.admin.ConfigCommand --bootstrap-server "$SAGA_HOST:$KAFKA_PORT" --alter \
-      --entity-type users --entity-name "$user" --add-config-file "$tmp") </dev/null >>"$LOGS/kafka-users.log" 2>&1; then
-      rm -f "$tmp"
-      die "could not create the Kafka user $user; see $LOGS/kafka-users.log"
-    fi
+    password=$(tr -d '\n' <"$pwfile")
+    (umask 077 && printf 'SCRAM-SHA-512=password=%s\n' "$password" >"$tmp")
+    rc=0
+    output=$( (kafka_tool kafka.admin.ConfigCommand --bootstrap-server "$SAGA_HOST:$KAFKA_PORT" --alter \
+      --entity-type users --entity-name "$user" --add-config-file "$tmp") </dev/null 2>&1) || rc=$?
     rm -f "$tmp"
+    # What the tool said, with the password masked should it echo it.
+    printf '%s\n' "${output//"$password"/***}" >>"$LOGS/kafka-users.log"
+    [ "$rc" -eq 0 ] || die "could not create the Kafka user $user; see $LOGS/kafka-users.log"
     echo "$want" >"$stamp"
   done < <(kafka_users)
 }

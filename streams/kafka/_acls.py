@@ -25,11 +25,14 @@ none since Kafka 2.8 (KIP-679), and only an administrator creates topics.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Final, Literal
+from typing import Any, Final, Literal
 
 import confluent_kafka as ck
+from confluent_kafka.admin import AdminClient
 from confluent_kafka.admin._acl import (
     AclBinding,
     AclBindingFilter,
@@ -40,9 +43,8 @@ from confluent_kafka.admin._resource import ResourcePatternType, ResourceType
 
 from .._errors import ConfigurationError, SagaError, TransientError
 from .._topics import Topics
-from ._admin import _admin
-from ._settings import KafkaSettings
-from ._translate import _E, _error_of, _translate
+from ._settings import KafkaSettings, _client_config
+from ._translate import _AUTH_CODES, _E, _error_of, _log_client_error, _translate
 
 Resource = Literal["topic", "group", "transactional-id"]
 Pattern = Literal["literal", "prefixed"]
@@ -206,7 +208,53 @@ def _refused(exc: ck.KafkaException, doing: str) -> SagaError:
             f"{doing} failed: the broker has no authorizer (authorizer.class.name), so it "
             "keeps no ACLs; connect to a broker or listener that has one"
         )
+    if err is not None and err.code() == _E.CLUSTER_AUTHORIZATION_FAILED:
+        return ConfigurationError(
+            f"{doing} was refused by Kafka: this principal may not change ACLs (that needs "
+            "Alter on the cluster, or a super user); use an administrator's --kafka-config"
+        )
     return _translate(err, doing, text=str(exc))
+
+
+def _run(
+    settings: KafkaSettings,
+    doing: str,
+    timeout: float,
+    call: Callable[[AdminClient], Mapping[Any, Future[Any]]],
+) -> list[Any]:
+    """Run one admin call and wait for all its futures; a refused login fails at once
+    (librdkafka reports it to the error callback only, the request would time out)."""
+    login_errors: list[str] = []
+
+    def on_error(err: ck.KafkaError) -> None:
+        if err.code() in _AUTH_CODES:
+            login_errors.append(err.str())
+        _log_client_error(err)
+
+    config = _client_config(settings)
+    config["error_cb"] = on_error
+    try:
+        admin = AdminClient(config)
+        futures = list(call(admin).values())
+    except (ck.KafkaException, ValueError, TypeError) as exc:
+        raise ConfigurationError(f"{doing} failed: {exc}") from exc
+    deadline = time.monotonic() + timeout
+    while not all(f.done() for f in futures):
+        admin.poll(0.2)
+        if login_errors:
+            raise ConfigurationError(
+                f"{doing} was refused by Kafka: {login_errors[-1]}; check the security "
+                "settings (security.protocol, sasl.*, ssl.*)"
+            )
+        if time.monotonic() >= deadline:
+            raise TransientError(f"{doing} failed: no answer within {timeout:g}s")
+    results: list[Any] = []
+    for future in futures:
+        try:
+            results.append(future.result())
+        except ck.KafkaException as exc:
+            raise _refused(exc, doing) from exc
+    return results
 
 
 def apply_acls(settings: KafkaSettings, rules: Sequence[AclRule], timeout: float = 30.0) -> int:
@@ -216,24 +264,18 @@ def apply_acls(settings: KafkaSettings, rules: Sequence[AclRule], timeout: float
     ``Alter`` on the cluster).
 
     Raises:
-        ConfigurationError: refused (credentials, no permission, no authorizer).
+        ConfigurationError: refused (login, no permission, no authorizer).
         TransientError: the broker did not answer in time.
     """
     if not rules:
         return 0
-    admin = _admin(settings)
-    doing = f"creating the Kafka ACLs on {settings.bootstrap}"
-    try:
-        futures = admin.create_acls([_binding(r) for r in rules], request_timeout=timeout)
-    except (ck.KafkaException, ValueError, TypeError) as exc:
-        raise ConfigurationError(f"{doing} failed: {exc}") from exc
-    for future in futures.values():
-        try:
-            future.result(timeout=timeout + 5)
-        except ck.KafkaException as exc:
-            raise _refused(exc, doing) from exc
-        except TimeoutError as exc:
-            raise TransientError(f"{doing} failed: no answer within {timeout:g}s") from exc
+    bindings = [_binding(r) for r in rules]
+    _run(
+        settings,
+        f"creating the Kafka ACLs on {settings.bootstrap}",
+        timeout,
+        lambda admin: admin.create_acls(bindings, request_timeout=timeout),
+    )
     return len(rules)
 
 
@@ -241,23 +283,16 @@ def delete_acls(settings: KafkaSettings, rules: Sequence[AclRule], timeout: floa
     """Delete exactly ``rules`` from the cluster; returns how many ACLs were deleted.
 
     Raises:
-        ConfigurationError: refused (credentials, no permission, no authorizer).
+        ConfigurationError: refused (login, no permission, no authorizer).
         TransientError: the broker did not answer in time.
     """
     if not rules:
         return 0
-    admin = _admin(settings)
-    doing = f"deleting the Kafka ACLs on {settings.bootstrap}"
-    try:
-        futures = admin.delete_acls([_filter(r) for r in rules], request_timeout=timeout)
-    except (ck.KafkaException, ValueError, TypeError) as exc:
-        raise ConfigurationError(f"{doing} failed: {exc}") from exc
-    deleted = 0
-    for future in futures.values():
-        try:
-            deleted += len(future.result(timeout=timeout + 5))
-        except ck.KafkaException as exc:
-            raise _refused(exc, doing) from exc
-        except TimeoutError as exc:
-            raise TransientError(f"{doing} failed: no answer within {timeout:g}s") from exc
-    return deleted
+    filters = [_filter(r) for r in rules]
+    results = _run(
+        settings,
+        f"deleting the Kafka ACLs on {settings.bootstrap}",
+        timeout,
+        lambda admin: admin.delete_acls(filters, request_timeout=timeout),
+    )
+    return sum(len(deleted) for deleted in results)

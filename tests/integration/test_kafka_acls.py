@@ -19,6 +19,7 @@ import subprocess
 import sys
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -178,3 +179,36 @@ def test_print_lists_each_role() -> None:
         ("User:coordinator", "p1.status"),
         ("User:coordinator", "p1.dlq"),
     }
+
+
+def test_only_an_administrator_applies_acls(
+    sasl: KafkaSasl, topic_prefix: str, tmp_path: Path
+) -> None:
+    """The client's credentials are refused (no Alter on the cluster); a wrong admin
+    password is refused at login. One sentence each, exit 2, no password shown."""
+    as_client = saga_cli(
+        "acls", "apply", "--bootstrap", sasl.bootstrap, "--prefix", topic_prefix,
+        "--kafka-config", str(sasl.config_file("client")), "--timeout", "20",
+    )  # fmt: skip
+    assert as_client.returncode == 2, as_client.stdout + as_client.stderr
+    assert "may not change ACLs" in as_client.stderr, as_client.stderr
+    assert "Traceback" not in as_client.stderr
+    assert sasl.password("client") not in as_client.stdout + as_client.stderr
+
+    wrong = f"Wrong-{uuid.uuid4().hex}"
+    config = tmp_path / "admin-wrong.properties"
+    config.write_text(
+        "".join(
+            f"{k}={v}\n" for k, v in {**sasl.client_config("admin"), "sasl.password": wrong}.items()
+        ),
+        encoding="utf-8",
+    )
+    bad_login = saga_cli(
+        "acls", "apply", "--bootstrap", sasl.bootstrap, "--prefix", topic_prefix,
+        "--kafka-config", str(config), "--timeout", "20",
+    )  # fmt: skip
+    assert bad_login.returncode == 2, bad_login.stdout + bad_login.stderr
+    assert "refused by Kafka" in bad_login.stderr.splitlines()[-1], bad_login.stderr
+    assert "SASL authentication" in bad_login.stderr, bad_login.stderr
+    assert "Traceback" not in bad_login.stderr
+    assert wrong not in bad_login.stdout + bad_login.stderr
