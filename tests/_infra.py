@@ -60,6 +60,7 @@ POSTGRES_IMAGE = "postgres:16"
 MONGO_IMAGE = "mongo:7.0"
 REDIS_IMAGE = "redis:7"
 
+CONTAINER_REDIS_PASSWORD = "saga-redis"  # a throw-away container's; local services generate theirs
 PROBE_TIMEOUT = 5.0  # seconds each service gets to answer the session's first probe
 
 T = TypeVar("T")
@@ -253,7 +254,10 @@ def container_services(stack: contextlib.ExitStack) -> Services:
         POSTGRES_IMAGE, username="saga", password="saga", dbname="saga", driver=None
     )
     mongo = mongo_cls(MONGO_IMAGE)
-    redis_container = redis_cls(REDIS_IMAGE).with_command("redis-server --appendonly yes")
+    # A password, as the local services and production have (its readiness probe uses it).
+    redis_container = redis_cls(REDIS_IMAGE, password=CONTAINER_REDIS_PASSWORD).with_command(
+        f"redis-server --appendonly yes --requirepass {CONTAINER_REDIS_PASSWORD}"
+    )
 
     kafka.start(timeout=180)
     stack.callback(kafka.stop)
@@ -267,7 +271,7 @@ def container_services(stack: contextlib.ExitStack) -> Services:
         kafka_bootstrap=kafka.get_bootstrap_server(),
         postgres_url=postgres.get_connection_url(driver=None),
         mongo_url=mongo.get_connection_url(),
-        redis_url=f"redis://{redis_host}:{redis_port}/0",
+        redis_url=f"redis://:{CONTAINER_REDIS_PASSWORD}@{redis_host}:{redis_port}/0",
         spark_jars_dir=spark_jars_for_containers(),
     )
 
