@@ -60,6 +60,8 @@ from streams.log import KafkaLog, Log
 
 log = logging.getLogger("saga.coordinator")
 
+_ONLY_COORDINATOR = frozenset({COORDINATOR})
+
 
 @dataclass(slots=True)
 class CoordinatorStats:
@@ -192,7 +194,11 @@ class CoordinatorService(Stoppable):
         self._producer.init()
         self._partition_count = self._consumer.list_partitions(self.topics.requests)
         self._next_refresh_ms = self.clock() + self.retention_ms // 4
-        self._consumer.subscribe([self.topics.requests, self.topics.events, self.topics.decisions])
+        topics = [self.topics.requests, self.topics.events, self.topics.decisions]
+        if self._keys is not None:
+            # Read only to move forged status records to the DLQ (see _forged_status).
+            topics.append(self.topics.status)
+        self._consumer.subscribe(topics)
         if self._keys is None:
             log.warning(
                 "records are not authenticated (anyone who can write to the topics can "
@@ -426,6 +432,14 @@ class CoordinatorService(Stoppable):
         # found by the chaos suite).
         messages = [m for m in messages if m.partition in self._partitions]
         for m in messages:
+            if m.topic == self.topics.status:
+                if self._forged_status(m, rejected):
+                    # The topic is compacted: put the real status back on top of the forged one.
+                    saga = current(m.partition, (m.key or b"").decode("utf-8", "replace"))
+                    if saga is not None and saga.request_seen:
+                        status = saga.status()
+                        outputs.append((m.partition, status, encode(status)))
+                continue
             try:
                 inp = self._to_input(m, now, rejected)
             except Exception as exc:  # no record may stop the coordinator
@@ -526,6 +540,22 @@ class CoordinatorService(Stoppable):
                     continue
                 due.append((p, at, tx_id))
         return due
+
+    def _forged_status(self, m: Message, rejected: list[tuple[Message, str]]) -> bool:
+        """Whether the status record ``m`` is not the coordinator's; if so, it goes to the DLQ.
+
+        With keys, the coordinator reads the status topic too, only for this: its own
+        records pass one signature check each; a forged one (which clients and restores
+        do not believe anyway) is moved to the DLQ with the reason, like every other
+        record that cannot be acted on.
+        """
+        assert self._keys is not None
+        reason = self._keys.check(m.topic, m.key, m.value, m.headers, _ONLY_COORDINATOR)
+        if reason is None:
+            return False
+        self.stats.unauthenticated += 1
+        rejected.append((m, reason))
+        return True
 
     def _to_input(self, m: Message, now: int, rejected: list[tuple[Message, str]]) -> Input | None:
         try:

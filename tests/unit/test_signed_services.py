@@ -516,7 +516,29 @@ def test_a_restarted_coordinator_restores_from_the_real_status_not_a_forged_one(
     send(log, keys.bank, TOPICS.status, forged_status(tx, SagaState.ROLLED_BACK, clock))
     forge_tombstone(log, tx)
     send(log, None, TOPICS.status, forged_status(tx, SagaState.COMMITTED, clock))
+    c.step()  # the coordinator reads the status topic too: forged records go to the DLQ
+    forged = [reason for topic, reason in dead_letters(log) if topic == TOPICS.status]
+    assert len(forged) == 3, forged
+    assert all("signed" in reason for reason in forged)
+    # ... and its real status is published again on top of them (the topic is compacted)
+    assert real_state(log, keys, tx) is SagaState.PENDING
     c.stop()
+    restarted, c2 = running.coordinator()
+    c2.step()
+    assert restarted.stats.restored == 1 and restarted.stats.forged_status == 0
+
+
+def test_a_restore_skips_forged_status_records_it_finds_on_top(
+    log: InMemoryLog, clock: ManualClock, keys: Keys, running: Running
+) -> None:
+    _, c = running.coordinator()
+    tx = tx_on(0)
+    send(log, keys.client, TOPICS.requests, request(tx, clock))
+    c.step()
+    c.kill()  # gone before it could read what follows
+    send(log, keys.bank, TOPICS.status, forged_status(tx, SagaState.ROLLED_BACK, clock))
+    forge_tombstone(log, tx)
+    send(log, None, TOPICS.status, forged_status(tx, SagaState.COMMITTED, clock))
     restarted, c2 = running.coordinator()
     c2.step()
     assert restarted.stats.restored == 1 and restarted.stats.forged_status == 3
