@@ -14,7 +14,7 @@ Public API::
 See docs/architecture.md for how these fit together.
 """
 
-from coordinator._client import AsyncSagaClient, SagaClient, StatusView
+from coordinator._client import AsyncSagaClient, SagaClient
 from coordinator._machine import (
     AbortRequested,
     Ignored,
@@ -25,6 +25,7 @@ from coordinator._machine import (
     decide,
 )
 from coordinator._service import CoordinatorService, CoordinatorStats
+from coordinator._status_view import StatusView
 
 __all__ = [
     "AbortRequested",

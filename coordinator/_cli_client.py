@@ -196,7 +196,7 @@ def status(
     keys_dir: str | None,
 ) -> None:
     """Print the latest status of a transaction (reads the status topic)."""
-    from coordinator._client import StatusView
+    from coordinator._status_view import StatusView
 
     settings = settings_from(bootstrap, prefix, kafka_config)
     view = StatusView(settings, from_beginning=True, keys=load_keys(keys_dir, None))
@@ -228,7 +228,7 @@ def watch(
     from rich.live import Live
     from rich.table import Table
 
-    from coordinator._client import StatusView
+    from coordinator._status_view import StatusView
 
     settings = settings_from(bootstrap, prefix, kafka_config)
     view = StatusView(settings, from_beginning=True, keys=load_keys(keys_dir, None))

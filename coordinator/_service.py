@@ -31,6 +31,7 @@ from coordinator._machine import (
     Tick,
     decide,
 )
+from coordinator._restore import restore
 from streams import (
     Decision,
     InvalidRecord,
@@ -40,7 +41,6 @@ from streams import (
     SagaStatus,
     StepEvent,
     TransientError,
-    decode_as,
     decode_keyed,
     encode,
 )
@@ -266,100 +266,27 @@ class CoordinatorService(Stoppable):
                 self._partitions.pop(p, None)
 
     def _restore(self, partitions: list[int]) -> dict[int, list[Saga]]:
-        """Read the status topic's partitions to their end; the latest record per tx wins.
+        """The owned sagas of ``partitions``, from the status topic (see coordinator._restore)."""
 
-        With keys, the latest record the coordinator signed wins: each transaction's
-        records are kept and verified lazily, newest first, until one is valid (a
-        forged one is logged and skipped), so a restart verifies about one record per
-        transaction, not every record read.
-        """
-        if self._keys is not None:
-            return self._restore_signed(partitions, self._keys)
-        latest: dict[int, dict[str, SagaStatus]] = {p: {} for p in partitions}
-        reader = self._log.consumer(
-            None,
+        def forged(m: Message, reason: str) -> None:
+            self.stats.forged_status += 1
+            log.warning(
+                "restore: skipping the status record of %s at %s/%d@%d: %s",
+                (m.key or b"").decode("utf-8", "replace"),
+                m.topic,
+                m.partition,
+                m.offset,
+                reason,
+            )
+
+        return restore(
+            self._log,
+            self.topics.status,
+            partitions,
             client_id=f"{self.topics.prefix}.coordinator.{self.instance_id}.restore",
+            keys=self._keys,
+            on_forged=forged,
         )
-        try:
-            ends = {p: reader.watermarks(self.topics.status, p)[1] for p in partitions}
-            todo = {p for p in partitions if ends[p] > 0}
-            reader.assign([(self.topics.status, p, 0) for p in todo])
-            while todo:
-                for m in reader.poll_batch(5000, 0.5):
-                    if m.value is None and m.key is not None:
-                        # A tombstone: the saga was forgotten (retention).
-                        latest[m.partition].pop(m.key.decode("utf-8", "replace"), None)
-                    elif m.value is not None:
-                        try:
-                            status = decode_as(m.value, SagaStatus)
-                        except InvalidRecord:
-                            status = None
-                        if isinstance(status, SagaStatus):
-                            latest[m.partition][status.tx_id] = status
-                    if m.offset + 1 >= ends[m.partition]:
-                        todo.discard(m.partition)
-                # Transaction markers occupy offsets too: the position tells when we are done.
-                for (_, p), pos in reader.position([(self.topics.status, p) for p in todo]).items():
-                    if pos is not None and pos >= ends[p]:
-                        todo.discard(p)
-        finally:
-            reader.close()
-        return {p: [Saga.from_status(s) for s in latest[p].values()] for p in partitions}
-
-    def _read_status(self, partitions: list[int]) -> dict[int, dict[bytes, list[Message]]]:
-        """Every record of the status topic's ``partitions``, per key, oldest first."""
-        found: dict[int, dict[bytes, list[Message]]] = {p: {} for p in partitions}
-        reader = self._log.consumer(
-            None,
-            client_id=f"{self.topics.prefix}.coordinator.{self.instance_id}.restore",
-        )
-        try:
-            ends = {p: reader.watermarks(self.topics.status, p)[1] for p in partitions}
-            todo = {p for p in partitions if ends[p] > 0}
-            reader.assign([(self.topics.status, p, 0) for p in todo])
-            while todo:
-                for m in reader.poll_batch(5000, 0.5):
-                    if m.key is not None:
-                        found[m.partition].setdefault(m.key, []).append(m)
-                    if m.offset + 1 >= ends[m.partition]:
-                        todo.discard(m.partition)
-                for (_, p), pos in reader.position([(self.topics.status, p) for p in todo]).items():
-                    if pos is not None and pos >= ends[p]:
-                        todo.discard(p)
-        finally:
-            reader.close()
-        return found
-
-    def _restore_signed(self, partitions: list[int], keys: Keyring) -> dict[int, list[Saga]]:
-        restored: dict[int, list[Saga]] = {p: [] for p in partitions}
-        only_coordinator = frozenset({COORDINATOR})
-        for p, by_key in self._read_status(partitions).items():
-            for key, records in by_key.items():
-                for m in reversed(records):
-                    status: SagaStatus | None = None
-                    if m.value is not None:
-                        try:
-                            decoded = decode_keyed(m.key, m.value, SagaStatus)
-                        except InvalidRecord:
-                            continue
-                        assert isinstance(decoded, SagaStatus)
-                        status = decoded
-                    reason = keys.check(m.topic, m.key, m.value, m.headers, only_coordinator)
-                    if reason is not None:
-                        self.stats.forged_status += 1
-                        log.warning(
-                            "restore: skipping the status record of %s at %s/%d@%d: %s",
-                            key.decode("utf-8", "replace"),
-                            m.topic,
-                            m.partition,
-                            m.offset,
-                            reason,
-                        )
-                        continue
-                    if status is not None:  # else a tombstone: the saga was forgotten
-                        restored[p].append(Saga.from_status(status))
-                    break
-        return restored
 
     # ------------------------------------------------------------ processing
 
