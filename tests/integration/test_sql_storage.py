@@ -1,6 +1,9 @@
 """The SQL storage against real databases: what only SQL has (types, columns, savepoints,
 advisory locks, the driver's errors).
 
+Why this module is over 600 lines: its cases share one database set-up per
+dialect (PostgreSQL and SQLite), the slow part; one case per SQL-only behaviour.
+
 The storage contract every adapter passes (docs/architecture.md §3 built-in actions, §4 barrier) is
 ``TestStorageContract`` in ``test_storage_contract.py``, which builds its SQL storages
 with the databases and harness defined here. Every PostgreSQL test runs in a schema of

@@ -1,5 +1,8 @@
 """The storage contract, against every real storage.
 
+Why this module is over 600 lines: it is one contract, run against four real
+storages through one parametrised class; splitting it would split the contract.
+
 Built-in actions: docs/architecture.md §3; the barrier: §4.
 
 ``TestStorageContract`` talks to a storage only through :class:`participants.Storage`

@@ -1,5 +1,9 @@
 """The coordinator's pure state machine (``coordinator._machine.decide``).
 
+Why this module is over 600 lines: the hand-written transitions and the
+hypothesis model that checks the invariants over random interleavings test the
+same table of rules; split, each half would restate the other's helpers.
+
 Every transition of docs/architecture.md §2/§6 is exercised with hand-written inputs, then a
 hypothesis model drives the machine with random interleavings of what correct
 participants, the clock, an operator and restarts can produce, and checks the

@@ -1,5 +1,8 @@
 """Signed records: the coordinator, a participant and the client refuse forgeries (no broker).
 
+Why this module is over 600 lines: one attack per test, each against the
+coordinator, a participant and the client on one shared in-memory rig.
+
 The services run on the in-memory log, one poll at a time (:class:`Stepper`), with
 keys made in the test's folder: coordinator, client, operator, ``participant-bank``
 (a real runtime on SQLite), ``participant-shop`` (whose events the test writes) and
