@@ -10,10 +10,10 @@ With signed records (the suite's default) poison goes out unsigned, and
 :func:`forged` adds records that are well formed but not signed by one allowed to
 write them (the hostile profile): a step event signed by another participant, a
 rollback decision signed by the client, a decision changed after the coordinator
-signed it, aborts signed by a stranger's key and by a participant, each for a real
-transaction in flight (the coordinator moves each to the DLQ and nobody acts on
-it), and a final status signed by the client (no consumer takes it; no DLQ reads
-the status topic).
+signed it, aborts signed by a stranger's key and by a participant, and a final
+status signed by the client, each for a real transaction in flight: the
+coordinator (which with keys reads the status topic too) moves each to the DLQ,
+and nobody acts on it.
 """
 
 from __future__ import annotations
@@ -220,7 +220,7 @@ def misplaced(tag: str, now_ms: int) -> list[Poison]:
 Forged = tuple[str, str, str, bytes, list[tuple[str, bytes]]]
 """(label, topic kind, key, value, headers): a well-formed record with a bad signature."""
 
-FORGED_IN_DLQ = ("events", "decisions", "requests")
+FORGED_IN_DLQ = ("events", "decisions", "requests", "status")
 """The kinds of forged records the coordinator reads, so moves to the DLQ."""
 
 

@@ -347,7 +347,7 @@ class System:
             for label, kind, key, value, headers in poison.forged(real, now, self.signers, names):
                 record = self.sender.send(names[kind], key, value, label=label, headers=headers)
                 self.records.add(f"forged.{kind}")
-                if kind in poison.FORGED_IN_DLQ:  # the status topic has no DLQ reader
+                if kind in poison.FORGED_IN_DLQ:
                     with self._lock:
                         self.poison.append(record)
                     sent += 1
