@@ -9,7 +9,8 @@ transaction, never counted as a decision or a step, never stuck, never
 replayed); the valid ones audit clean; the stuck saga's request is replayed with
 its original signature, still valid. Dead letters: one the coordinator signed,
 of the unsigned request, is rightly rejected; one nobody signed, naming the stuck
-saga's request, leaves that request audited.
+saga's request, leaves that request audited; the coordinator's letter of a status
+record the client signed is rightly rejected too.
 """
 
 from __future__ import annotations
@@ -98,6 +99,23 @@ def decision(tx: str, outcome: str) -> bytes:
     )
 
 
+def status(tx: str) -> bytes:
+    return dump(
+        {
+            "v": 1,
+            "type": "saga.status",
+            "tx_id": tx,
+            "saga": "test",
+            "state": "rolled_back",
+            "steps": [],
+            "reason": "forged",
+            "created_ms": OLD,
+            "updated_ms": OLD + 2_000,
+            "deadline_ms": OLD + 30_000,
+        }
+    )
+
+
 @pytest.fixture(scope="module")
 def spark(services: Services, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     config = ReconcileConfig(
@@ -176,6 +194,7 @@ def test_forged_records_are_invalid_and_valid_ones_audit_clean(
             ring["client"], t.decisions, "stuck-1", decision("stuck-1", "rollback")
         ),
         "f-event": signed(ring["client"], t.events, "ok-1", event("ok-1", "failed", OLD + 1_500)),
+        "f-status": signed(ring["client"], t.status, "stuck-1", status("stuck-1")),
     }
     delivered: dict[str, Message] = {}
 
@@ -197,6 +216,14 @@ def test_forged_records_are_invalid_and_valid_ones_audit_clean(
             t,
             letter,
             "record is not signed: expected a signature by client or operator",
+            component="coordinator",
+        )
+        # The coordinator's dead letter of the forged status record: justified.
+        send_to_dlq(
+            cast("LogProducer", _Signing(producer, ring["coordinator"])),
+            t,
+            delivered["f-status"],
+            "record is signed by client, not by coordinator",
             component="coordinator",
         )
         # A dead letter nobody signed, naming a valid request: not believed.
@@ -230,9 +257,9 @@ def test_forged_records_are_invalid_and_valid_ones_audit_clean(
     assert summary["invalid_records"] == {"requests": 4, "events": 1, "decisions": 1}
     assert summary["signatures"]["forged_records"] == summary["invalid_records"]
     assert summary["signatures"]["dlq_forged"] == 1
-    assert summary["signatures"]["dlq_unauthenticated"] == 1
-    assert summary["dlq"]["records"] == 2
-    assert summary["dlq"]["justified"] == 1
+    assert summary["signatures"]["dlq_unauthenticated"] == 2
+    assert summary["dlq"]["records"] == 3
+    assert summary["dlq"]["justified"] == 2
     assert summary["dlq"]["violations"] == 0
     assert summary["invariants"] == {"I1": 0, "I2": 0, "I3": 0, "I4": 0, "I6": 0}
     assert summary["classes"]["violation"] == 0
@@ -249,8 +276,9 @@ def test_forged_records_are_invalid_and_valid_ones_audit_clean(
     copy = copies[0]
     assert copy.value == original.value
     assert copy.header("saga.replayed.by") == b"reconcile"
-    assert copy.header("saga.sig") == original.header("saga.sig")
-    assert copy.header("saga.kid") == original.header("saga.kid")
+    sent_with = dict(records["stuck.request"][3])  # (a delivery report has no headers)
+    assert copy.header("saga.sig") == sent_with["saga.sig"]
+    assert copy.header("saga.kid") == sent_with["saga.kid"]
     check = Keyring.load(keys_dir).check(
         t.requests, copy.key, copy.value, copy.headers, frozenset({"client", "operator"})
     )
