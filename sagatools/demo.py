@@ -16,6 +16,7 @@ conserved, and stops what it started.
 
 from __future__ import annotations
 
+import os
 import random
 import subprocess
 import sys
@@ -164,30 +165,36 @@ def processes(cfg: DemoConfig) -> Iterator[list[subprocess.Popen[bytes]]]:
     cfg.logs.mkdir(parents=True, exist_ok=True)
     common = ["--bootstrap", cfg.kafka.bootstrap, "--prefix", cfg.kafka.prefix]
 
-    def participant(name: str, storage: str, url: str, target: str) -> list[str]:
+    def participant(name: str, storage: str, url: str, target: str) -> tuple[list[str], str]:
+        # The URL (and its password) goes through the environment, not the command line.
         return [
             *("participant", "run", *common, "--name", name, "--storage", storage),
-            *("--url", url, "--schema", SCHEMA, "--targets", target),
-        ]
+            *("--schema", SCHEMA, "--targets", target),
+        ], url
 
     assert cfg.mongo_url is not None and cfg.redis_url is not None
-    commands = {
-        "coordinator": [
-            *("coordinator", "run", *common, "--participants", "ledger,inventory,loyalty"),
-        ],
+    commands: dict[str, tuple[list[str], str | None]] = {
+        "coordinator": (
+            ["coordinator", "run", *common, "--participants", "ledger,inventory,loyalty"],
+            None,
+        ),
         "ledger": participant("ledger", "sql", cfg.postgres_url, "accounts"),
         "inventory": participant("inventory", "mongo", cfg.mongo_url, "stock"),
         "loyalty": participant("loyalty", "redis", cfg.redis_url, "points"),
     }
     procs = []
     try:
-        for name, args in commands.items():
+        for name, (args, url) in commands.items():
             log = (cfg.logs / f"{name}.log").open("wb")
+            env = {k: v for k, v in os.environ.items() if k != "SAGA_STORAGE_URL"}
+            if url is not None:
+                env["SAGA_STORAGE_URL"] = url
             procs.append(
                 subprocess.Popen(
                     [sys.executable, "-m", "coordinator", *args],
                     stdout=log,
                     stderr=subprocess.STDOUT,
+                    env=env,
                 )
             )
             log.close()
