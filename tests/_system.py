@@ -135,6 +135,7 @@ class SagaSystem:
         env["SAGA_TOPIC_PREFIX"] = self.prefix
         env.pop("SAGA_FAULTS", None)
         env.pop("SAGA_KEYS_DIR", None)
+        env.pop("SAGA_STORAGE_URL", None)
         if self.signing is not None:
             env["SAGA_KEYS_DIR"] = str(self.keys_dir)
         env.update(self.extra_env)
@@ -149,8 +150,14 @@ class SagaSystem:
         delete_topics(self.settings, list(self.settings.topics.all))
 
     def start(self, name: str, args: Sequence[str], faults: str | None = None) -> Proc:
+        """Start ``saga <args>``; a ``--url`` goes through SAGA_STORAGE_URL (not ``ps``)."""
         flags = ["-v"] * self.verbose
-        proc = Proc(name, [*flags, *args], self.env(faults), self.tmp / f"{name}.log").start()
+        args, env = list(args), self.env(faults)
+        if "--url" in args:
+            at = args.index("--url")
+            env["SAGA_STORAGE_URL"] = args[at + 1]
+            del args[at : at + 2]
+        proc = Proc(name, [*flags, *args], env, self.tmp / f"{name}.log").start()
         self.procs.append(proc)
         return proc
 
