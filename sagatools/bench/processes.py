@@ -29,6 +29,7 @@ def saga_processes(
         env["SAGA_KEYS_DIR"] = str(keys_dir)
     common = ["--bootstrap", settings.bootstrap, "--prefix", settings.prefix]
     urls = {"sql": cfg.postgres_url, "mongo": cfg.mongo_url, "redis": cfg.redis_url}
+    storage_urls: dict[str, str] = {}  # SAGA_STORAGE_URL: ps would show a password
     commands: dict[str, list[str]] = {
         "coordinator": [
             *("coordinator", "run", *common, "--instance-id", "bench"),
@@ -38,10 +39,12 @@ def saga_processes(
     for name in PARTICIPANTS:
         storage = STORAGE_OF[name]
         for w in range(cfg.workers):
-            commands[f"{name}#{w} ({storage})"] = [
+            label = f"{name}#{w} ({storage})"
+            commands[label] = [
                 *("participant", "run", *common, "--name", name, "--storage", storage),
-                *("--url", urls[storage], "--schema", cfg.schema, "--targets", TARGET_OF[name]),
+                *("--schema", cfg.schema, "--targets", TARGET_OF[name]),
             ]
+            storage_urls[label] = urls[storage]
     procs: dict[str, subprocess.Popen[bytes]] = {}
     try:
         for name, args in commands.items():
@@ -51,7 +54,9 @@ def saga_processes(
                     [sys.executable, "-m", "coordinator", *args],
                     stdout=log,
                     stderr=subprocess.STDOUT,
-                    env=env,
+                    env={**env, "SAGA_STORAGE_URL": storage_urls[name]}
+                    if name in storage_urls
+                    else env,
                 )
         yield procs
     finally:

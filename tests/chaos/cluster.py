@@ -183,7 +183,9 @@ class Cluster:
 
     # ------------------------------------------------------------ processes
 
-    def env(self, faults: str | None, *, participant: bool) -> dict[str, str]:
+    def env(
+        self, faults: str | None, *, participant: bool, store: str | None = None
+    ) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("SAGA_")}
         env.update(
             SAGA_KAFKA_BOOTSTRAP=self.services.kafka_bootstrap,
@@ -192,6 +194,8 @@ class Cluster:
         )
         if self.keys_dir is not None:
             env["SAGA_KEYS_DIR"] = str(self.keys_dir)
+        if store is not None:  # not on the command line, where ps shows a password
+            env["SAGA_STORAGE_URL"] = self._store_url(store)
         if participant:
             env["SAGA_KAFKA_MAX_POLL_INTERVAL_MS"] = str(MAX_POLL_INTERVAL_MS)
             if self.unsafe:
@@ -211,11 +215,6 @@ class Cluster:
                 "--participants",
                 names,
             ]
-        url = {
-            "sql": self.services.postgres_url,
-            "mongo": self.services.mongo_url,
-            "redis": self.services.redis_url,
-        }[slot.kind]
         return [
             "participant",
             "run",
@@ -223,13 +222,18 @@ class Cluster:
             PARTICIPANTS[slot.kind],
             "--storage",
             slot.kind,
-            "--url",
-            url,
             "--schema",
             self.token,
             "--targets",
             TARGET,
         ]
+
+    def _store_url(self, store: str) -> str:
+        return {
+            "sql": self.services.postgres_url,
+            "mongo": self.services.mongo_url,
+            "redis": self.services.redis_url,
+        }[store]
 
     def spawn(self, slot: Slot, faults: str | None = None) -> Proc:
         """Start the slot's process (the caller holds the slot or is starting the cluster)."""
@@ -238,7 +242,11 @@ class Cluster:
             slot.name,
             f"{slot.name}.{slot.generation}",
             self._args(slot),
-            self.env(faults, participant=slot.kind != "coordinator"),
+            self.env(
+                faults,
+                participant=slot.kind != "coordinator",
+                store=None if slot.kind == "coordinator" else slot.kind,
+            ),
             self.logs / f"{slot.name}.log",
             armed=faults,
         ).start()
