@@ -93,7 +93,7 @@ from __future__ import annotations
 from ._clients import InMemoryConsumer, InMemoryProducer, InMemoryTransactionalProducer
 from ._log import InMemoryLog
 from ._model import Killed, ManualClock
-from ._stepper import KillAt, Stepper
+from ._stepper import KillAt, Stepper, key_on
 
 __all__ = [
     "InMemoryConsumer",
@@ -104,4 +104,5 @@ __all__ = [
     "Killed",
     "ManualClock",
     "Stepper",
+    "key_on",
 ]

@@ -6,6 +6,8 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import Self
 
+from streams.kafka import partition_for
+
 from ._log import InMemoryLog
 from ._model import Killed, _Gate
 
@@ -150,3 +152,19 @@ class Stepper:
             self.log.kill(self._thread.ident)
         self._finish()
         self._raise()
+
+
+def key_on(partition: int, partitions: int, n: int = 0, *, prefix: str = "tx-") -> str:
+    """The ``n``-th key ``<prefix><i>`` that goes to ``partition`` of ``partitions``.
+
+    For tests that need a transaction on a chosen partition (keys are placed as
+    Kafka places them: :func:`streams.kafka.partition_for`).
+    """
+    found = 0
+    for i in range(1_000_000):
+        key = f"{prefix}{i}"
+        if partition_for(key, partitions) == partition:
+            if found == n:
+                return key
+            found += 1
+    raise ValueError(f"no key of the form {prefix}<i> on partition {partition} of {partitions}")

@@ -35,8 +35,7 @@ from streams import (
     decode_as,
     encode,
 )
-from streams.kafka import partition_for
-from streams.testing import InMemoryLog, KillAt, ManualClock, Stepper
+from streams.testing import InMemoryLog, KillAt, ManualClock, Stepper, key_on
 
 pytestmark = pytest.mark.unit
 
@@ -92,9 +91,7 @@ def coordinators(log: InMemoryLog, clock: ManualClock) -> Iterator[Running]:
 
 
 def tx_on(partition: int, n: int = 0) -> str:
-    """The ``n``-th transaction id whose key goes to ``partition``."""
-    found = [f"tx-{i}" for i in range(200) if partition_for(f"tx-{i}", PARTITIONS) == partition]
-    return found[n]
+    return key_on(partition, PARTITIONS, n)
 
 
 def request(tx: str, clock: ManualClock, *, timeout_ms: int = 60_000) -> SagaRequest:

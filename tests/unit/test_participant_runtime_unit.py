@@ -45,8 +45,7 @@ from streams import (
     encode,
 )
 from streams._faults import NO_FAULTS, Faults
-from streams.kafka import partition_for
-from streams.testing import InMemoryLog, KillAt, ManualClock, Stepper
+from streams.testing import InMemoryLog, KillAt, ManualClock, Stepper, key_on
 
 pytestmark = pytest.mark.unit
 
@@ -145,8 +144,7 @@ def runtimes(log: InMemoryLog, clock: ManualClock) -> Iterator[Runtimes]:
 
 
 def tx_on(partition: int, n: int = 0) -> str:
-    found = [f"tx-{i}" for i in range(200) if partition_for(f"tx-{i}", PARTITIONS) == partition]
-    return found[n]
+    return key_on(partition, PARTITIONS, n)
 
 
 def move(key: str = "alice", by: int = 5) -> Step:

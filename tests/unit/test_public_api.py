@@ -1,4 +1,5 @@
-"""The public names of ``coordinator``, ``streams`` and ``streams.reconcile``, pinned.
+"""The public names of ``coordinator``, ``streams``, ``streams.log``, ``streams.reconcile``
+and ``streams.testing``, pinned.
 
 A name in ``__all__`` is a promise to users: adding one is a decision, removing
 or renaming one breaks their imports. Each list below is written out in full so
@@ -89,6 +90,25 @@ PINNED: dict[str, list[str]] = {
         "parse_ledger",
         "parse_table",
         "run",
+    ],
+    "streams.log": [
+        "KafkaLog",
+        "Log",
+        "LogConsumer",
+        "LogProducer",
+        "LogTransactionalProducer",
+        "RebalanceCallback",
+    ],
+    "streams.testing": [
+        "InMemoryConsumer",
+        "InMemoryLog",
+        "InMemoryProducer",
+        "InMemoryTransactionalProducer",
+        "KillAt",
+        "Killed",
+        "ManualClock",
+        "Stepper",
+        "key_on",
     ],
 }
 

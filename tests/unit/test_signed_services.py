@@ -67,9 +67,9 @@ from streams._signing import (
     allowed_signers,
     create_key,
 )
-from streams.kafka import Message, partition_for
+from streams.kafka import Message
 from streams.log import LogConsumer, LogProducer, LogTransactionalProducer
-from streams.testing import InMemoryLog, ManualClock, Stepper
+from streams.testing import InMemoryLog, ManualClock, Stepper, key_on
 
 pytestmark = pytest.mark.unit
 
@@ -196,8 +196,7 @@ def running(log: InMemoryLog, clock: ManualClock, keys: Keys, database: str) -> 
 
 
 def tx_on(partition: int, n: int = 0) -> str:
-    found = [f"tx-{i}" for i in range(200) if partition_for(f"tx-{i}", PARTITIONS) == partition]
-    return found[n]
+    return key_on(partition, PARTITIONS, n)
 
 
 def move(by: int = 5) -> Step:
