@@ -61,6 +61,7 @@ from streams.log import KafkaLog, Log
 log = logging.getLogger("saga.coordinator")
 
 _ONLY_COORDINATOR = frozenset({COORDINATOR})
+_OWN_RECORDS_REMEMBERED = 200_000  # see Keyring.remember_own
 
 
 @dataclass(slots=True)
@@ -154,6 +155,8 @@ class CoordinatorService(Stoppable):
     ) -> None:
         self.settings = settings
         self._keys = keys
+        if keys is not None and keys.signs:  # its own records, read back, pass on a digest
+            keys.remember_own(_OWN_RECORDS_REMEMBERED)
         self.aborters = aborters
         self._log: Log = signing(log if log is not None else KafkaLog(settings), keys)
         self._faults = faults

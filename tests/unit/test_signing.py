@@ -15,6 +15,7 @@ import stat
 from pathlib import Path
 
 import pytest
+from nacl.signing import VerifyKey
 
 from streams import (
     ConfigurationError,
@@ -255,3 +256,42 @@ def test_the_signed_log_signs_every_record_its_producers_write(folder: Path) -> 
     for m in found:
         assert verifier.check(m.topic, m.key, m.value, m.headers, ONLY_COORDINATOR) is None
     assert found[0].header("h") == b"1"
+
+
+def test_a_keyring_that_remembers_its_own_records_still_refuses_every_forgery(
+    folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    coordinator = Keyring.load(folder, COORDINATOR)
+    coordinator.remember_own(2)
+    first, second, third = (
+        coordinator.sign(TOPIC, "tx-1", b"v1"),
+        coordinator.sign(TOPIC, "tx-2", b"v2"),
+        coordinator.sign(TOPIC, "tx-3", b"v3"),
+    )
+    verified: list[bytes] = []
+    real_verify = VerifyKey.verify
+
+    def counting(self: VerifyKey, smessage: bytes, signature: bytes) -> bytes:
+        verified.append(signature)
+        return real_verify(self, smessage, signature)
+
+    monkeypatch.setattr(VerifyKey, "verify", counting)
+    # Its two latest records pass without a verification ...
+    assert coordinator.check(TOPIC, b"tx-3", b"v3", third, ONLY_COORDINATOR) is None
+    assert coordinator.check(TOPIC, b"tx-2", b"v2", second, ONLY_COORDINATOR) is None
+    assert verified == []
+    # ... an older one (forgotten: the memory holds two) is verified, and valid ...
+    assert coordinator.check(TOPIC, b"tx-1", b"v1", first, ONLY_COORDINATOR) is None
+    assert len(verified) == 1
+    # ... and its signature moved onto other content is verified, and refused.
+    for topic, key, value in ((TOPIC, b"tx-3", b"v4"), ("s.status", b"tx-3", b"v3")):
+        reason = coordinator.check(topic, key, value, third, ONLY_COORDINATOR)
+        assert reason is not None and "not valid" in reason
+    assert len(verified) == 3
+    # A retired own key is refused even for a record in the memory.
+    kid = dict(third)["saga.kid"].decode()
+    (folder / f"{kid}.pub").unlink()
+    reloaded = Keyring.load(folder, COORDINATOR)
+    reloaded.remember_own(10)
+    headers = reloaded.sign(TOPIC, "tx-9", b"v")
+    assert reloaded.check(TOPIC, b"tx-9", b"v", headers, ONLY_COORDINATOR) is not None
