@@ -263,7 +263,7 @@ wait_ready() { # name check-command...
 # The server refuses to run as root, so as root it runs as the postgres
 # user, which must be able to reach its data folder.
 pg_user() { if [ "$(id -u)" -eq 0 ]; then echo postgres; else id -un; fi; }
-pg_run() { if [ "$(id -u)" -eq 0 ]; then runuser -u postgres -- "$@"; else "$@"; fi; }
+pg_run() { if [ "$(id -u)" -eq 0 ]; then (cd / && runuser -u postgres -- "$@"); else "$@"; fi; }
 
 pg_data() {
   local want=$D/postgres
@@ -298,8 +298,16 @@ start_postgres() {
       >"$LOGS/postgres-initdb.log" 2>&1 || die "PostgreSQL initdb failed; see $LOGS/postgres-initdb.log"
   fi
   pg_hba >"$data/pg_hba.conf"
-  : >"$LOGS/postgres.log"; chmod 666 "$LOGS/postgres.log"
-  pg_run "$bin/pg_ctl" -D "$data" -l "$LOGS/postgres.log" -w -t "$READY_TIMEOUT" \
+  local pglog=$LOGS/postgres.log
+  rm -f "$pglog"; : >"$pglog"; chmod 666 "$pglog"
+  if [ "$(id -u)" -eq 0 ] && ! runuser -u postgres -- test -w "$pglog"; then
+    # The checkout's folders are closed to other users: the server logs next to its data,
+    # and the usual log path points there.
+    pglog=/var/tmp/saga-infra-postgres-$POSTGRES_PORT.log
+    : >"$pglog"; chmod 666 "$pglog"
+    rm -f "$LOGS/postgres.log"; ln -s "$pglog" "$LOGS/postgres.log"
+  fi
+  pg_run "$bin/pg_ctl" -D "$data" -l "$pglog" -w -t "$READY_TIMEOUT" \
     -o "-p $POSTGRES_PORT -c listen_addresses=$SAGA_HOST -c unix_socket_directories='$data' -c max_connections=200" \
     start >/dev/null 2>&1 || die "postgres did not start; see its log: $LOGS/postgres.log"
   head -1 "$data/postmaster.pid" >"$PIDS/postgres.pid"
