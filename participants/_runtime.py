@@ -81,6 +81,9 @@ from streams.log import KafkaLog, Log
 
 log = logging.getLogger("saga.participant")
 
+# A neighbour's step event remembered: when seen, the event, the record it came in.
+_Seen = tuple[int, StepEvent, Message]
+
 
 @dataclass(slots=True)
 class ParticipantStats:
@@ -147,11 +150,11 @@ class ParticipantRuntime(Stoppable):
         self._next_prune_ms = 0  # the first run prunes soon after start
         self.stats = ParticipantStats()
         super().__init__()
-        # (tx_id, step) of recently seen `applied` events -> (when seen, the record),
-        # the record verified only when a work item is made of it
-        self._applied_seen: OrderedDict[tuple[str, int], tuple[int, Message]] = OrderedDict()
-        # (tx_id, step) of recently seen `compensated` events -> (when seen, the record)
-        self._compensated_seen: OrderedDict[tuple[str, int], tuple[int, Message]] = OrderedDict()
+        # (tx_id, step) of recently seen `applied` events -> (when seen, the event, its
+        # record), the record verified only when a work item is made of it
+        self._applied_seen: OrderedDict[tuple[str, int], _Seen] = OrderedDict()
+        # (tx_id, step) of recently seen `compensated` events -> the same
+        self._compensated_seen: OrderedDict[tuple[str, int], _Seen] = OrderedDict()
         # sequential transactions with a step here -> when last touched; only
         # their neighbours' events need a look at the ledger
         self._sequential: OrderedDict[str, int] = OrderedDict()
@@ -246,9 +249,8 @@ class ParticipantRuntime(Stoppable):
             for tx in self.storage.in_flight_sequential():
                 self._sequential.setdefault(tx, now)
         items = unique(self._work_items(messages, now))
-        if self._faults.unsafe(
-            "auto-commit"
-        ):  # TEST-ONLY negative control: offsets before the work
+        # TEST-ONLY negative control: offsets before the work
+        if self._faults.unsafe("auto-commit"):
             self._commit({(m.topic, m.partition): m.offset + 1 for m in messages})
         reports = self._execute(items) if items else []
         self._faults.hit("participant.after_local_commit")
@@ -426,21 +428,13 @@ class ParticipantRuntime(Stoppable):
         )
         return False
 
-    def _seen(
-        self, memory: OrderedDict[tuple[str, int], tuple[int, Message]], key: tuple[str, int]
-    ) -> bool:
+    def _seen(self, memory: OrderedDict[tuple[str, int], _Seen], key: tuple[str, int]) -> bool:
         """Whether a neighbour's event ``key`` was seen, and is authentic (checked now)."""
         found = memory.get(key)
         if found is None:
             return False
-        if self._keys is None:
-            return True
-        m = found[1]
-        try:
-            event = decode_keyed(m.key, m.value, StepEvent)
-        except InvalidRecord:  # it decoded when it was remembered
-            event = None
-        if isinstance(event, StepEvent) and self._authentic(m, event):
+        _, event, m = found
+        if self._authentic(m, event):
             return True
         memory.pop(key, None)  # forged: checked once, forgotten
         return False
@@ -482,11 +476,11 @@ class ParticipantRuntime(Stoppable):
 
     def _neighbour(self, event: StepEvent, m: Message, now: int) -> list[WorkItem]:
         if event.status is StepStatus.APPLIED:
-            self._applied_seen[(event.tx_id, event.step)] = (now, m)
+            self._applied_seen[(event.tx_id, event.step)] = (now, event, m)
             if event.tx_id in self._sequential and self._authentic(m, event):
                 return [PredecessorApplied(event.tx_id, event.step + 1, now)]
         elif event.status is StepStatus.COMPENSATED and event.step > 0:
-            self._compensated_seen[(event.tx_id, event.step)] = (now, m)
+            self._compensated_seen[(event.tx_id, event.step)] = (now, event, m)
             if event.tx_id in self._sequential and self._authentic(m, event):
                 return [SuccessorCompensated(event.tx_id, event.step - 1, now)]
         return []
