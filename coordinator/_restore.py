@@ -14,7 +14,7 @@ record per transaction, not every record read.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from coordinator._machine import Saga
 from streams import InvalidRecord, SagaStatus
@@ -39,24 +39,40 @@ def restore(
     restored: dict[int, list[Saga]] = {p: [] for p in partitions}
     for p, by_key in _read(log, topic, partitions, client_id).items():
         for records in by_key.values():
-            for m in reversed(records):
-                status: SagaStatus | None = None
-                if m.value is not None:
-                    try:
-                        decoded = decode_keyed(m.key, m.value, SagaStatus)
-                    except InvalidRecord:
-                        continue
-                    assert isinstance(decoded, SagaStatus)
-                    status = decoded
-                if keys is not None:
-                    reason = keys.check(m.topic, m.key, m.value, m.headers, _ONLY_COORDINATOR)
-                    if reason is not None:
-                        on_forged(m, reason)
-                        continue
-                if status is not None:  # else a tombstone: the saga was forgotten
-                    restored[p].append(Saga.from_status(status))
-                break
+            found, status = standing_status(records, keys, on_forged)
+            if found and status is not None:  # a tombstone: the saga was forgotten
+                restored[p].append(Saga.from_status(status))
     return restored
+
+
+def standing_status(
+    records: Sequence[Message],
+    keys: Keyring | None,
+    on_forged: Callable[[Message, str], None],
+) -> tuple[bool, SagaStatus | None]:
+    """The status that stands among one transaction's ``records`` (oldest first).
+
+    Newest first: a record that does not decode is passed over; with ``keys``, one
+    the coordinator did not sign is reported to ``on_forged`` and passed over. The
+    first other one stands: ``(True, status)``, or ``(True, None)`` for a tombstone.
+    ``(False, None)`` when none does.
+    """
+    for m in reversed(records):
+        status: SagaStatus | None = None
+        if m.value is not None:
+            try:
+                decoded = decode_keyed(m.key, m.value, SagaStatus)
+            except InvalidRecord:
+                continue
+            assert isinstance(decoded, SagaStatus)
+            status = decoded
+        if keys is not None:
+            reason = keys.check(m.topic, m.key, m.value, m.headers, _ONLY_COORDINATOR)
+            if reason is not None:
+                on_forged(m, reason)
+                continue
+        return True, status
+    return False, None
 
 
 def _read(

@@ -16,6 +16,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 
+from coordinator._restore import standing_status
 from streams import (
     ConfigurationError,
     ConflictingRequest,
@@ -24,7 +25,6 @@ from streams import (
     SagaStatus,
     decode_as,
 )
-from streams._codec import decode_keyed
 from streams._signing import COORDINATOR, Keyring
 from streams.kafka import KafkaLog, KafkaSettings, Message
 from streams.log import Log
@@ -175,31 +175,22 @@ class StatusView:
         """Verify ``tx_id``'s unverified records, newest first; with the lock held."""
         kept = self._unverified.pop(tx_id, None)
         if kept and self._keys is not None:
-            for m in reversed(kept):
-                status: SagaStatus | None = None
-                if m.value is not None:
-                    try:
-                        decoded = decode_keyed(m.key, m.value, SagaStatus)
-                    except InvalidRecord:
-                        continue
-                    assert isinstance(decoded, SagaStatus)
-                    status = decoded
-                reason = self._keys.check(m.topic, m.key, m.value, m.headers, _COORDINATOR_ONLY)
-                if reason is not None:
-                    log.warning(
-                        "not believing the status record of %s at %s/%d@%d: %s",
-                        tx_id,
-                        m.topic,
-                        m.partition,
-                        m.offset,
-                        reason,
-                    )
-                    continue
-                if status is None:  # a tombstone: the coordinator forgot the saga
-                    self._latest.pop(tx_id, None)
-                else:
-                    self._latest[tx_id] = status
-                break
+
+            def forged(m: Message, reason: str) -> None:
+                log.warning(
+                    "not believing the status record of %s at %s/%d@%d: %s",
+                    tx_id,
+                    m.topic,
+                    m.partition,
+                    m.offset,
+                    reason,
+                )
+
+            found, status = standing_status(kept, self._keys, forged)
+            if found and status is None:  # a tombstone: the coordinator forgot the saga
+                self._latest.pop(tx_id, None)
+            elif status is not None:
+                self._latest[tx_id] = status
         return self._latest.get(tx_id)
 
     def _note_rejection(self, m: Message) -> None:
