@@ -33,8 +33,8 @@ help:
 $(VENV)/.installed: pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@$(PY) -m pip install -q --upgrade pip
-	@echo "installing saga-olep with its tools and dev tools into $(VENV)"
-	@$(PY) -m pip install -q -e '.[dev,tools]'
+	@echo "installing saga-olep with every extra and the dev tools into $(VENV)"
+	@$(PY) -m pip install -q -e '.[dev,all]'
 	@touch $@
 
 venv: $(VENV)/.installed

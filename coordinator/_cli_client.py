@@ -27,7 +27,25 @@ from coordinator._cli_common import (
     load_keys,
     settings_from,
 )
-from streams import ConfigurationError, InvalidRecord, to_dict
+from streams import ConfigurationError, InvalidRecord, SagaState, to_dict
+
+# The exit status of `saga submit --wait` and `saga status` for a transaction's state
+# (README "Command line"): final states get their own, anything else is "not final yet",
+# as a --wait that timed out (SagaTimeout, exit 4 in coordinator.cli.run).
+EXIT_COMMITTED = 0
+EXIT_ROLLED_BACK = 3
+EXIT_NOT_FINAL = 4
+EXIT_FAILED = 5
+_EXIT_BY_STATE = {
+    SagaState.COMMITTED: EXIT_COMMITTED,
+    SagaState.ROLLED_BACK: EXIT_ROLLED_BACK,
+    SagaState.FAILED: EXIT_FAILED,
+}
+
+
+def exit_code_of(state: SagaState) -> int:
+    """0 committed, 3 rolled back, 5 failed (an operator must act), 4 not final yet."""
+    return _EXIT_BY_STATE.get(state, EXIT_NOT_FINAL)
 
 
 class _NotANumber(ValueError):
@@ -139,6 +157,12 @@ def _check_seconds(value: Any, what: str) -> float:
     default=None,
     help="Seconds until the saga's deadline (overrides the file's timeout_s; default 30).",
 )
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help='Print only JSON on stdout: {"tx_id": ...}, or with --wait the final status.',
+)
 @keys_dir_option
 def submit(
     bootstrap: str | None,
@@ -147,12 +171,15 @@ def submit(
     source: str,
     wait: bool,
     timeout: float | None,
+    as_json: bool,
     keys_dir: str | None,
 ) -> None:
     """Submit a saga from a JSON file (or - for stdin); prints its tx_id.
 
     The JSON object has `steps` (list of {participant, action, args}) and
     optionally `saga`, `mode` (parallel|sequential), `timeout_s`, `tx_id`, `meta`.
+    With --wait the exit status tells the outcome: 0 committed, 3 rolled back,
+    5 failed (an operator must act), 4 still running when the wait ended.
     """
     from coordinator._client import DEFAULT_TIMEOUT_S, SagaClient, build_request
 
@@ -176,12 +203,18 @@ def submit(
     with SagaClient(settings, status_from_beginning=False, keys=keys) as client:
         client.send(request)
         tx_id = request.tx_id
-        click.echo(tx_id)
+        if not as_json:
+            click.echo(tx_id)
+        elif not wait:
+            click.echo(json.dumps({"tx_id": tx_id}))
+        else:
+            # stdout stays one JSON document (`| jq`); the id is in it, and on stderr
+            # for a wait that ends without a status.
+            click.echo(f"submitted {tx_id}", err=True)
         if wait:
             status = client.result(tx_id, timeout=deadline_s + 30)
             click.echo(json.dumps(to_dict(status), indent=2))
-            if status.state != "committed":
-                sys.exit(3)
+            sys.exit(exit_code_of(status.state))
 
 
 @click.command()
@@ -195,7 +228,11 @@ def status(
     tx_id: str,
     keys_dir: str | None,
 ) -> None:
-    """Print the latest status of a transaction (reads the status topic)."""
+    """Print the latest status of a transaction (reads the status topic) as JSON.
+
+    Exit status as `saga submit --wait`: 0 committed, 3 rolled back, 5 failed (an
+    operator must act), 4 not final yet (or no status yet).
+    """
     from coordinator._status_view import StatusView
 
     settings = settings_from(bootstrap, prefix, kafka_config)
@@ -206,8 +243,13 @@ def status(
     finally:
         view.close()
     if found is None:
-        fail(f"no status for transaction {tx_id}: the coordinator has not seen it (yet)")
+        fail(
+            f"no status for transaction {tx_id}: the coordinator has not seen it (yet); "
+            "check the id and the --prefix, or try again",
+            EXIT_NOT_FINAL,
+        )
     click.echo(json.dumps(to_dict(found), indent=2))
+    sys.exit(exit_code_of(found.state))
 
 
 @click.command()

@@ -23,6 +23,7 @@ import importlib
 import json
 import logging
 import os
+import socket
 import sys
 
 import click
@@ -69,13 +70,59 @@ def _tools_missing(name: str, problem: str) -> click.Command:
     )
 
 
+_VERBOSE_KEY = "saga.verbose"
+
+
+def _log_level(verbose: int) -> int:
+    return logging.WARNING - 10 * min(verbose, 2)
+
+
+def _more_verbose(ctx: click.Context, _param: click.Parameter, value: int) -> None:
+    """``-v`` given after the subcommand: adds to the group's count, lowers the log level."""
+    if value:
+        total = int(ctx.meta.get(_VERBOSE_KEY, 0)) + value
+        ctx.meta[_VERBOSE_KEY] = total
+        logging.getLogger().setLevel(_log_level(total))
+
+
+def with_verbose(command: click.Command) -> click.Command:
+    """``command`` (and, for a group, every command under it) accepting ``-v/--verbose``.
+
+    So ``saga coordinator run -v`` means ``saga -v coordinator run``. A command whose
+    own ``-v`` means something else (``reconcile``: Spark's warnings) keeps it.
+    Idempotent: run on each command as it is looked up.
+    """
+    if isinstance(command, click.Group):
+        for sub in command.commands.values():
+            with_verbose(sub)
+        return command
+    if not any("-v" in p.opts or "--verbose" in p.opts for p in command.params):
+        command.params.append(
+            click.Option(
+                ["-v", "--verbose"],
+                count=True,
+                expose_value=False,
+                callback=_more_verbose,
+                help="More log output (-v info, -vv debug); as `saga -v ...`.",
+            )
+        )
+    return command
+
+
 class SagaGroup(click.Group):
-    """The ``saga`` group: its own commands, plus the tools' commands imported on demand."""
+    """The ``saga`` group: its own commands, plus the tools' commands imported on demand.
+
+    Every command it hands out accepts ``-v`` after its name too (:func:`with_verbose`).
+    """
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted({*super().list_commands(ctx), *TOOL_COMMANDS})
 
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        found = self._command(ctx, cmd_name)
+        return with_verbose(found) if found is not None else None
+
+    def _command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
         module_name = TOOL_COMMANDS.get(cmd_name)
         if module_name is None or cmd_name in self.commands:
             return super().get_command(ctx, cmd_name)
@@ -88,6 +135,17 @@ class SagaGroup(click.Group):
         return command
 
 
+def default_instance_id() -> str:
+    """The host name (a container's is its id): distinct per replica of a scaled service.
+
+    Two coordinators on one host need ``--instance-id`` (or ``SAGA_INSTANCE_ID``): with the
+    same id the newer fences the older. A name Kafka cannot use in a client id is cut to
+    the characters it can.
+    """
+    name = "".join(c for c in socket.gethostname() if c.isalnum() or c in "._-")[:100]
+    return name or "0"
+
+
 def _exit_wedged(message: str) -> None:
     """A Kafka client is wedged: exit, so that a supervisor's restart takes over (any thread)."""
     click.echo(f"saga: {redact(message)}; exiting so that a restarted process takes over", err=True)
@@ -95,16 +153,25 @@ def _exit_wedged(message: str) -> None:
 
 
 @click.group(cls=SagaGroup, context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("-v", "--verbose", count=True, help="More log output (-v info, -vv debug).")
-def main(verbose: int) -> None:
+@click.option(
+    "-v",
+    "--verbose",
+    count=True,
+    help="More log output (-v info, -vv debug); also accepted after the subcommand.",
+)
+@click.version_option(package_name="saga-olep", prog_name="saga")
+@click.pass_context
+def main(ctx: click.Context, verbose: int) -> None:
     """saga: all-or-nothing changes across PostgreSQL, MongoDB and Redis through Kafka.
 
     Start with `saga topics create`, then run `saga coordinator run` and one
     `saga participant run` per storage, and submit sagas with `saga submit` or
     the client library.
     """
-    level = logging.WARNING - 10 * min(verbose, 2)
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    ctx.meta[_VERBOSE_KEY] = verbose
+    logging.basicConfig(
+        level=_log_level(verbose), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     install_log_redaction()
     # Test-only: the chaos suite's negative controls (streams/_faults.py); never set in production.
     if os.environ.get("SAGA_UNSAFE_TEST_SWITCHES"):
@@ -119,7 +186,7 @@ def main(verbose: int) -> None:
 
 @main.group()
 def topics() -> None:
-    """Create the saga topics."""
+    """Create or delete the saga topics."""
 
 
 @topics.command("create")
@@ -150,6 +217,33 @@ def topics_create(
         )
 
 
+@topics.command("delete")
+@kafka_options
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation (for scripts).")
+def topics_delete(
+    bootstrap: str | None, prefix: str | None, kafka_config: str | None, yes: bool
+) -> None:
+    """Delete every saga topic of one prefix, with all its records (asks first unless --yes).
+
+    Topics that do not exist are skipped, so running it twice is harmless.
+    """
+    from streams.kafka import delete_topics
+
+    settings = settings_from(bootstrap, prefix, kafka_config)
+    names = list(settings.topics.all)
+    if not yes:
+        if not sys.stdin.isatty():
+            fail(f"nothing deleted: confirm the deletion of {', '.join(names)} with --yes", 2)
+        if not click.confirm(
+            f"delete {', '.join(names)} on {settings.bootstrap} with all their records?",
+            err=True,
+        ):
+            fail("nothing deleted; pass --yes to delete without asking", 1)
+    deleted = delete_topics(settings, names)
+    for name in names:
+        click.echo(f"{name}: {'deleted' if name in deleted else 'absent'}")
+
+
 # ---------------------------------------------------------------- coordinator
 
 
@@ -162,9 +256,11 @@ def coordinator() -> None:
 @kafka_options
 @click.option(
     "--instance-id",
-    default="0",
-    show_default=True,
-    help="Stable and unique per coordinator process; names its transactional producer.",
+    envvar="SAGA_INSTANCE_ID",
+    default=None,
+    help="Stable and unique per coordinator process; names its transactional producer, so "
+    "a restart with the same id fences its predecessor [env SAGA_INSTANCE_ID; default: "
+    "the host name, distinct per container of a scaled service].",
 )
 @click.option(
     "--participants",
@@ -185,7 +281,7 @@ def coordinator_run(
     bootstrap: str | None,
     prefix: str | None,
     kafka_config: str | None,
-    instance_id: str,
+    instance_id: str | None,
     participants: str | None,
     retention_ms: int,
     connect_timeout: float,
@@ -214,7 +310,7 @@ def coordinator_run(
     wait_for_broker(settings, timeout=connect_timeout)
     service = CoordinatorService(
         settings,
-        instance_id=instance_id,
+        instance_id=instance_id or default_instance_id(),
         participants=known,
         retention_ms=retention_ms,
         log=KafkaLog(settings, on_wedged=_exit_wedged),

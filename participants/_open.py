@@ -9,6 +9,7 @@ message or log line of the process shows it.
 
 from __future__ import annotations
 
+import importlib
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -20,6 +21,14 @@ from streams._faults import NO_FAULTS, Faults
 from streams._secrets import redact_url, remember, url_password
 
 KINDS = ("sql", "mongo", "redis")
+
+# storage kind -> (the extra that installs its driver, the modules it needs). The
+# drivers are extras so that a client-only `pip install saga-olep` stays small.
+EXTRAS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "sql": ("postgres", ("sqlalchemy",)),
+    "mongo": ("mongo", ("pymongo",)),
+    "redis": ("redis", ("redis",)),
+}
 
 URL_ENV = "SAGA_STORAGE_URL"
 """The environment variable holding the storage URL when no other source is given."""
@@ -113,6 +122,29 @@ def _first_line(path: str, what: str) -> str:
     return line
 
 
+def require_driver(kind: str, url: str = "") -> None:
+    """Import the driver of storage ``kind``; a missing one names the extra to install.
+
+    PostgreSQL URLs also need psycopg (SQLite's driver ships with Python).
+
+    Raises:
+        ConfigurationError: the driver is not installed: "the sql storage needs the
+            postgres extra: pip install 'saga-olep[postgres]'" (the CLI exits 2).
+    """
+    if kind not in EXTRAS:
+        return
+    extra, drivers = EXTRAS[kind]
+    modules = [*drivers, "psycopg"] if kind == "sql" and url.startswith("postgres") else drivers
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            raise ConfigurationError(
+                f"the {kind} storage needs the {extra} extra ({exc.name or module} is not "
+                f"installed): pip install 'saga-olep[{extra}]'"
+            ) from None
+
+
 def open_storage(
     kind: str,
     *,
@@ -129,13 +161,16 @@ def open_storage(
     ``schema`` names where the participant's data lives inside the server: the SQL
     schema of the tables and ledger; the MongoDB database (default: the URL's path,
     else ``saga``); the Redis key prefix (default ``saga``).
-    Each adapter imports its driver only when it is chosen. The URL's password
+    Each adapter imports its driver only when it is chosen; a driver that is not
+    installed raises :class:`ConfigurationError` naming the extra that brings it
+    (:func:`require_driver`). The URL's password
     is hidden from every later message and log line (:mod:`streams._secrets`).
     ``faults`` are the crash tests' hooks (:mod:`streams._faults`), no-ops by default.
     """
     remember(url_password(url))
     if not targets:
         raise ConfigurationError("give the participant at least one target with --targets")
+    require_driver(kind, url)
     custom = None
     if handlers is not None:
         from participants._handlers import load_handlers

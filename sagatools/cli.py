@@ -59,6 +59,20 @@ def _missing(command: str, exc: ImportError) -> NoReturn:
     show_default=True,
     help="End by auditing the demo's log and ledgers with `saga reconcile`.",
 )
+@click.option(
+    "--setup-only",
+    is_flag=True,
+    help="Only create the topics (prefix: --prefix, SAGA_TOPIC_PREFIX or saga) and the "
+    "demo's tables, collection and keys where they are missing (keeping what exists), then "
+    "exit: how the compose app profile starts.",
+)
+@click.option(
+    "--partitions",
+    type=click.IntRange(1, 1024),
+    default=4,
+    show_default=True,
+    help="Partitions of the topics the demo creates.",
+)
 def demo(
     bootstrap: str | None,
     prefix: str | None,
@@ -69,12 +83,15 @@ def demo(
     mongo_url: str | None,
     redis_url: str | None,
     reconcile_after: bool,
+    setup_only: bool,
+    partitions: int,
 ) -> None:
     """Run the demo workload end to end on running services and print a summary.
 
     `make demo` starts the local services and runs this. Each run uses fresh
     topics (prefix demo-<time> unless --prefix is given) and recreates the
-    saga_demo schema, database and key prefix.
+    saga_demo schema, database and key prefix; at the end it prints the prefix
+    and the `saga reconcile` command that audits the run again.
     """
     try:
         from rich.console import Console
@@ -83,10 +100,15 @@ def demo(
 
         require_drivers()
         from sagatools.demo import DemoConfig, run_demo
+        from sagatools.demo import setup_only as run_setup
     except ImportError as exc:
         _missing("demo", exc)
 
-    settings = settings_from(bootstrap, prefix or f"demo-{int(time.time())}", kafka_config)
+    # The workload runs on fresh topics; --setup-only prepares the deployment's own
+    # (--prefix, SAGA_TOPIC_PREFIX or saga), as the compose app profile's services use.
+    if prefix is None and not setup_only:
+        prefix = f"demo-{int(time.time())}"
+    settings = settings_from(bootstrap, prefix, kafka_config)
     cfg = DemoConfig(
         settings,
         postgres_url,
@@ -94,9 +116,10 @@ def demo(
         redis_url,
         sagas=sagas,
         fail_share=fail_share,
+        partitions=partitions,
         reconcile=reconcile_after,
     )
-    sys.exit(run_demo(cfg, Console()))
+    sys.exit((run_setup if setup_only else run_demo)(cfg, Console()))
 
 
 @click.command()

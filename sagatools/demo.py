@@ -121,17 +121,27 @@ def check_services(cfg: DemoConfig, console: Console) -> None:
         console.print(f"  redis      appendonly={aof}  [green]answers[/]")
 
 
-def prepare_tables(cfg: DemoConfig) -> None:
+def prepare_tables(cfg: DemoConfig, *, fresh: bool = True) -> None:
+    """The demo's accounts (PostgreSQL), stock (MongoDB wire) and points (Redis).
+
+    ``fresh`` (the demo) drops what a previous run left and starts from the opening
+    figures; otherwise (``saga demo --setup-only``, the compose init step) only what is
+    missing is created, so a second run keeps the data sagas have changed.
+    """
     engine = sa.create_engine(_sa_url(cfg.postgres_url))
+    rows = [{"id": f"acct-{i:04d}", "balance": OPENING_BALANCE} for i in range(ACCOUNTS)]
     try:
         with engine.begin() as conn:
-            conn.execute(sa.schema.DropSchema(SCHEMA, cascade=True, if_exists=True))
-            conn.execute(sa.schema.CreateSchema(SCHEMA))
+            if fresh:
+                conn.execute(sa.schema.DropSchema(SCHEMA, cascade=True, if_exists=True))
+            conn.execute(sa.schema.CreateSchema(SCHEMA, if_not_exists=True))
             _metadata.create_all(conn)
-            conn.execute(
-                accounts.insert(),
-                [{"id": f"acct-{i:04d}", "balance": OPENING_BALANCE} for i in range(ACCOUNTS)],
-            )
+            if fresh:
+                conn.execute(accounts.insert(), rows)
+            else:
+                from sqlalchemy.dialects.postgresql import insert
+
+                conn.execute(insert(accounts).on_conflict_do_nothing(), rows)
     finally:
         engine.dispose()
     import pymongo
@@ -140,23 +150,77 @@ def prepare_tables(cfg: DemoConfig) -> None:
     assert cfg.mongo_url is not None and cfg.redis_url is not None
     mongo: pymongo.MongoClient[dict[str, object]] = pymongo.MongoClient(cfg.mongo_url)
     try:
-        mongo.drop_database(SCHEMA)
-        mongo[SCHEMA]["stock"].insert_many(
-            [{"_id": f"sku-{i:03d}", "qty": OPENING_STOCK} for i in range(PRODUCTS)]
-        )
+        if fresh:
+            mongo.drop_database(SCHEMA)
+        stock = mongo[SCHEMA]["stock"]
+        present = {d["_id"] for d in stock.find({}, {"_id": 1})}
+        missing = [f"sku-{i:03d}" for i in range(PRODUCTS) if f"sku-{i:03d}" not in present]
+        if missing:
+            stock.insert_many([{"_id": sku, "qty": OPENING_STOCK} for sku in missing])
     finally:
         mongo.close()
     r = redis.Redis.from_url(cfg.redis_url)
     try:
-        stale = list(r.scan_iter(match=f"{SCHEMA}:*", count=1000))
-        if stale:
-            r.delete(*stale)
+        if fresh:
+            stale = list(r.scan_iter(match=f"{SCHEMA}:*", count=1000))
+            if stale:
+                r.delete(*stale)
         with r.pipeline() as pipe:
             for i in range(ACCOUNTS):
-                pipe.hset(f"{SCHEMA}:points:acct-{i:04d}", "points", 0)
+                pipe.hsetnx(f"{SCHEMA}:points:acct-{i:04d}", "points", 0)
             pipe.execute()
     finally:
         r.close()
+
+
+def setup_only(cfg: DemoConfig, console: Console) -> int:
+    """``saga demo --setup-only``: the demo's topics and data where they are missing; exit 0.
+
+    Repeating it is harmless: existing topics and rows are kept as they are.
+    """
+    console.print("Services:")
+    check_services(cfg, console)
+    created = create_topics(cfg.kafka, cfg.partitions)
+    prepare_tables(cfg, fresh=False)
+    console.print(
+        f"Topics under prefix {cfg.kafka.prefix} ({len(created)} created), accounts "
+        f"(PostgreSQL schema {SCHEMA}), stock (MongoDB database {SCHEMA}) and points "
+        f"(Redis prefix {SCHEMA}) are ready.",
+        markup=False,
+        highlight=False,
+    )
+    return 0
+
+
+def reconcile_command(cfg: DemoConfig, environ: Mapping[str, str]) -> str:
+    """The ``saga reconcile`` command that audits this run again, to copy into a shell.
+
+    The stores' URLs appear as the variables the demo reads (``$SAGA_POSTGRES_URL``,
+    ...), never as text: they hold passwords. ``--bootstrap`` is given only when the
+    environment's ``SAGA_KAFKA_BOOTSTRAP`` would not name the same broker.
+    """
+    parts = ["saga reconcile"]
+    if environ.get("SAGA_KAFKA_BOOTSTRAP") != cfg.kafka.bootstrap:
+        parts.append(f"--bootstrap {cfg.kafka.bootstrap}")
+    parts += [
+        f"--prefix {cfg.kafka.prefix}",
+        f'--ledger "sql:$SAGA_POSTGRES_URL#schema={SCHEMA}"',
+        f'--ledger "mongo:$SAGA_MONGO_URL#database={SCHEMA}"',
+        f'--ledger "redis:$SAGA_REDIS_URL#prefix={SCHEMA}"',
+    ]
+    return " \\\n    ".join(parts)
+
+
+def print_reconcile_command(cfg: DemoConfig, console: Console) -> None:
+    console.print(
+        f"This run's topic prefix: {cfg.kafka.prefix}. To audit it again (with the "
+        'services\' addresses exported: eval "$(infra/services.sh env)"):',
+        markup=False,
+        highlight=False,
+    )
+    console.print(
+        "  " + reconcile_command(cfg, os.environ), markup=False, highlight=False, soft_wrap=True
+    )
 
 
 @contextmanager
@@ -341,9 +405,10 @@ def run_demo(cfg: DemoConfig, console: Console) -> int:
         statuses = {tx: s for tx, s in client.statuses().items() if tx in created}
     decisions = read_decisions(cfg.kafka)
     verdict = summarize(cfg, console, created, quantities, statuses, decisions)
-    if not cfg.reconcile:
-        return verdict
-    return max(verdict, reconcile_demo(cfg, console))
+    if cfg.reconcile:
+        verdict = max(verdict, reconcile_demo(cfg, console))
+    print_reconcile_command(cfg, console)
+    return verdict
 
 
 def reconcile_demo(cfg: DemoConfig, console: Console) -> int:

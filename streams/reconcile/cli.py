@@ -6,6 +6,7 @@ Expected failures print one sentence on stderr and exit 2; findings exit 1.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import sys
@@ -248,6 +249,7 @@ def reconcile(
             spark_conf=spark_conf_pairs(conf),
             verbose=verbose,
         )
+        _require_spark(config)
         from ._job import run
 
         def say(line: str) -> None:
@@ -271,6 +273,30 @@ def reconcile(
 
         render(Console(), result.summary, result.shown)
     sys.exit(result.exit_code)
+
+
+SPARK_HINT = "pip install 'saga-olep[spark]'"
+
+# The module each store kind's reader imports (PostgreSQL's ledger check uses psycopg).
+_STORE_DRIVERS = {"sql": "psycopg", "mongo": "pymongo", "redis": "redis"}
+
+
+def _require_spark(config: ReconcileConfig) -> None:
+    """Import pyspark and the drivers of the stores named; a missing one names the extra.
+
+    Raises:
+        ConfigurationError: "saga reconcile needs the spark extra ...": the spark extra
+            brings pyspark and every store reader's driver.
+    """
+    kinds = {s.store.kind for s in config.ledgers} | {t.store.kind for t in config.tables}
+    for module in ("pyspark", *sorted(_STORE_DRIVERS[k] for k in kinds)):
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            raise ConfigurationError(
+                f"saga reconcile needs the spark extra ({exc.name or module} is not "
+                f"installed): {SPARK_HINT}"
+            ) from None
 
 
 def _fail(message: str) -> None:
