@@ -1,13 +1,17 @@
-"""The core imports no storage driver; the tools (demo, bench) are an extra.
+"""The core imports no storage driver and no Spark; drivers, Spark and the tools are extras.
 
 ``coordinator/`` (the state machine, the service, the client and the command
-line) must not import SQLAlchemy, pymongo or redis: the participants own the
-drivers and import them when a participant runs, the tools package
-(:mod:`sagatools`) when ``saga demo`` or ``saga bench`` runs. Checked twice: in
-the source (every import statement of every module) and at run time (importing
-the package and its command line loads none of them). Without the tools package
-or a driver it needs, ``saga bench`` and ``saga demo`` say to install the
-``tools`` extra and exit 2.
+line) must not import SQLAlchemy, psycopg, pymongo, redis or pyspark: the
+participants own the drivers and import them when a participant runs, the
+reconciliation job imports pyspark when ``saga reconcile`` runs, the tools package
+(:mod:`sagatools`) its drivers when ``saga demo`` or ``saga bench`` runs. Checked
+twice: in the source (every import statement of every module, and the client's
+modules of ``streams``) and at run time (importing the client, the command line and
+the participant runtime loads none of them), which is what lets ``pip install
+saga-olep`` without extras work (tests/integration/test_client_install.py). Without
+the extra a command needs, it names the extra and exits 2: the tools for ``saga
+bench`` and ``saga demo``, ``postgres``/``mongo``/``redis`` for ``saga participant
+run --storage sql|mongo|redis``, ``spark`` for ``saga reconcile``.
 """
 
 from __future__ import annotations
@@ -25,8 +29,13 @@ from tests._infra import ROOT
 
 pytestmark = pytest.mark.unit
 
-DRIVERS = ("sqlalchemy", "pymongo", "redis")
+DRIVERS = ("sqlalchemy", "psycopg", "pymongo", "redis", "pyspark")
 CORE = ROOT / "coordinator"
+# The modules of streams that the client and the coordinator load: everything but the
+# reconciliation job (which imports pyspark lazily, and is checked at run time below).
+CLIENT_STREAMS = sorted(
+    p for p in (ROOT / "streams").rglob("*.py") if "reconcile" not in p.relative_to(ROOT).parts
+)
 
 
 def _imported_modules(path: Path) -> list[tuple[int, str]]:
@@ -67,6 +76,17 @@ def test_no_core_module_imports_a_storage_driver() -> None:
     assert not offending, "coordinator/ imports a storage driver:\n" + "\n".join(offending)
 
 
+def test_no_client_module_of_streams_imports_a_driver_or_spark() -> None:
+    assert CLIENT_STREAMS, "no modules under streams/"
+    offending = [
+        f"{path.relative_to(ROOT)}:{line} imports {module}"
+        for path in CLIENT_STREAMS
+        for line, module in _imported_modules(path)
+        if _is_driver(module)
+    ]
+    assert not offending, "streams/ imports a driver or pyspark:\n" + "\n".join(offending)
+
+
 def test_the_static_check_sees_lazy_and_dynamic_imports(tmp_path: Path) -> None:
     sample = tmp_path / "sample.py"
     sample.write_text(
@@ -99,13 +119,16 @@ def _run_python(code: str, *args: str) -> subprocess.CompletedProcess[str]:
 def test_importing_the_core_and_its_command_line_loads_no_driver() -> None:
     code = (
         "import json, sys\n"
-        "import coordinator, coordinator.cli\n"
+        "import coordinator, coordinator.cli, coordinator._client, coordinator._cli_client\n"
+        "import streams, streams.kafka, streams.log, streams.reconcile.cli\n"
+        "import participants, participants._runtime\n"
+        "from coordinator import SagaClient\n"
         "print(json.dumps(sorted(sys.modules)))\n"
     )
     done = _run_python(code)
     assert done.returncode == 0, done.stderr
     loaded = [m for m in json.loads(done.stdout) if _is_driver(m)]
-    assert not loaded, f"importing coordinator and coordinator.cli loaded {loaded}"
+    assert not loaded, f"importing the client, the command line and participants loaded {loaded}"
 
 
 # A subprocess where some modules cannot be imported, as on an install without them.
@@ -154,3 +177,74 @@ def test_the_tools_commands_are_listed_and_keep_their_options() -> None:
     assert bench.returncode == 0, bench.stderr
     for option in ("--phases", "--rate", "--window", "--service-pid", "--redis-url"):
         assert option in bench.stdout, (option, bench.stdout)
+
+
+def _one_sentence(done: subprocess.CompletedProcess[str], starts: str, *fragments: str) -> str:
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert "Traceback" not in done.stderr, done.stderr
+    assert done.returncode == 2, done.stderr
+    assert len(lines) == 1, done.stderr
+    assert lines[0].startswith(starts), lines
+    for fragment in fragments:
+        assert fragment in lines[0], lines
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    ("storage", "url", "blocked", "extra"),
+    [
+        ("sql", "postgresql://u@127.0.0.1:1/db", "sqlalchemy", "postgres"),
+        ("sql", "postgresql://u@127.0.0.1:1/db", "psycopg", "postgres"),
+        ("sql", "sqlite:///nowhere.db", "sqlalchemy", "postgres"),
+        ("mongo", "mongodb://127.0.0.1:1/db", "pymongo", "mongo"),
+        ("redis", "redis://127.0.0.1:1/0", "redis", "redis"),
+    ],
+)
+def test_a_participant_without_its_driver_names_the_extra(
+    storage: str, url: str, blocked: str, extra: str
+) -> None:
+    done = _run_python(
+        _BLOCKING_SAGA,
+        blocked,
+        *("participant", "run", "--bootstrap", "127.0.0.1:1", "--name", "p"),
+        *("--storage", storage, "--url", url, "--targets", "t"),
+    )
+    _one_sentence(
+        done,
+        f"saga: the {storage} storage needs the {extra} extra",
+        f"{blocked} is not installed",
+        f"pip install 'saga-olep[{extra}]'",
+    )
+
+
+def test_sqlite_needs_no_postgres_driver() -> None:
+    """psycopg is PostgreSQL's: a participant on SQLite gets past the driver check
+    (and stops later, at Kafka, which is not there)."""
+    done = _run_python(
+        _BLOCKING_SAGA,
+        "psycopg",
+        *("participant", "run", "--bootstrap", "127.0.0.1:1", "--connect-timeout", "1"),
+        *("--name", "p", "--storage", "sql", "--url", "sqlite://", "--targets", "t"),
+    )
+    assert "extra" not in done.stderr, done.stderr
+    assert "does not answer" in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize(
+    ("blocked", "ledger"),
+    [
+        ("pyspark", None),
+        ("pymongo", "mongo:mongodb://127.0.0.1:1/db"),
+        ("redis", "redis:redis://127.0.0.1:1/0"),
+        ("psycopg", "sql:postgresql://u@127.0.0.1:1/db"),
+    ],
+)
+def test_reconcile_without_spark_names_the_extra(blocked: str, ledger: str | None) -> None:
+    args = ["--ledger", ledger] if ledger else []
+    done = _run_python(_BLOCKING_SAGA, blocked, "reconcile", "--bootstrap", "127.0.0.1:1", *args)
+    _one_sentence(
+        done,
+        "saga reconcile: the audit needs the spark extra",
+        f"{blocked} is not installed",
+        "pip install 'saga-olep[spark]'",
+    )
