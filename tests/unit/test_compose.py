@@ -520,7 +520,7 @@ def test_scaled_coordinators_get_distinct_instance_ids(
     each takes its container's host name (coordinator.cli.default_instance_id)."""
     svc = services["coordinator"]
     words = words_of(svc.get("command"))
-    assert "--instance-id" not in words, f"coordinator: one --instance-id for every replica: {words}"
+    assert "--instance-id" not in words, f"coordinator: one --instance-id for all replicas: {words}"
     assert "SAGA_INSTANCE_ID" not in env_of(svc), "coordinator: one SAGA_INSTANCE_ID for all"
     assert "hostname" not in svc, "coordinator: a fixed hostname is every replica's instance id"
 
