@@ -285,7 +285,7 @@ def _require_spark(config: ReconcileConfig) -> None:
     """Import pyspark and the drivers of the stores named; a missing one names the extra.
 
     Raises:
-        ConfigurationError: "saga reconcile needs the spark extra ...": the spark extra
+        ConfigurationError: "the audit needs the spark extra ...": the spark extra
             brings pyspark and every store reader's driver.
     """
     kinds = {s.store.kind for s in config.ledgers} | {t.store.kind for t in config.tables}
@@ -294,7 +294,7 @@ def _require_spark(config: ReconcileConfig) -> None:
             importlib.import_module(module)
         except ImportError as exc:
             raise ConfigurationError(
-                f"saga reconcile needs the spark extra ({exc.name or module} is not "
+                f"the audit needs the spark extra ({exc.name or module} is not "
                 f"installed): {SPARK_HINT}"
             ) from None
 
