@@ -27,7 +27,7 @@ from coordinator._cli_common import (
     load_keys,
     settings_from,
 )
-from streams import ConfigurationError, InvalidRecord, SagaState, to_dict
+from streams import ConfigurationError, InvalidRecord, SagaState, SagaTimeout, to_dict
 
 # The exit status of `saga submit --wait` and `saga status` for a transaction's state
 # (README "Command line"): final states get their own, anything else is "not final yet",
@@ -212,7 +212,18 @@ def submit(
             # for a wait that ends without a status.
             click.echo(f"submitted {tx_id}", err=True)
         if wait:
-            status = client.result(tx_id, timeout=deadline_s + 30)
+            waited = deadline_s + 30
+            try:
+                status = client.result(tx_id, timeout=waited)
+            except SagaTimeout:
+                # The library's sentence speaks to a program ("call result() again");
+                # this one to the shell user. Exit 4 (coordinator.cli.run).
+                current = client.status(tx_id)
+                state = current.state.value if current is not None else "no status yet"
+                raise SagaTimeout(
+                    f"transaction {tx_id} is still running after {waited:g} s (state: "
+                    f"{state}); check it later with `saga status {tx_id}`"
+                ) from None
             click.echo(json.dumps(to_dict(status), indent=2))
             sys.exit(exit_code_of(status.state))
 

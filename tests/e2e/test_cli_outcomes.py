@@ -188,3 +188,4 @@ def test_status_exits_4_while_not_final_and_5_when_failed(system: SagaSystem) ->
     lines = [line for line in waited.stderr.splitlines() if line.strip()]
     assert lines[-1].startswith("saga: "), waited.stderr
     assert "still running" in lines[-1], waited.stderr
+    assert "check it later with `saga status" in lines[-1], waited.stderr
