@@ -30,7 +30,9 @@ from coordinator._machine import (
     StepReported,
     Tick,
     decide,
+    tx_of,
 )
+from coordinator._observe import CoordinatorObserver
 from coordinator._restore import restore
 from streams import (
     Decision,
@@ -189,6 +191,7 @@ class CoordinatorService(Stoppable):
             f"{self.topics.prefix}.coordinator.{instance_id}",
             transaction_timeout_ms=transaction_timeout_ms,
         )
+        self.observer = CoordinatorObserver(self)  # health, metrics, trace context
 
     # ------------------------------------------------------------ lifecycle
 
@@ -211,6 +214,7 @@ class CoordinatorService(Stoppable):
         try:
             while not self.stopping:
                 messages = self._consumer.poll_batch(self.batch_size, self.poll_timeout_s)
+                self.observer.polled(messages)
                 now = self.clock()
                 if (
                     messages
@@ -377,7 +381,7 @@ class CoordinatorService(Stoppable):
                 continue
             if inp is None:
                 continue
-            tx_id = _tx_of(inp)
+            tx_id = tx_of(inp)
             if (
                 isinstance(inp, RequestReceived)
                 and inp.request.deadline_ms + self.retention_ms <= now
@@ -410,6 +414,7 @@ class CoordinatorService(Stoppable):
                 if (owner := self._partitions.get(p)) is not None:
                     heapq.heappush(owner.forget, (at, tx_id))
             return
+        self.observer.committed(messages, changed, outputs, rejected)
         for p, _, tx_id in forgotten:
             if (owner := self._partitions.get(p)) is not None:
                 owner.sagas.pop(tx_id, None)
@@ -549,9 +554,11 @@ class CoordinatorService(Stoppable):
         try:
             self._producer.begin()
             for d, value in decisions:
-                self._producer.produce(self.topics.decisions, d.tx_id, value)
+                trace = self.observer.decision_headers(d)
+                self._producer.produce(self.topics.decisions, d.tx_id, value, trace)
             for tx_id, value in last_status.items():
-                self._producer.produce(self.topics.status, tx_id, value)
+                trace = self.observer.status_headers(tx_id)
+                self._producer.produce(self.topics.status, tx_id, value, trace)
             for _, _, tx_id in forgotten:
                 self._producer.produce(self.topics.status, tx_id, None)  # a tombstone
             for m, reason in rejected:
@@ -588,13 +595,3 @@ class CoordinatorService(Stoppable):
         for (topic, partition), offset in first.items():
             if partition in self._partitions:
                 self._consumer.seek(topic, partition, offset)
-
-
-def _tx_of(inp: Input) -> str:
-    if isinstance(inp, RequestReceived):
-        return inp.request.tx_id
-    if isinstance(inp, StepReported):
-        return inp.event.tx_id
-    if isinstance(inp, AbortRequested):
-        return inp.abort.tx_id
-    raise TypeError(inp)

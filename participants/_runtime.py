@@ -48,6 +48,7 @@ from tenacity import (
 )
 
 from participants._barrier import PredecessorApplied, Requested, SuccessorCompensated
+from participants._observe import ParticipantObserver
 from participants._storage import (
     DecisionArrived,
     Report,
@@ -183,6 +184,7 @@ class ParticipantRuntime(Stoppable):
             on_lost=self._on_revoke,
         )
         self._producer = self._log.producer(client_id=f"{self.topics.prefix}.participant.{name}")
+        self.observer = ParticipantObserver(self)  # health, metrics, trace context
 
     # ------------------------------------------------------------ lifecycle
 
@@ -202,6 +204,7 @@ class ParticipantRuntime(Stoppable):
             while not self.stopping:
                 messages, self._carry = self._carry, []
                 messages += self._consumer.poll_batch(self.batch_size, self.poll_timeout_s)
+                self.observer.polled(messages)
                 if messages:
                     self._handle(messages)
                 else:
@@ -264,7 +267,8 @@ class ParticipantRuntime(Stoppable):
                 # a handler's or a driver's text: cut to what the contract allows
                 reason=r.reason[:MAX_REASON_CHARS] if r.reason is not None else None,
             )
-            self._producer.produce(self.topics.events, r.tx_id, encode(event))
+            trace = self.observer.event_headers(r)
+            self._producer.produce(self.topics.events, r.tx_id, encode(event), trace)
         # The events must be in the log before the offsets say the inputs are done.
         self._producer.flush(30)
         offsets: dict[tuple[str, int], int] = {}
@@ -280,6 +284,7 @@ class ParticipantRuntime(Stoppable):
         self.stats.records += len(messages)
         self.stats.items += len(items)
         self.stats.events += len(reports)
+        self.observer.handled(items, reports)
 
     def _execute(self, items: list[WorkItem]) -> list[Report]:
         try:
@@ -346,7 +351,7 @@ class ParticipantRuntime(Stoppable):
             reraise=True,
         )
         try:
-            reports: list[Report] = retrying(self.storage.execute, items)
+            reports: list[Report] = retrying(self.observer.timed(self.storage.execute), items)
         finally:
             self._consumer.resume_all()
         return reports
