@@ -40,6 +40,7 @@ from coordinator._cli_common import (
     settings_from,
 )
 from coordinator._cli_keys import keys
+from coordinator._cli_observe import Observability, log_format_option, observe_options
 from streams import (
     ConfigurationError,
     ConflictingRequest,
@@ -47,7 +48,8 @@ from streams import (
     SagaTimeout,
     schema,
 )
-from streams._secrets import install_log_redaction, redact, url_password
+from streams._logs import LogFormat, configure_logging
+from streams._secrets import redact, url_password
 from streams.kafka import create_topics, wait_for_broker
 
 # The tools' commands: name -> module of the tools package that defines it.
@@ -96,16 +98,15 @@ def _exit_wedged(message: str) -> None:
 
 @click.group(cls=SagaGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("-v", "--verbose", count=True, help="More log output (-v info, -vv debug).")
-def main(verbose: int) -> None:
+@log_format_option
+def main(verbose: int, log_format: LogFormat | None) -> None:
     """saga: all-or-nothing changes across PostgreSQL, MongoDB and Redis through Kafka.
 
     Start with `saga topics create`, then run `saga coordinator run` and one
     `saga participant run` per storage, and submit sagas with `saga submit` or
     the client library.
     """
-    level = logging.WARNING - 10 * min(verbose, 2)
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    install_log_redaction()
+    configure_logging(verbose, log_format or "text")
     # Test-only: the chaos suite's negative controls (streams/_faults.py); never set in production.
     if os.environ.get("SAGA_UNSAFE_TEST_SWITCHES"):
         logging.getLogger("saga").warning(
@@ -181,6 +182,7 @@ def coordinator() -> None:
     show_default=True,
     help="With a key folder: whose signed aborts are honoured (client, operator or both).",
 )
+@observe_options
 def coordinator_run(
     bootstrap: str | None,
     prefix: str | None,
@@ -191,6 +193,7 @@ def coordinator_run(
     connect_timeout: float,
     keys_dir: str | None,
     aborters: str,
+    observability: Observability,
 ) -> None:
     """Consume requests and step events, decide commit or rollback, publish status.
 
@@ -223,7 +226,8 @@ def coordinator_run(
         aborters=allowed,
     )
     service.install_signal_handlers()
-    service.run()
+    with observability.serve(service.observer, "coordinator"):
+        service.run()
 
 
 # ---------------------------------------------------------------- participant
@@ -275,6 +279,7 @@ def participant() -> None:
 @retention_option("Remove ledger entries of transactions finished longer ago than this")
 @connect_timeout_option
 @keys_dir_option
+@observe_options
 def participant_run(
     bootstrap: str | None,
     prefix: str | None,
@@ -291,6 +296,7 @@ def participant_run(
     retention_ms: int,
     connect_timeout: float,
     keys_dir: str | None,
+    observability: Observability,
 ) -> None:
     """Apply this participant's steps, confirm on commit, compensate on rollback.
 
@@ -337,8 +343,10 @@ def participant_run(
         faults=faults,
         keys=signing_keys,
     )
+    runtime.observer.description = f"{storage}, targets {','.join(target_list)}"
     runtime.install_signal_handlers()
-    runtime.run()
+    with observability.serve(runtime.observer, f"participant-{name}"):
+        runtime.run()
 
 
 @main.command("schema")
