@@ -159,7 +159,8 @@ class Spans:
         except Exception as exc:  # tracing must never cost a record
             log.debug("could not record span %s: %s", name, exc)
             return fallback
-        if made is None:  # a no-op tracer provider: no ids of its own
+        if made is None or (parent is not None and made.span_id == parent.span_id):
+            # OpenTelemetry without an SDK: its no-op spans have no ids of their own.
             return fallback
         if parent is not None and parent.state and made.state is None:
             return TraceContext(made.trace_id, made.span_id, made.flags, parent.state)

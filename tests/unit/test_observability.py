@@ -484,6 +484,12 @@ def test_spans_are_exported_with_opentelemetry_and_continue_the_trace(tmp_path: 
         "assert made.span_id == f'{span.context.span_id:016x}' != parent.span_id\n"
         "assert f'{span.parent.span_id:016x}' == parent.span_id\n"
         "assert span.name == 'saga.participant.apply' and span.attributes['saga.step'] == 1\n"
+        "from opentelemetry import trace\n"
+        "client = Spans('saga.client')\n"
+        "with trace.get_tracer('app').start_as_current_span('app') as app:\n"
+        "    sent = client.record('saga.client.submit', client.current())\n"
+        "app_id = app.get_span_context().trace_id\n"
+        "assert sent.trace_id == f'{app_id:032x}', 'the client continues the current span'\n"
         "print('ok')\n"
     )
     root = Path(__file__).resolve().parents[2]
