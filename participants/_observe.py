@@ -83,7 +83,8 @@ class ParticipantObserver(LoopObserver):
         about = f" ({self.description})" if self.description else ""
         return (
             f"saga participant ready: {self._runtime.name}{about}, "
-            f"{len(partitions)} partition(s) of {self.topics.requests}{self._metrics_text()}"
+            f"{len(partitions)} of {self._runtime._partition_count} partitions of "
+            f"{self.topics.requests}{self._metrics_text()}"
         )
 
     # ------------------------------------------------------------ loop hooks

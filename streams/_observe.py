@@ -209,10 +209,10 @@ class LoopObserver:
         return f"saga {self.service} ready: {held}{self._metrics_text()}"
 
     def _partitions_text(self, partitions: Sequence[int]) -> str:
-        return f"{len(partitions)} partition(s) of {self.topics.requests} assigned"
+        return f"{len(partitions)} partitions of {self.topics.requests} assigned"
 
     def _metrics_text(self) -> str:
-        return f", metrics on {self.endpoint}" if self.endpoint else ""
+        return f", metrics on {self.endpoint}/metrics" if self.endpoint else ""
 
     def sample_state(self) -> None:
         """Refresh sampled metrics of the service's own state (loop thread)."""

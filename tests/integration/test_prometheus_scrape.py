@@ -27,6 +27,7 @@ import pytest
 import sqlalchemy as sa
 
 from streams import SagaState, Step
+from streams._trace import parse
 from tests._infra import Services, eventually
 from tests._system import SagaSystem, bank_schema, engine_for
 
@@ -190,6 +191,7 @@ def test_prometheus_scrapes_decisions_latencies_and_health(
                 table,
                 "--metrics-port",
                 str(ports[name]),
+                *(["--log-format", "json"] if name == "shop" else []),
             ],
         )
         for name, table in (("bank", "accounts"), ("shop", "orders"))
@@ -268,5 +270,31 @@ def test_prometheus_scrapes_decisions_latencies_and_health(
         assert get(f"{url}/healthz") == (200, b"ok\n"), name
         assert get(f"{url}/readyz") == (200, b"ok\n"), name
     assert "saga coordinator ready: instance 0, 4 of 4 partitions" in coordinator.log()
-    for proc in participants:
-        assert "saga participant ready:" in proc.log(), proc.log()[-2000:]
+    bank, shop = participants
+    assert "saga participant ready: bank (sql, targets accounts), 4 of 4 partitions" in bank.log()
+    # --log-format json: every line is one object; the ready line among them.
+    lines = [json.loads(line) for line in shop.log().splitlines()]
+    assert {"ts", "level", "logger", "message"} <= set(lines[0])
+    assert any(
+        line["logger"] == "saga.ready"
+        and line["message"].startswith("saga participant ready: shop")
+        for line in lines
+    ), lines
+
+    # The trace context went from the client through both participants and the
+    # coordinator: every record of a saga carries its request's trace id.
+    def trace_ids(topic: str) -> dict[bytes, set[str]]:
+        found: dict[bytes, set[str]] = {}
+        for m in system.read_messages(topic):
+            context = parse(m.headers)
+            assert context is not None, f"a record on {topic} without a trace context"
+            found.setdefault(m.key or b"", set()).add(context.trace_id)
+        return found
+
+    requests = trace_ids(system.settings.topics.requests)
+    assert len(requests) == SAGAS and all(len(ids) == 1 for ids in requests.values())
+    for topic in ("events", "decisions", "status"):
+        seen = trace_ids(getattr(system.settings.topics, topic))
+        assert set(seen) == set(requests), topic
+        for key, ids in seen.items():
+            assert ids == requests[key], (topic, key)
