@@ -201,7 +201,7 @@ class CoordinatorObserver(LoopObserver):
             ["state"],
             [((state,), n) for state, n in self.states.items()],
         )
-        decisions = self.decisions.copy()
+        decisions = dict(self.decisions)  # a C-level copy: the loop thread may add a key
         yield counter(
             "saga_decisions",
             "Decisions written, by outcome and reason class.",
@@ -212,7 +212,7 @@ class CoordinatorObserver(LoopObserver):
             "saga_dlq_records",
             "Records sent to the DLQ, by the topic they came from.",
             ["topic"],
-            [((role,), n) for role, n in sorted(self.dlq.copy().items())],
+            [((role,), n) for role, n in sorted(dict(self.dlq).items())],
         )
         for name, doc, value in (
             ("saga_batches", "Kafka transactions committed.", stats.batches),

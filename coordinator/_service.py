@@ -340,7 +340,7 @@ class CoordinatorService(Stoppable):
                 reason = f"could not be handled: {type(exc).__name__}: {exc}"
                 if source is not None:
                     rejected.append((source, reason))
-                log.error("transaction %s: %s", tx_id, reason)
+                log.error("transaction %s: %s", tx_id, reason, extra={"tx_id": tx_id})
                 return
             if after is None:
                 return

@@ -143,7 +143,7 @@ class ParticipantObserver(LoopObserver):
     def families(self) -> Iterable[Metric]:
         stats = self._runtime.stats
         name = self._runtime.name
-        steps = self.steps.copy()
+        steps = dict(self.steps)  # a C-level copy: the loop thread may add a key
         yield counter(
             "saga_participant_steps",
             "Step events emitted, by status.",

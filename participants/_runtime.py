@@ -322,7 +322,9 @@ class ParticipantRuntime(Stoppable):
         """
         self.stats.poisoned += 1
         reason = f"could not be handled: {type(exc).__name__}: {exc}"
-        log.error("%s of %s: %s", type(item).__name__, item.tx_id, reason)
+        log.error(
+            "%s of %s: %s", type(item).__name__, item.tx_id, reason, extra={"tx_id": item.tx_id}
+        )
         if not isinstance(item, Requested):
             return []
         try:
@@ -330,7 +332,12 @@ class ParticipantRuntime(Stoppable):
         except (ConfigurationError, FatalKafkaError):
             raise
         except Exception as again:  # the ledger itself fails on it: report, record nothing
-            log.error("could not record the failure of %s: %s", item.tx_id, again)
+            log.error(
+                "could not record the failure of %s: %s",
+                item.tx_id,
+                again,
+                extra={"tx_id": item.tx_id},
+            )
             return [Report(item.tx_id, item.step, StepStatus.FAILED, reason)]
 
     def _execute_retrying(self, items: list[WorkItem]) -> list[Report]:
@@ -430,6 +437,7 @@ class ParticipantRuntime(Stoppable):
             record.TYPE,
             record.tx_id,
             reason,
+            extra={"tx_id": record.tx_id},
         )
         return False
 

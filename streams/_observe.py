@@ -250,7 +250,7 @@ class LoopObserver:
             "saga_records_read",
             "Records polled, by topic.",
             ["service", "topic"],
-            [((self.service, role), n) for role, n in sorted(self.records_read.copy().items())],
+            [((self.service, role), n) for role, n in sorted(dict(self.records_read).items())],
         )
         yield gauge(
             "saga_consumer_lag",

@@ -455,6 +455,43 @@ def test_json_log_lines_carry_extra_fields_and_no_password() -> None:
     assert "RuntimeError" in second["exc"] and "s3cret" not in lines[1]
 
 
+def test_log_format_json_on_the_command_line_writes_json_lines_without_passwords() -> None:
+    root = Path(__file__).resolve().parents[2]
+    for where in ("group", "command"):
+        option = ["--log-format", "json"]
+        args = [
+            *(option if where == "group" else []),
+            "participant",
+            "run",
+            *(option if where == "command" else []),
+            "--bootstrap",
+            "127.0.0.1:1",  # nothing answers: the command exits after its warning
+            "--connect-timeout",
+            "0.5",
+            "--name",
+            "bank",
+            "--storage",
+            "sql",
+            "--url",
+            "postgresql://saga:pw-on-the-line@127.0.0.1:1/saga",
+            "--targets",
+            "accounts",
+        ]
+        done = subprocess.run(
+            [sys.executable, "-m", "coordinator", *args],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert done.returncode == 1, done.stderr
+        assert "pw-on-the-line" not in done.stderr
+        line = json.loads(done.stderr.splitlines()[0])
+        assert line["logger"] == "saga.participant" and line["level"] == "WARNING"
+        assert "password is on the command line" in line["message"]
+
+
 def test_the_service_commands_take_the_observability_options() -> None:
     runner = CliRunner()
     for command in (["coordinator", "run"], ["participant", "run"]):
