@@ -84,7 +84,9 @@ class CoordinatorObserver(LoopObserver):
             "coordinator",
             topics,
             lambda: service._consumer,
-            trace_topics=(topics.requests, topics.events),
+            trace_topics=(topics.requests,),
+            # a saga restored after a restart: its request is not read again
+            fallback_trace_topics=(topics.events,),
         )
         self._service = service
         self.decisions: Counter[tuple[str, str]] = Counter()  # (outcome, reason class)

@@ -112,8 +112,9 @@ class LoopObserver:
     ``service`` names the process in metric labels (``coordinator``,
     ``participant-<name>``); ``consumer`` returns the service's consumer (looked up
     when needed: the service makes it after its observer may exist). Subclasses say
-    which topics' trace context to remember, what the ready line says, and sample
-    their own state in :meth:`sample_state`.
+    which topics' trace context to remember (``trace_topics``: the latest record's
+    wins; ``fallback_trace_topics``: only while none is known), what the ready line
+    says, and sample their own state in :meth:`sample_state`.
     """
 
     def __init__(
@@ -123,6 +124,7 @@ class LoopObserver:
         consumer: Callable[[], LogConsumer],
         *,
         trace_topics: Iterable[str] = (),
+        fallback_trace_topics: Iterable[str] = (),
         sample_every_s: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -131,6 +133,8 @@ class LoopObserver:
         self.roles = topic_roles(topics)
         self._consumer = consumer
         self._trace_topics = frozenset(trace_topics)
+        self._fallback_trace_topics = frozenset(fallback_trace_topics)
+        self._read_trace_topics = self._trace_topics | self._fallback_trace_topics
         self.sample_every_s = sample_every_s
         self._clock = clock
         self.health = Health(clock=clock)
@@ -150,7 +154,7 @@ class LoopObserver:
         """After each poll, in the loop's thread: beat, remember trace context, sample."""
         self.health.beat()
         for m in messages:
-            if m.headers and m.topic in self._trace_topics:
+            if m.headers and m.topic in self._read_trace_topics:
                 self._remember(m)
         if self._batch is not None and messages:
             self._batch.labels(self.service).observe(len(messages))
@@ -169,14 +173,17 @@ class LoopObserver:
                 self._next_sample = now + max(self.sample_every_s, 50 * spent)
 
     def _remember(self, m: Message) -> None:
-        context = parse(m.headers)
-        if context is None or m.key is None or len(m.key) > _MAX_KEY:
+        if m.key is None or len(m.key) > _MAX_KEY:
             return
         try:
             tx_id = m.key.decode("utf-8")
         except UnicodeDecodeError:
             return
-        self.traces.remember(tx_id, context)
+        if m.topic in self._fallback_trace_topics and self.traces.get(tx_id) is not None:
+            return  # known from a record that comes first; not worth parsing again
+        context = parse(m.headers)
+        if context is not None:
+            self.traces.remember(tx_id, context)
 
     def _check_ready(self) -> None:
         assigned = self._consumer().assignment()
