@@ -19,6 +19,7 @@ records of one saga in the logs.
 
 from __future__ import annotations
 
+import os
 import random
 import re
 from collections import OrderedDict
@@ -28,6 +29,13 @@ from typing import Final
 
 TRACEPARENT: Final = "traceparent"
 TRACESTATE: Final = "tracestate"
+
+# Ids must be unique, not secret: the specification asks for randomness, not for a
+# cryptographic source, and ids are made for every record a service writes. A private
+# generator, seeded from the OS (again in a forked child), so that an application
+# seeding the global one for its own reasons does not make every run's ids the same.
+_ids = random.Random()
+os.register_at_fork(after_in_child=_ids.seed)
 
 _MAX_TRACESTATE = 512  # the specification's limit for what a vendor must propagate
 _TRACEPARENT = re.compile(r"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})")
@@ -71,10 +79,8 @@ class TraceContext:
 
 
 def _new_id(n_bytes: int) -> str:
-    # Ids must be unique, not secret: the specification asks for randomness, not for a
-    # cryptographic source, and this runs for every record a service writes.
     while True:
-        value = random.getrandbits(8 * n_bytes)
+        value = _ids.getrandbits(8 * n_bytes)
         if value:  # all zeros is the specification's "invalid"
             return f"{value:0{2 * n_bytes}x}"
 
