@@ -137,6 +137,8 @@ class CoordinatorService(Stoppable):
     that fails goes to the DLQ with the reason and is never decided on. A restore
     believes only status records and tombstones the coordinator signed. Without
     ``keys`` nothing is signed or verified, and :meth:`run` says so.
+
+    ``observer`` (:mod:`coordinator._observe`): its health, metrics and trace context.
     """
 
     def __init__(

@@ -113,6 +113,8 @@ class ParticipantRuntime(Stoppable):
     checked when a work item is made of it (not every event read). A record that
     fails is skipped (the coordinator moves it to the DLQ). Without ``keys`` nothing
     is signed or verified, and :meth:`run` says so.
+
+    ``observer`` (:mod:`participants._observe`): its health, metrics and trace context.
     """
 
     def __init__(
