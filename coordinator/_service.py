@@ -358,7 +358,7 @@ class CoordinatorService(Stoppable):
                     if source is not None and source.topic == self.topics.requests:
                         rejected.append((source, out.reason))
                     else:
-                        log.warning("%s", out.reason)
+                        log.warning("%s", out.reason, extra={"tx_id": out.tx_id})
             outputs.extend((partition, out, value) for out, value in encoded)
 
         # A batch can hold records of a partition revoked during the poll that returned
