@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import subprocess
 import sys
+import threading
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -539,6 +542,52 @@ def test_spans_are_exported_with_opentelemetry_and_continue_the_trace(tmp_path: 
         check=False,
     )
     assert done.stdout.strip() == "ok", done.stderr
+
+
+def test_with_an_endpoint_spans_go_to_the_collector_over_otlp(tmp_path: Path) -> None:
+    pytest.importorskip("opentelemetry.exporter.otlp.proto.http.trace_exporter")
+    received: list[tuple[str, int]] = []
+
+    class Collector(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            received.append((self.path, len(body)))
+            self.send_response(200)
+            self.send_header("Content-Type", "application/x-protobuf")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, format: str, *args: object) -> None:
+            pass
+
+    with ThreadingHTTPServer(("127.0.0.1", 0), Collector) as collector:
+        threading.Thread(target=collector.serve_forever, daemon=True).start()
+        script = (
+            "import os\n"
+            "from streams._otel import Spans, setup_export\n"
+            "from streams._trace import new_trace\n"
+            "assert setup_export('saga-test', os.environ)\n"
+            "Spans('saga.coordinator').record('saga.coordinator.decide', new_trace())\n"
+            "print('ok')\n"  # the tracer provider sends what it holds at exit
+        )
+        env = {
+            **os.environ,
+            "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{collector.server_address[1]}",
+            "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+        }
+        root = Path(__file__).resolve().parents[2]
+        done = subprocess.run(
+            [sys.executable, "-c", script],
+            cwd=root,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        collector.shutdown()
+    assert done.stdout.strip() == "ok", done.stderr
+    assert received and received[0][0] == "/v1/traces" and received[0][1] > 0
 
 
 def test_without_an_endpoint_nothing_imports_opentelemetry(tmp_path: Path) -> None:
