@@ -34,7 +34,6 @@ from typing import TYPE_CHECKING
 
 from coordinator._machine import Saga
 from streams import Decision, SagaState, SagaStatus
-from streams._metrics import LATENCY_BUCKETS, counter, gauge
 from streams._observe import LoopObserver
 from streams.kafka import Message
 
@@ -177,7 +176,10 @@ class CoordinatorObserver(LoopObserver):
         self.states = states
 
     def enable_metrics(self, registry: CollectorRegistry) -> None:
+        # prometheus_client is imported only by a service that serves metrics.
         from prometheus_client import Histogram
+
+        from streams._metrics import LATENCY_BUCKETS
 
         self._decision_latency = Histogram(
             "saga_decision_latency_seconds",
@@ -196,6 +198,8 @@ class CoordinatorObserver(LoopObserver):
         super().enable_metrics(registry)
 
     def families(self) -> Iterable[Metric]:
+        from streams._metrics import counter, gauge
+
         stats = self._service.stats
         yield gauge(
             "saga_sagas",

@@ -36,7 +36,6 @@ from typing import TYPE_CHECKING, TypeVar
 
 from participants._storage import Report, RequestSeen, WorkItem
 from streams import StepStatus
-from streams._metrics import LATENCY_BUCKETS, counter
 from streams._observe import LoopObserver
 from streams.kafka import Message
 
@@ -129,7 +128,10 @@ class ParticipantObserver(LoopObserver):
     # ------------------------------------------------------------ metrics
 
     def enable_metrics(self, registry: CollectorRegistry) -> None:
+        # prometheus_client is imported only by a service that serves metrics.
         from prometheus_client import Histogram
+
+        from streams._metrics import LATENCY_BUCKETS
 
         self._storage_seconds = Histogram(
             "saga_participant_storage_seconds",
@@ -141,6 +143,8 @@ class ParticipantObserver(LoopObserver):
         super().enable_metrics(registry)
 
     def families(self) -> Iterable[Metric]:
+        from streams._metrics import counter
+
         stats = self._runtime.stats
         name = self._runtime.name
         steps = dict(self.steps)  # a C-level copy: the loop thread may add a key
