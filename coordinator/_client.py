@@ -42,6 +42,7 @@ from streams import (
     encode,
 )
 from streams._lifecycle import wall_clock_ms
+from streams._otel import Spans
 from streams._signed_log import signing
 from streams._signing import Keyring
 from streams.kafka import KafkaLog, KafkaSettings
@@ -161,6 +162,7 @@ class SagaClient:
         self.topics = settings.topics
         source: Log = log if log is not None else KafkaLog(settings)
         self._producer = signing(source, keys).producer(client_id="saga.client")
+        self._spans = Spans("saga.client")  # starts each saga's trace (W3C traceparent)
         self._view = StatusView(
             settings, from_beginning=status_from_beginning, keys=keys, log=source
         )
@@ -237,7 +239,8 @@ class SagaClient:
             self._submitted.move_to_end(request.tx_id)
             while len(self._submitted) > _SENT_KEPT:
                 self._submitted.popitem(last=False)
-        self._producer.produce(self.topics.requests, request.tx_id, encode(request))
+        headers = self._trace("saga.client.submit", request.tx_id, {"saga.name": request.saga})
+        self._producer.produce(self.topics.requests, request.tx_id, encode(request), headers)
         if wait_delivery:
             self._producer.flush(30)
 
@@ -271,8 +274,19 @@ class SagaClient:
     def abort(self, tx_id: str, reason: str = "") -> None:
         """Ask for a rollback; honoured only while the transaction has no decision."""
         record = SagaAbort(tx_id=tx_id, reason=reason, at_ms=wall_clock_ms())
-        self._producer.produce(self.topics.requests, tx_id, encode(record))
+        headers = self._trace("saga.client.abort", tx_id, {})
+        self._producer.produce(self.topics.requests, tx_id, encode(record), headers)
         self._producer.flush(30)
+
+    def _trace(self, span: str, tx_id: str, attributes: dict[str, str]) -> list[tuple[str, bytes]]:
+        """Headers that start the record's trace: under the caller's OpenTelemetry span, if any."""
+        context = self._spans.record(
+            span,
+            self._spans.current(),
+            attributes={"saga.tx_id": tx_id, **attributes},
+            kind="PRODUCER",
+        )
+        return context.headers()
 
     def wait_caught_up(self, timeout: float = 30) -> bool:
         """Whether the status reader has read what existed when the client started."""

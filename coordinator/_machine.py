@@ -454,3 +454,14 @@ def _published_view(saga: Saga) -> tuple[object, ...]:
         saga.reason,
         saga.deadline_ms,
     )
+
+
+def tx_of(inp: Input) -> str:
+    """The transaction an input is about (a :class:`Tick` is about none: ``TypeError``)."""
+    if isinstance(inp, RequestReceived):
+        return inp.request.tx_id
+    if isinstance(inp, StepReported):
+        return inp.event.tx_id
+    if isinstance(inp, AbortRequested):
+        return inp.abort.tx_id
+    raise TypeError(inp)

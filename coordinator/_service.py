@@ -30,7 +30,9 @@ from coordinator._machine import (
     StepReported,
     Tick,
     decide,
+    tx_of,
 )
+from coordinator._observe import CoordinatorObserver
 from coordinator._restore import restore
 from streams import (
     Decision,
@@ -135,6 +137,8 @@ class CoordinatorService(Stoppable):
     that fails goes to the DLQ with the reason and is never decided on. A restore
     believes only status records and tombstones the coordinator signed. Without
     ``keys`` nothing is signed or verified, and :meth:`run` says so.
+
+    ``observer`` (:mod:`coordinator._observe`): its health, metrics and trace context.
     """
 
     def __init__(
@@ -189,6 +193,7 @@ class CoordinatorService(Stoppable):
             f"{self.topics.prefix}.coordinator.{instance_id}",
             transaction_timeout_ms=transaction_timeout_ms,
         )
+        self.observer = CoordinatorObserver(self)  # health, metrics, trace context
 
     # ------------------------------------------------------------ lifecycle
 
@@ -211,6 +216,7 @@ class CoordinatorService(Stoppable):
         try:
             while not self.stopping:
                 messages = self._consumer.poll_batch(self.batch_size, self.poll_timeout_s)
+                self.observer.polled(messages)
                 now = self.clock()
                 if (
                     messages
@@ -336,7 +342,7 @@ class CoordinatorService(Stoppable):
                 reason = f"could not be handled: {type(exc).__name__}: {exc}"
                 if source is not None:
                     rejected.append((source, reason))
-                log.error("transaction %s: %s", tx_id, reason)
+                log.error("transaction %s: %s", tx_id, reason, extra={"tx_id": tx_id})
                 return
             if after is None:
                 return
@@ -352,7 +358,7 @@ class CoordinatorService(Stoppable):
                     if source is not None and source.topic == self.topics.requests:
                         rejected.append((source, out.reason))
                     else:
-                        log.warning("%s", out.reason)
+                        log.warning("%s", out.reason, extra={"tx_id": out.tx_id})
             outputs.extend((partition, out, value) for out, value in encoded)
 
         # A batch can hold records of a partition revoked during the poll that returned
@@ -377,7 +383,7 @@ class CoordinatorService(Stoppable):
                 continue
             if inp is None:
                 continue
-            tx_id = _tx_of(inp)
+            tx_id = tx_of(inp)
             if (
                 isinstance(inp, RequestReceived)
                 and inp.request.deadline_ms + self.retention_ms <= now
@@ -410,6 +416,7 @@ class CoordinatorService(Stoppable):
                 if (owner := self._partitions.get(p)) is not None:
                     heapq.heappush(owner.forget, (at, tx_id))
             return
+        self.observer.committed(messages, changed, outputs, rejected)
         for p, _, tx_id in forgotten:
             if (owner := self._partitions.get(p)) is not None:
                 owner.sagas.pop(tx_id, None)
@@ -549,9 +556,11 @@ class CoordinatorService(Stoppable):
         try:
             self._producer.begin()
             for d, value in decisions:
-                self._producer.produce(self.topics.decisions, d.tx_id, value)
+                trace = self.observer.decision_headers(d)
+                self._producer.produce(self.topics.decisions, d.tx_id, value, trace)
             for tx_id, value in last_status.items():
-                self._producer.produce(self.topics.status, tx_id, value)
+                trace = self.observer.status_headers(tx_id)
+                self._producer.produce(self.topics.status, tx_id, value, trace)
             for _, _, tx_id in forgotten:
                 self._producer.produce(self.topics.status, tx_id, None)  # a tombstone
             for m, reason in rejected:
@@ -588,13 +597,3 @@ class CoordinatorService(Stoppable):
         for (topic, partition), offset in first.items():
             if partition in self._partitions:
                 self._consumer.seek(topic, partition, offset)
-
-
-def _tx_of(inp: Input) -> str:
-    if isinstance(inp, RequestReceived):
-        return inp.request.tx_id
-    if isinstance(inp, StepReported):
-        return inp.event.tx_id
-    if isinstance(inp, AbortRequested):
-        return inp.abort.tx_id
-    raise TypeError(inp)

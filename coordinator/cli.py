@@ -41,6 +41,7 @@ from coordinator._cli_common import (
     settings_from,
 )
 from coordinator._cli_keys import keys
+from coordinator._cli_observe import Observability, log_format_option, observe_options
 from streams import (
     ConfigurationError,
     ConflictingRequest,
@@ -48,7 +49,8 @@ from streams import (
     SagaTimeout,
     schema,
 )
-from streams._secrets import install_log_redaction, redact, url_password
+from streams._logs import LogFormat, configure_logging
+from streams._secrets import redact, url_password
 from streams.kafka import create_topics, wait_for_broker
 
 # The tools' commands: name -> module of the tools package that defines it.
@@ -159,9 +161,10 @@ def _exit_wedged(message: str) -> None:
     count=True,
     help="More log output (-v info, -vv debug); also accepted after the subcommand.",
 )
+@log_format_option
 @click.version_option(package_name="saga-olep", prog_name="saga")
 @click.pass_context
-def main(ctx: click.Context, verbose: int) -> None:
+def main(ctx: click.Context, verbose: int, log_format: LogFormat | None) -> None:
     """saga: all-or-nothing changes across PostgreSQL, MongoDB and Redis through Kafka.
 
     Start with `saga topics create`, then run `saga coordinator run` and one
@@ -169,10 +172,7 @@ def main(ctx: click.Context, verbose: int) -> None:
     the client library.
     """
     ctx.meta[_VERBOSE_KEY] = verbose
-    logging.basicConfig(
-        level=_log_level(verbose), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    install_log_redaction()
+    configure_logging(verbose, log_format or "text")
     # Test-only: the chaos suite's negative controls (streams/_faults.py); never set in production.
     if os.environ.get("SAGA_UNSAFE_TEST_SWITCHES"):
         logging.getLogger("saga").warning(
@@ -277,6 +277,7 @@ def coordinator() -> None:
     show_default=True,
     help="With a key folder: whose signed aborts are honoured (client, operator or both).",
 )
+@observe_options
 def coordinator_run(
     bootstrap: str | None,
     prefix: str | None,
@@ -287,6 +288,7 @@ def coordinator_run(
     connect_timeout: float,
     keys_dir: str | None,
     aborters: str,
+    observability: Observability,
 ) -> None:
     """Consume requests and step events, decide commit or rollback, publish status.
 
@@ -319,7 +321,8 @@ def coordinator_run(
         aborters=allowed,
     )
     service.install_signal_handlers()
-    service.run()
+    with observability.serve(service.observer, "coordinator"):
+        service.run()
 
 
 # ---------------------------------------------------------------- participant
@@ -371,6 +374,7 @@ def participant() -> None:
 @retention_option("Remove ledger entries of transactions finished longer ago than this")
 @connect_timeout_option
 @keys_dir_option
+@observe_options
 def participant_run(
     bootstrap: str | None,
     prefix: str | None,
@@ -387,6 +391,7 @@ def participant_run(
     retention_ms: int,
     connect_timeout: float,
     keys_dir: str | None,
+    observability: Observability,
 ) -> None:
     """Apply this participant's steps, confirm on commit, compensate on rollback.
 
@@ -433,8 +438,10 @@ def participant_run(
         faults=faults,
         keys=signing_keys,
     )
+    runtime.observer.description = f"{storage}, targets {','.join(target_list)}"
     runtime.install_signal_handlers()
-    runtime.run()
+    with observability.serve(runtime.observer, f"participant-{name}"):
+        runtime.run()
 
 
 @main.command("schema")

@@ -48,6 +48,7 @@ from tenacity import (
 )
 
 from participants._barrier import PredecessorApplied, Requested, SuccessorCompensated
+from participants._observe import ParticipantObserver
 from participants._storage import (
     DecisionArrived,
     Report,
@@ -112,6 +113,8 @@ class ParticipantRuntime(Stoppable):
     checked when a work item is made of it (not every event read). A record that
     fails is skipped (the coordinator moves it to the DLQ). Without ``keys`` nothing
     is signed or verified, and :meth:`run` says so.
+
+    ``observer`` (:mod:`participants._observe`): its health, metrics and trace context.
     """
 
     def __init__(
@@ -183,6 +186,7 @@ class ParticipantRuntime(Stoppable):
             on_lost=self._on_revoke,
         )
         self._producer = self._log.producer(client_id=f"{self.topics.prefix}.participant.{name}")
+        self.observer = ParticipantObserver(self)  # health, metrics, trace context
 
     # ------------------------------------------------------------ lifecycle
 
@@ -202,6 +206,7 @@ class ParticipantRuntime(Stoppable):
             while not self.stopping:
                 messages, self._carry = self._carry, []
                 messages += self._consumer.poll_batch(self.batch_size, self.poll_timeout_s)
+                self.observer.polled(messages)
                 if messages:
                     self._handle(messages)
                 else:
@@ -264,7 +269,8 @@ class ParticipantRuntime(Stoppable):
                 # a handler's or a driver's text: cut to what the contract allows
                 reason=r.reason[:MAX_REASON_CHARS] if r.reason is not None else None,
             )
-            self._producer.produce(self.topics.events, r.tx_id, encode(event))
+            trace = self.observer.event_headers(r)
+            self._producer.produce(self.topics.events, r.tx_id, encode(event), trace)
         # The events must be in the log before the offsets say the inputs are done.
         self._producer.flush(30)
         offsets: dict[tuple[str, int], int] = {}
@@ -280,6 +286,7 @@ class ParticipantRuntime(Stoppable):
         self.stats.records += len(messages)
         self.stats.items += len(items)
         self.stats.events += len(reports)
+        self.observer.handled(items, reports)
 
     def _execute(self, items: list[WorkItem]) -> list[Report]:
         try:
@@ -317,7 +324,9 @@ class ParticipantRuntime(Stoppable):
         """
         self.stats.poisoned += 1
         reason = f"could not be handled: {type(exc).__name__}: {exc}"
-        log.error("%s of %s: %s", type(item).__name__, item.tx_id, reason)
+        log.error(
+            "%s of %s: %s", type(item).__name__, item.tx_id, reason, extra={"tx_id": item.tx_id}
+        )
         if not isinstance(item, Requested):
             return []
         try:
@@ -325,7 +334,12 @@ class ParticipantRuntime(Stoppable):
         except (ConfigurationError, FatalKafkaError):
             raise
         except Exception as again:  # the ledger itself fails on it: report, record nothing
-            log.error("could not record the failure of %s: %s", item.tx_id, again)
+            log.error(
+                "could not record the failure of %s: %s",
+                item.tx_id,
+                again,
+                extra={"tx_id": item.tx_id},
+            )
             return [Report(item.tx_id, item.step, StepStatus.FAILED, reason)]
 
     def _execute_retrying(self, items: list[WorkItem]) -> list[Report]:
@@ -346,7 +360,7 @@ class ParticipantRuntime(Stoppable):
             reraise=True,
         )
         try:
-            reports: list[Report] = retrying(self.storage.execute, items)
+            reports: list[Report] = retrying(self.observer.timed(self.storage.execute), items)
         finally:
             self._consumer.resume_all()
         return reports
@@ -425,6 +439,7 @@ class ParticipantRuntime(Stoppable):
             record.TYPE,
             record.tx_id,
             reason,
+            extra={"tx_id": record.tx_id},
         )
         return False
 
