@@ -94,7 +94,8 @@ def _table(title: str, columns: Sequence[str], rows: Sequence[Sequence[str]]) ->
         table.add_column(column, overflow="fold")
     for row in rows:
         table.add_row(*row)
-    Console().print(table)
+    # A pipe gets whole lines (no folding at 80 columns): scripts grep them.
+    Console(width=None if sys.stdout.isatty() else 200).print(table)
 
 
 # ------------------------------------------------------------------ list
