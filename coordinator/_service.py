@@ -22,14 +22,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from coordinator._machine import (
-    AbortRequested,
     Ignored,
     Input,
     RequestReceived,
     Saga,
-    StepReported,
     Tick,
     decide,
+    input_of,
     tx_of,
 )
 from coordinator._observe import CoordinatorObserver
@@ -39,6 +38,7 @@ from streams import (
     InvalidRecord,
     SagaAbort,
     SagaRequest,
+    SagaResolve,
     SagaState,
     SagaStatus,
     StepEvent,
@@ -497,7 +497,7 @@ class CoordinatorService(Stoppable):
     def _to_input(self, m: Message, now: int, rejected: list[tuple[Message, str]]) -> Input | None:
         try:
             if m.topic == self.topics.requests:
-                record = decode_keyed(m.key, m.value, SagaRequest, SagaAbort)
+                record = decode_keyed(m.key, m.value, SagaRequest, SagaAbort, SagaResolve)
             elif m.topic == self.topics.events:
                 record = decode_keyed(m.key, m.value, StepEvent)
             else:
@@ -523,14 +523,7 @@ class CoordinatorService(Stoppable):
                 self.stats.unauthenticated += 1
                 rejected.append((m, reason))
                 return None
-        if isinstance(record, Decision):
-            return None
-        if isinstance(record, SagaRequest):
-            return RequestReceived(record, now, self.participants)
-        if isinstance(record, SagaAbort):
-            return AbortRequested(record)
-        assert isinstance(record, StepEvent)
-        return StepReported(record, now)
+        return input_of(record, now, self.participants)
 
     def _commit_batch(
         self,
