@@ -1,0 +1,166 @@
+"""``saga console``: serve the web console for one topic prefix."""
+
+from __future__ import annotations
+
+import getpass
+import os
+import re
+import signal
+import tempfile
+import threading
+from pathlib import Path
+
+import click
+
+from coordinator._cli_common import (
+    connect_timeout_option,
+    fail,
+    kafka_options,
+    keys_dir_option,
+    settings_from,
+)
+from streams import ConfigurationError
+from streams._secrets import redact_url, remember, url_password
+
+
+def _default_db(prefix: str) -> str:
+    """A SQLite file in the user's state folder (a temporary one if that is not writable)."""
+    base = Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state") / "saga"
+    try:
+        base.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        base = Path(tempfile.gettempdir())
+    safe = re.sub(r"[^A-Za-z0-9._-]", "_", prefix)
+    return f"sqlite:///{base / f'console-{safe}.db'}"
+
+
+@click.command("console")
+@kafka_options
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option(
+    "--port",
+    type=click.IntRange(0, 65535),
+    default=8080,
+    show_default=True,
+    help="Port to listen on (0: any free port, printed at start).",
+)
+@click.option(
+    "--db",
+    envvar="SAGA_CONSOLE_DB",
+    default=None,
+    help="Where the view of the status topic lives: sqlite:///path/console.db, :memory:, or "
+    "postgresql://user:password@host/db (needs psycopg; give a password through "
+    "SAGA_CONSOLE_DB, not the command line) [env SAGA_CONSOLE_DB; default: a SQLite file "
+    "in ~/.local/state/saga].",
+)
+@click.option(
+    "--operator",
+    default=None,
+    help="Name recorded with every action [default: the login user].",
+)
+@click.option(
+    "--user-header",
+    default=None,
+    metavar="NAME",
+    help="Behind an authenticating proxy: take each action's operator from this request "
+    "header (e.g. X-Forwarded-User) instead of --operator.",
+)
+@click.option(
+    "--public-host",
+    multiple=True,
+    metavar="NAME[:PORT]",
+    help="Another host name browsers use to reach the console (a proxy's); repeatable.",
+)
+@click.option("--read-only", is_flag=True, help="Show everything, act on nothing.")
+@keys_dir_option
+@connect_timeout_option
+def console(
+    bootstrap: str | None,
+    prefix: str | None,
+    kafka_config: str | None,
+    host: str,
+    port: int,
+    db: str | None,
+    operator: str | None,
+    user_header: str | None,
+    public_host: tuple[str, ...],
+    read_only: bool,
+    keys_dir: str | None,
+    connect_timeout: float,
+) -> None:
+    """A web console: a live table of sagas, each saga's history, the DLQ, and admin actions.
+
+    It keeps a view of the status topic in a database (SQLite by default) and
+    resumes where it stopped. It listens on 127.0.0.1 only unless --host says
+    otherwise; put it behind an authenticating proxy to share it (see the README).
+    Actions are sent as --operator (with --keys-dir: signed with the operator key).
+    """
+    from coordinator._console import Console, Operations, StatusTable, ViewStore, make_server
+    from coordinator._console._actions import OPERATOR_PATTERN
+    from streams._signing import Keyring
+    from streams.kafka import KafkaLog, wait_for_broker
+
+    name = operator or getpass.getuser()
+    if not re.fullmatch(OPERATOR_PATTERN, name):
+        fail(f"--operator {name!r} is not a usable name: letters, digits and ._@+- only", 2)
+    settings = settings_from(bootstrap, prefix, kafka_config)
+    url = db or _default_db(settings.prefix)
+    remember(url_password(url))
+    verify_keys = signing_keys = None
+    disabled = "the console runs with --read-only" if read_only else None
+    if keys_dir:
+        try:
+            verify_keys = Keyring.load(keys_dir, None)
+        except ConfigurationError as exc:
+            fail(str(exc), 2)
+        try:
+            signing_keys = Keyring.load(keys_dir, "operator")
+        except ConfigurationError:
+            disabled = disabled or (
+                "the console has no operator key in its --keys-dir, so it cannot sign actions"
+            )
+    wait_for_broker(settings, timeout=connect_timeout)
+    store = ViewStore(url)
+    table = StatusTable(KafkaLog(settings), store, keys=verify_keys).start()
+    operations = Operations(
+        settings,
+        store,
+        verify_keys=verify_keys,
+        signing_keys=signing_keys,
+        actions_disabled=disabled,
+    )
+    shared = Console(
+        store=store,
+        table=table,
+        operations=operations,
+        operator=name,
+        prefix=settings.prefix,
+        user_header=user_header,
+        public_hosts=frozenset(h.lower() for h in public_host),
+    )
+    try:
+        server = make_server(shared, host, port)
+    except OSError as exc:
+        table.stop()
+        fail(f"cannot listen on {host}:{port} ({exc.strerror}); choose another --port or --host", 2)
+
+    def stop(_signum: int, _frame: object) -> None:
+        # shutdown() waits for serve_forever to return: call it from another thread.
+        threading.Thread(target=server.shutdown, daemon=True).start()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    bound_host, bound_port = str(server.server_address[0]), int(server.server_address[1])
+    shown = f"[{bound_host}]" if ":" in bound_host else bound_host
+    click.echo(
+        f"saga console ready: http://{shown}:{bound_port}/ (prefix {settings.prefix}, view in "
+        f"{redact_url(url)}, operator {user_header + ' header' if user_header else name})",
+        err=True,
+    )
+    try:
+        server.serve_forever(poll_interval=0.5)
+    finally:
+        server.server_close()
+        table.stop()
+        operations.close()
+        store.close()
