@@ -24,6 +24,7 @@ from streams._lifecycle import wall_clock_ms
 from streams._secrets import redact
 from streams._signing import Keyring
 from streams.kafka import KafkaSettings
+from streams.log import Log
 
 log = logging.getLogger("saga.console")
 
@@ -85,7 +86,10 @@ def registry_participants(settings: KafkaSettings, keys: Keyring | None) -> list
 
 
 class Operations:
-    """The console's actions; thread-safe. ``signing_keys`` signs (an operator key)."""
+    """The console's actions; thread-safe. ``signing_keys`` signs (an operator key).
+
+    ``log`` makes the abort's client (default: a Kafka client of ``settings``).
+    """
 
     def __init__(
         self,
@@ -95,8 +99,10 @@ class Operations:
         verify_keys: Keyring | None,
         signing_keys: Keyring | None,
         actions_disabled: str | None = None,
+        log: Log | None = None,
     ) -> None:
         self._settings = settings
+        self._log = log
         self._store = store
         self._verify_keys = verify_keys
         self._signing_keys = signing_keys
@@ -215,7 +221,10 @@ class Operations:
                 from coordinator._client import SagaClient
 
                 self._client = SagaClient(
-                    self._settings, status_from_beginning=False, keys=self._signing_keys
+                    self._settings,
+                    status_from_beginning=False,
+                    keys=self._signing_keys,
+                    log=self._log,
                 )
             return self._client
 

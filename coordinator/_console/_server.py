@@ -182,6 +182,8 @@ class _Handler(BaseHTTPRequestHandler):
         c = self.console
         if not parts:
             self._page()
+        elif parts == ["favicon.ico"]:
+            self._send(HTTPStatus.NO_CONTENT, b"", "image/x-icon")
         elif parts == ["healthz"]:
             self._send(200, b"ok\n", "text/plain; charset=utf-8")
         elif len(parts) == 2 and parts[0] == "static" and parts[1] in _STATIC:
