@@ -78,22 +78,30 @@ async function refreshSagas() {
   const state = $("state").value;
   const params = new URLSearchParams({ q, state, limit: "200" });
   const data = await api("/api/sagas?" + params);
+  // Rows are kept per tx_id and updated in place: the table refreshes every second or
+  // two, and a row under the pointer must stay the same element.
+  const tbody = $("sagas");
+  const kept = new Map([...tbody.children].map((tr) => [tr.dataset.tx, tr]));
   const rows = data.sagas.map((s) => {
-    const tr = el("tr");
-    tr.dataset.tx = s.tx_id;
-    if (s.tx_id === selected) tr.className = "selected";
-    tr.append(
-      el("td", s.tx_id, "mono"),
-      el("td", s.saga),
-      (() => { const td = el("td"); td.append(stateBadge(s.state)); return td; })(),
-      el("td", s.steps.map((p) => p.participant + ":" + p.status).join(" "), "mono small"),
-      el("td", ago(s.updated_ms)),
-      el("td", s.reason || "", "reason"),
-    );
-    tr.addEventListener("click", () => openSaga(s.tx_id));
+    let tr = kept.get(s.tx_id);
+    if (!tr) {
+      tr = el("tr");
+      tr.dataset.tx = s.tx_id;
+      for (let i = 0; i < 6; i++) tr.append(el("td"));
+      tr.addEventListener("click", () => openSaga(tr.dataset.tx));
+    }
+    const [id, saga, state, steps, updated, reason] = tr.children;
+    id.textContent = s.tx_id; id.className = "mono";
+    saga.textContent = s.saga;
+    if (state.textContent !== s.state) state.replaceChildren(stateBadge(s.state));
+    steps.textContent = s.steps.map((p) => p.participant + ":" + p.status).join(" ");
+    steps.className = "mono small";
+    updated.textContent = ago(s.updated_ms);
+    reason.textContent = s.reason || ""; reason.className = "reason";
+    tr.classList.toggle("selected", s.tx_id === selected);
     return tr;
   });
-  replaceRows($("sagas"), rows);
+  tbody.replaceChildren(...rows);
   $("row-count").textContent = rows.length + (rows.length >= 200 ? "+ rows (newest)" : " rows");
 }
 

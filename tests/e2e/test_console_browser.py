@@ -1,0 +1,239 @@
+"""The web console end to end: headless Chromium finds a pending saga, aborts it, sees it end.
+
+Real processes on the real services: a coordinator, the participants ``ledger``
+(accounts) and ``shop`` (orders) on PostgreSQL, and ``saga console``. ``shop`` runs
+once (so it is a known participant) and is stopped; a saga with a ``ledger`` step
+and a ``shop`` step then stays ``pending`` (ledger applied, shop waiting) for as long
+as its deadline, an hour. The browser (Debian's ``chromium`` and ``chromium-driver``,
+installed by infra/chromium.sh; no download) types its tx_id into the search box,
+opens its row, clicks Abort, confirms with a reason, and sees ``rolling_back``;
+``shop`` comes back to compensate its step (it never applied it), and the page shows
+``rolled_back``. The audit trail shows the abort with the operator's name.
+
+Screenshots of the main views go to the test's tmp folder, and to the folder named
+by ``SAGA_CONSOLE_SCREENSHOTS`` when set (``make console-screenshots`` writes
+docs/img/console-*.png).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+
+from streams import SagaState, Step
+from tests._infra import ROOT, Services, eventually
+from tests._system import Proc, SagaSystem, bank_schema, engine_for
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+
+OPERATOR = "e2e-operator"
+BROWSER = "/usr/bin/chromium"
+DRIVER = "/usr/bin/chromedriver"
+
+
+def debit(amount: int) -> Step:
+    return Step(
+        "ledger",
+        "increment",
+        {"target": "accounts", "key": "alice", "field": "balance", "by": -amount, "min": 0},
+    )
+
+
+def order(key: str) -> Step:
+    return Step("shop", "insert", {"target": "orders", "key": key, "value": {"item": "book"}})
+
+
+@pytest.fixture
+def system(services: Services, pg_schema: tuple[str, str], tmp_path: Path) -> Iterator[SagaSystem]:
+    _, schema = pg_schema
+    engine = engine_for(services)
+    try:
+        bank_schema(engine, schema)
+        with engine.begin() as conn:
+            conn.execute(sa.text(f"INSERT INTO \"{schema}\".accounts VALUES ('alice', 1000)"))
+    finally:
+        engine.dispose()
+    made = SagaSystem(services, tmp_path, schema, partitions=2)
+    made.extra_env["SAGA_KAFKA_SESSION_TIMEOUT_MS"] = "6000"
+    made.create_topics()
+    try:
+        yield made
+    finally:
+        made.stop_all()
+        made.delete_topics()
+
+
+@pytest.fixture(scope="module")
+def chromium() -> None:
+    """Debian's chromium and chromium-driver, installed by infra/chromium.sh if missing."""
+    done = subprocess.run(
+        [str(ROOT / "infra" / "chromium.sh")],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    if done.returncode != 0:
+        pytest.fail(f"infra/chromium.sh could not provide a browser: {done.stderr}", pytrace=False)
+
+
+@pytest.fixture
+def browser(chromium: None) -> Iterator[object]:
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = BROWSER
+    for flag in (
+        "--headless=new",
+        "--no-sandbox",  # the tests run as root
+        "--disable-dev-shm-usage",
+        "--window-size=1400,900",
+    ):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(DRIVER), options=options)
+    driver.set_page_load_timeout(30)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def shop(system: SagaSystem) -> Proc:
+    return system.participant("shop", ["orders"], tag=f"-{len(system.procs)}")
+
+
+def start_console(system: SagaSystem) -> tuple[Proc, str]:
+    proc = system.start(
+        "console",
+        [
+            "console",
+            "--port",
+            "0",
+            "--db",
+            f"sqlite:///{system.tmp / 'console.db'}",
+            "--operator",
+            OPERATOR,
+        ],
+    )
+    found = eventually(
+        lambda: re.search(r"saga console ready: (http://\S+)", proc.log()) or not proc.alive,
+        timeout=60,
+        message="saga console did not print its address",
+    )
+    assert proc.alive and isinstance(found, re.Match), proc.log()
+    return proc, found.group(1)
+
+
+def shot(driver: object, name: str, tmp: Path) -> None:
+    folders = [tmp]
+    if os.environ.get("SAGA_CONSOLE_SCREENSHOTS"):
+        folders.append(ROOT / os.environ["SAGA_CONSOLE_SCREENSHOTS"])
+    for folder in folders:
+        folder.mkdir(parents=True, exist_ok=True)
+        assert driver.save_screenshot(str(folder / f"console-{name}.png"))  # type: ignore[attr-defined]
+
+
+def test_a_pending_saga_is_found_aborted_and_seen_rolled_back_in_the_browser(
+    system: SagaSystem, browser: object, tmp_path: Path
+) -> None:
+    from selenium.common.exceptions import StaleElementReferenceException
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as ec
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    driver = browser
+    # The page refreshes every 1.5 s: an element read between two refreshes may be gone.
+    wait = WebDriverWait(
+        driver,  # type: ignore[arg-type]
+        60,
+        poll_frequency=0.2,
+        ignored_exceptions=[StaleElementReferenceException],
+    )
+
+    system.coordinator()
+    system.participant("ledger", ["accounts"])
+    first_shop = shop(system)
+    with system.client() as client:
+        # Both participants answer: a committed saga, and one the ledger rejects.
+        done = client.submit([debit(10), order("o-warm")], saga="order", timeout=120)
+        assert client.result(done, timeout=120).state is SagaState.COMMITTED
+        rejected = client.submit([debit(10**6)], saga="transfer", timeout=120)
+        assert client.result(rejected, timeout=120).state is SagaState.ROLLED_BACK
+        first_shop.kill(signal.SIGTERM)
+        stuck = client.submit([debit(25), order("o-stuck")], saga="order", timeout=3600)
+        eventually(
+            lambda: (
+                (s := client.status(stuck)) is not None
+                and s.state is SagaState.PENDING
+                and s.steps[0].status.value == "applied"
+            ),
+            timeout=60,
+            message="the saga did not wait on the stopped shop",
+        )
+    with system.producer() as producer:  # a dead letter for the DLQ view
+        producer.produce(system.settings.topics.requests, "poison-1", b"{not json")
+        producer.flush(30)
+
+    console, url = start_console(system)
+    driver.get(url)  # type: ignore[attr-defined]
+    search = wait.until(ec.element_to_be_clickable((By.ID, "search")))
+    search.send_keys(stuck)
+    row = (By.CSS_SELECTOR, f'#sagas tr[data-tx="{stuck}"]')
+    wait.until(ec.visibility_of_element_located(row))
+    # The search leaves only the saga asked for.
+    wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#sagas tr")) == 1)
+    search.clear()
+    search.send_keys(stuck[:6])
+    wait.until(ec.visibility_of_element_located(row))
+    driver.find_element(*row).click()  # type: ignore[attr-defined]
+    wait.until(ec.text_to_be_present_in_element((By.ID, "detail-state"), "pending"))
+    wait.until(ec.element_to_be_clickable((By.ID, "abort")))
+    search.clear()
+    wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#sagas tr")) >= 3)
+    shot(driver, "sagas", tmp_path)
+
+    driver.find_element(By.ID, "abort").click()  # type: ignore[attr-defined]
+    wait.until(ec.visibility_of_element_located((By.ID, "abort-dialog")))
+    driver.find_element(By.ID, "abort-reason").send_keys("shop is down")  # type: ignore[attr-defined]
+    driver.find_element(By.ID, "abort-confirm").click()  # type: ignore[attr-defined]
+    wait.until(ec.text_to_be_present_in_element((By.ID, "detail-state"), "rolling_back"))
+    assert (
+        "aborted by operator: shop is down"
+        in driver.find_element(  # type: ignore[attr-defined]
+            By.ID, "detail-reason"
+        ).text
+    )
+
+    shop(system)  # owes the compensation of a step it never applied
+    wait.until(ec.text_to_be_present_in_element((By.ID, "detail-state"), "rolled_back"))
+    steps = driver.find_element(By.ID, "detail-steps").text  # type: ignore[attr-defined]
+    assert steps.count("compensated") == 2, steps
+    shot(driver, "saga", tmp_path)
+
+    driver.find_element(By.ID, "tab-audit").click()  # type: ignore[attr-defined]
+    audit = (By.CSS_SELECTOR, "#audit tr")
+    wait.until(ec.visibility_of_element_located(audit))
+    line = driver.find_element(*audit).text  # type: ignore[attr-defined]
+    assert OPERATOR in line and "abort" in line and stuck in line and "sent" in line, line
+    shot(driver, "audit", tmp_path)
+
+    driver.find_element(By.ID, "tab-dlq").click()  # type: ignore[attr-defined]
+    wait.until(ec.text_to_be_present_in_element((By.ID, "dlq"), "poison-1"))
+    shot(driver, "dlq", tmp_path)
+
+    driver.find_element(By.ID, "tab-participants").click()  # type: ignore[attr-defined]
+    wait.until(lambda d: d.find_element(By.ID, "participants-note").text != "")
+    shot(driver, "participants", tmp_path)
+
+    assert console.alive, console.log()
+    # The abort reached the coordinator as a decision that names the operator.
+    [decision] = system.decisions(stuck)
+    assert decision.reason == f"aborted by operator: shop is down (by {OPERATOR} via saga console)"
