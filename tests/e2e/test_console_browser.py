@@ -23,6 +23,7 @@ import signal
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import sqlalchemy as sa
@@ -30,6 +31,9 @@ import sqlalchemy as sa
 from streams import SagaState, Step
 from tests._infra import ROOT, Services, eventually
 from tests._system import Proc, SagaSystem, bank_schema, engine_for
+
+if TYPE_CHECKING:
+    from selenium.webdriver.remote.webdriver import WebDriver
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -85,7 +89,7 @@ def chromium() -> None:
 
 
 @pytest.fixture
-def browser(chromium: None) -> Iterator[object]:
+def browser(chromium: None) -> Iterator[WebDriver]:
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
@@ -132,17 +136,17 @@ def start_console(system: SagaSystem) -> tuple[Proc, str]:
     return proc, found.group(1)
 
 
-def shot(driver: object, name: str, tmp: Path) -> None:
+def shot(driver: WebDriver, name: str, tmp: Path) -> None:
     folders = [tmp]
     if os.environ.get("SAGA_CONSOLE_SCREENSHOTS"):
         folders.append(ROOT / os.environ["SAGA_CONSOLE_SCREENSHOTS"])
     for folder in folders:
         folder.mkdir(parents=True, exist_ok=True)
-        assert driver.save_screenshot(str(folder / f"console-{name}.png"))  # type: ignore[attr-defined]
+        assert driver.save_screenshot(str(folder / f"console-{name}.png"))
 
 
 def test_a_pending_saga_is_found_aborted_and_seen_rolled_back_in_the_browser(
-    system: SagaSystem, browser: object, tmp_path: Path
+    system: SagaSystem, browser: WebDriver, tmp_path: Path
 ) -> None:
     from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.common.by import By
@@ -152,7 +156,7 @@ def test_a_pending_saga_is_found_aborted_and_seen_rolled_back_in_the_browser(
     driver = browser
     # The page refreshes every 1.5 s: an element read between two refreshes may be gone.
     wait = WebDriverWait(
-        driver,  # type: ignore[arg-type]
+        driver,
         60,
         poll_frequency=0.2,
         ignored_exceptions=[StaleElementReferenceException],
@@ -183,7 +187,7 @@ def test_a_pending_saga_is_found_aborted_and_seen_rolled_back_in_the_browser(
         producer.flush(30)
 
     console, url = start_console(system)
-    driver.get(url)  # type: ignore[attr-defined]
+    driver.get(url)
     search = wait.until(ec.element_to_be_clickable((By.ID, "search")))
     search.send_keys(stuck)
     row = (By.CSS_SELECTOR, f'#sagas tr[data-tx="{stuck}"]')
@@ -193,43 +197,38 @@ def test_a_pending_saga_is_found_aborted_and_seen_rolled_back_in_the_browser(
     search.clear()
     search.send_keys(stuck[:6])
     wait.until(ec.visibility_of_element_located(row))
-    driver.find_element(*row).click()  # type: ignore[attr-defined]
+    driver.find_element(*row).click()
     wait.until(ec.text_to_be_present_in_element((By.ID, "detail-state"), "pending"))
     wait.until(ec.element_to_be_clickable((By.ID, "abort")))
     search.clear()
     wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#sagas tr")) >= 3)
     shot(driver, "sagas", tmp_path)
 
-    driver.find_element(By.ID, "abort").click()  # type: ignore[attr-defined]
+    driver.find_element(By.ID, "abort").click()
     wait.until(ec.visibility_of_element_located((By.ID, "abort-dialog")))
-    driver.find_element(By.ID, "abort-reason").send_keys("shop is down")  # type: ignore[attr-defined]
-    driver.find_element(By.ID, "abort-confirm").click()  # type: ignore[attr-defined]
+    driver.find_element(By.ID, "abort-reason").send_keys("shop is down")
+    driver.find_element(By.ID, "abort-confirm").click()
     wait.until(ec.text_to_be_present_in_element((By.ID, "detail-state"), "rolling_back"))
-    assert (
-        "aborted by operator: shop is down"
-        in driver.find_element(  # type: ignore[attr-defined]
-            By.ID, "detail-reason"
-        ).text
-    )
+    assert "aborted by operator: shop is down" in driver.find_element(By.ID, "detail-reason").text
 
     shop(system)  # owes the compensation of a step it never applied
     wait.until(ec.text_to_be_present_in_element((By.ID, "detail-state"), "rolled_back"))
-    steps = driver.find_element(By.ID, "detail-steps").text  # type: ignore[attr-defined]
+    steps = driver.find_element(By.ID, "detail-steps").text
     assert steps.count("compensated") == 2, steps
     shot(driver, "saga", tmp_path)
 
-    driver.find_element(By.ID, "tab-audit").click()  # type: ignore[attr-defined]
+    driver.find_element(By.ID, "tab-audit").click()
     audit = (By.CSS_SELECTOR, "#audit tr")
     wait.until(ec.visibility_of_element_located(audit))
-    line = driver.find_element(*audit).text  # type: ignore[attr-defined]
+    line = driver.find_element(*audit).text
     assert OPERATOR in line and "abort" in line and stuck in line and "sent" in line, line
     shot(driver, "audit", tmp_path)
 
-    driver.find_element(By.ID, "tab-dlq").click()  # type: ignore[attr-defined]
+    driver.find_element(By.ID, "tab-dlq").click()
     wait.until(ec.text_to_be_present_in_element((By.ID, "dlq"), "poison-1"))
     shot(driver, "dlq", tmp_path)
 
-    driver.find_element(By.ID, "tab-participants").click()  # type: ignore[attr-defined]
+    driver.find_element(By.ID, "tab-participants").click()
     wait.until(lambda d: d.find_element(By.ID, "participants-note").text != "")
     shot(driver, "participants", tmp_path)
 
