@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import sys
 import time
 from collections import Counter
@@ -293,6 +292,16 @@ def watch(
     is_flag=True,
     help="Sign the abort with the operator key instead of the client key (with a key folder).",
 )
+@click.option("--by", default=None, help="Who aborts, kept with the record [default: $USER@host].")
+@click.option(
+    "--wait",
+    "wait_s",
+    type=Seconds(3600),
+    default=10.0,
+    show_default=True,
+    help="Seconds to wait for the coordinator's decision.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON only (for scripts).")
 @keys_dir_option
 def abort(
     bootstrap: str | None,
@@ -301,16 +310,23 @@ def abort(
     tx_id: str,
     reason: str,
     as_operator: bool,
+    by: str | None,
+    wait_s: float,
+    as_json: bool,
     keys_dir: str | None,
 ) -> None:
-    """Ask the coordinator to roll back a transaction that has no decision yet."""
-    from coordinator._client import SagaClient
-    from streams import TX_ID_PATTERN
+    """Roll back a transaction that has no decision yet, and say whether it was honoured.
 
-    if not re.fullmatch(TX_ID_PATTERN, tx_id):
-        fail(f"{tx_id!r} is not a transaction id (pattern {TX_ID_PATTERN})", 2)
+    Prints `rolled back`, `already rolled back`, `already committed — not
+    honoured`, `unknown transaction` or `not decided yet`. Exit 0 rolled back (now
+    or before), 3 not honoured (committed), 4 no decision within --wait, 2 unknown.
+
+    Example: saga abort tx-42 --reason "customer cancelled"
+    """
+    from coordinator._admin_actions import abort as send_abort
+    from coordinator._cli_admin import _report, _tx_id
+
     keys = load_keys(keys_dir, "operator" if as_operator else "client")
     settings = settings_from(bootstrap, prefix, kafka_config)
-    with SagaClient(settings, status_from_beginning=False, keys=keys) as client:
-        client.abort(tx_id, reason)
-    click.echo(f"abort of {tx_id} sent")
+    result = send_abort(settings, _tx_id(tx_id), reason=reason, by=by, wait_s=wait_s, keys=keys)
+    _report(result, as_json)

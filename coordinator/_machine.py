@@ -14,7 +14,11 @@ Rules (docs/architecture.md §2, §6):
 * at most one decision per transaction, ever: later inputs never change it;
 * after ``commit`` the saga is ``committed`` once every step is ``committed``;
   after ``rollback`` it is ``rolled_back`` once every step is ``compensated``,
-  or ``failed`` when a compensation could not be completed.
+  or ``failed`` when a compensation could not be completed;
+* an operator's ``saga.resolve`` of a ``failed`` saga marks a step whose
+  compensation failed ``resolved`` (handled by hand); with no failed step left
+  the saga is ``rolled_back``, its reason naming who resolved it. A resolve of
+  anything else changes nothing and is reported (``Ignored``: the DLQ).
 
 A step event may arrive before its request (topics are read concurrently). The
 machine then keeps a *placeholder* saga (``request_seen`` false) that records
@@ -33,6 +37,7 @@ from streams import (
     Outcome,
     SagaAbort,
     SagaRequest,
+    SagaResolve,
     SagaState,
     SagaStatus,
     StepEvent,
@@ -58,7 +63,9 @@ _RANK = {
     StepStatus.COMPENSATION_FAILED: 2,
     StepStatus.COMMITTED: 3,
     StepStatus.COMPENSATED: 3,
+    StepStatus.RESOLVED: 3,
 }
+_CLOSED_BY_ROLLBACK = (StepStatus.COMPENSATED, StepStatus.RESOLVED)
 
 
 # ---------------------------------------------------------------- inputs
@@ -89,13 +96,33 @@ class AbortRequested:
 
 
 @dataclass(frozen=True, slots=True)
+class ResolveRequested:
+    """An operator says a failed compensation was handled by hand (``saga.resolve``)."""
+
+    resolve: SagaResolve
+
+
+@dataclass(frozen=True, slots=True)
 class Tick:
     """Time has reached ``now_ms``: deadlines up to it have passed."""
 
     now_ms: int
 
 
-Input = RequestReceived | StepReported | AbortRequested | Tick
+Input = RequestReceived | StepReported | AbortRequested | ResolveRequested | Tick
+
+
+def tx_of(inp: Input) -> str:
+    """The transaction an input is about (a tick is about none: TypeError)."""
+    if isinstance(inp, RequestReceived):
+        return inp.request.tx_id
+    if isinstance(inp, StepReported):
+        return inp.event.tx_id
+    if isinstance(inp, AbortRequested):
+        return inp.abort.tx_id
+    if isinstance(inp, ResolveRequested):
+        return inp.resolve.tx_id
+    raise TypeError(inp)
 
 
 # ---------------------------------------------------------------- outputs
@@ -276,13 +303,50 @@ def decide(saga: Saga | None, inp: Input) -> tuple[Saga | None, list[Output]]:
             return saga, [
                 Ignored(saga.tx_id, f"abort of {saga.tx_id} ignored: it is already decided")
             ]
-        reason = "aborted by operator" + (f": {inp.abort.reason}" if inp.abort.reason else "")
+        by = f" {inp.abort.by}" if inp.abort.by else ""
+        reason = f"aborted by operator{by}" + (f": {inp.abort.reason}" if inp.abort.reason else "")
         after = _settle(_decide(saga, Outcome.ROLLBACK, reason, inp.abort.at_ms), inp.abort.at_ms)
+    elif isinstance(inp, ResolveRequested):
+        before = saga
+        resolved = _on_resolve(saga, inp.resolve)
+        if isinstance(resolved, Ignored):
+            return saga, [resolved]
+        after = resolved
     else:
         if saga is None:
             return None, []
         before, after = saga, _settle(saga, inp.now_ms)
     return after, _outputs(before, after)
+
+
+def _on_resolve(saga: Saga | None, resolve: SagaResolve) -> Saga | Ignored:
+    """Mark ``resolve.step`` resolved, or say why the resolve cannot be honoured."""
+    tx_id, step = resolve.tx_id, resolve.step
+    if saga is None or not saga.request_seen:
+        return Ignored(tx_id, f"resolve of {tx_id} ignored: the coordinator knows no such saga")
+    if saga.state is not SagaState.FAILED:
+        return Ignored(
+            tx_id,
+            f"resolve of {tx_id} ignored: it is {saga.state.value}, not failed; only a failed "
+            "compensation can be resolved by hand",
+        )
+    if step >= len(saga.steps) or saga.steps[step] is not StepStatus.COMPENSATION_FAILED:
+        failed = [i for i, s in enumerate(saga.steps) if s is StepStatus.COMPENSATION_FAILED]
+        return Ignored(
+            tx_id,
+            f"resolve of {tx_id} ignored: step {step} has no failed compensation "
+            f"(those that do: {failed})",
+        )
+    steps = list(saga.steps)
+    steps[step] = StepStatus.RESOLVED
+    saga = replace(saga, steps=tuple(steps), updated_ms=resolve.at_ms)
+    if StepStatus.COMPENSATION_FAILED in saga.steps:
+        return saga  # still failed: the operator note names the steps left
+    base = (saga.reason or "").split(_OPERATOR_MUST_ACT.split("{", maxsplit=1)[0])[0]
+    reason = f"{base}; failed compensation resolved by hand by {resolve.by}"
+    if len(reason) > MAX_REASON_CHARS:
+        reason = reason[: MAX_REASON_CHARS - 3] + "..."
+    return replace(saga, state=SagaState.ROLLED_BACK, reason=reason)
 
 
 def _on_request(saga: Saga | None, inp: RequestReceived) -> Saga:
@@ -406,9 +470,9 @@ def _settle(saga: Saga, at_ms: int) -> Saga:
     if saga.outcome is Outcome.COMMIT:
         if all(s is StepStatus.COMMITTED for s in saga.steps):
             state = SagaState.COMMITTED
-    elif all(s is StepStatus.COMPENSATED for s in saga.steps):
+    elif all(s in _CLOSED_BY_ROLLBACK for s in saga.steps):
         state = SagaState.ROLLED_BACK
-    elif all(s in (StepStatus.COMPENSATED, StepStatus.COMPENSATION_FAILED) for s in saga.steps):
+    elif all(s in (*_CLOSED_BY_ROLLBACK, StepStatus.COMPENSATION_FAILED) for s in saga.steps):
         state = SagaState.FAILED
     else:
         state = SagaState.ROLLING_BACK

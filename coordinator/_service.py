@@ -26,10 +26,12 @@ from coordinator._machine import (
     Ignored,
     Input,
     RequestReceived,
+    ResolveRequested,
     Saga,
     StepReported,
     Tick,
     decide,
+    tx_of,
 )
 from coordinator._restore import restore
 from streams import (
@@ -37,6 +39,7 @@ from streams import (
     InvalidRecord,
     SagaAbort,
     SagaRequest,
+    SagaResolve,
     SagaState,
     SagaStatus,
     StepEvent,
@@ -377,7 +380,7 @@ class CoordinatorService(Stoppable):
                 continue
             if inp is None:
                 continue
-            tx_id = _tx_of(inp)
+            tx_id = tx_of(inp)
             if (
                 isinstance(inp, RequestReceived)
                 and inp.request.deadline_ms + self.retention_ms <= now
@@ -490,7 +493,7 @@ class CoordinatorService(Stoppable):
     def _to_input(self, m: Message, now: int, rejected: list[tuple[Message, str]]) -> Input | None:
         try:
             if m.topic == self.topics.requests:
-                record = decode_keyed(m.key, m.value, SagaRequest, SagaAbort)
+                record = decode_keyed(m.key, m.value, SagaRequest, SagaAbort, SagaResolve)
             elif m.topic == self.topics.events:
                 record = decode_keyed(m.key, m.value, StepEvent)
             else:
@@ -522,6 +525,8 @@ class CoordinatorService(Stoppable):
             return RequestReceived(record, now, self.participants)
         if isinstance(record, SagaAbort):
             return AbortRequested(record)
+        if isinstance(record, SagaResolve):
+            return ResolveRequested(record)
         assert isinstance(record, StepEvent)
         return StepReported(record, now)
 
@@ -588,13 +593,3 @@ class CoordinatorService(Stoppable):
         for (topic, partition), offset in first.items():
             if partition in self._partitions:
                 self._consumer.seek(topic, partition, offset)
-
-
-def _tx_of(inp: Input) -> str:
-    if isinstance(inp, RequestReceived):
-        return inp.request.tx_id
-    if isinstance(inp, StepReported):
-        return inp.event.tx_id
-    if isinstance(inp, AbortRequested):
-        return inp.abort.tx_id
-    raise TypeError(inp)

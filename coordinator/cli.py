@@ -28,6 +28,7 @@ import sys
 import click
 
 from coordinator._cli_acls import acls
+from coordinator._cli_admin import COMMANDS as ADMIN_COMMANDS
 from coordinator._cli_client import abort, status, submit, watch
 from coordinator._cli_common import (
     TOOLS_HINT,
@@ -366,7 +367,7 @@ from streams.reconcile.cli import reconcile  # noqa: E402  (registered after mai
 
 main.add_command(reconcile)
 main.add_command(acls)
-for _command in (submit, status, watch, abort, keys):
+for _command in (submit, status, watch, abort, keys, *ADMIN_COMMANDS):
     main.add_command(_command)
 
 

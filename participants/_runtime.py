@@ -65,6 +65,7 @@ from streams import (
     Mode,
     SagaAbort,
     SagaRequest,
+    SagaResolve,
     StepEvent,
     StepStatus,
     TransientError,
@@ -374,7 +375,8 @@ class ParticipantRuntime(Stoppable):
         for m in messages:
             try:
                 if m.topic == self.topics.requests:
-                    record = decode_keyed(m.key, m.value, SagaRequest, SagaAbort)
+                    # Aborts and resolves are the coordinator's business: read, not acted on.
+                    record = decode_keyed(m.key, m.value, SagaRequest, SagaAbort, SagaResolve)
                 elif m.topic == self.topics.decisions:
                     record = decode_keyed(m.key, m.value, Decision)
                 else:

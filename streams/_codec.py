@@ -48,6 +48,7 @@ from ._records import (
     Record,
     SagaAbort,
     SagaRequest,
+    SagaResolve,
     SagaState,
     SagaStatus,
     Step,
@@ -234,7 +235,19 @@ def _build_request(data: dict[str, Any]) -> SagaRequest:
 
 
 def _build_abort(data: dict[str, Any]) -> SagaAbort:
-    return SagaAbort(tx_id=data["tx_id"], reason=data["reason"], at_ms=int(data["at_ms"]))
+    return SagaAbort(
+        tx_id=data["tx_id"], reason=data["reason"], at_ms=int(data["at_ms"]), by=data.get("by")
+    )
+
+
+def _build_resolve(data: dict[str, Any]) -> SagaResolve:
+    return SagaResolve(
+        tx_id=data["tx_id"],
+        step=int(data["step"]),
+        note=data["note"],
+        by=data["by"],
+        at_ms=int(data["at_ms"]),
+    )
 
 
 def _build_step(data: dict[str, Any]) -> StepEvent:
@@ -274,6 +287,7 @@ def _build_status(data: dict[str, Any]) -> SagaStatus:
 _BUILDERS: Final[dict[str, _Builder]] = {
     SagaRequest.TYPE: _build_request,
     SagaAbort.TYPE: _build_abort,
+    SagaResolve.TYPE: _build_resolve,
     StepEvent.TYPE: _build_step,
     Decision.TYPE: _build_decision,
     SagaStatus.TYPE: _build_status,
@@ -283,6 +297,7 @@ _BUILDERS: Final[dict[str, _Builder]] = {
 _INTEGER_FIELDS: Final[dict[str, tuple[str, ...]]] = {
     SagaRequest.TYPE: ("v", "deadline_ms", "created_ms"),
     SagaAbort.TYPE: ("v", "at_ms"),
+    SagaResolve.TYPE: ("v", "step", "at_ms"),
     StepEvent.TYPE: ("v", "step", "at_ms"),
     Decision.TYPE: ("v", "at_ms"),
     SagaStatus.TYPE: ("v", "created_ms", "updated_ms", "deadline_ms"),
@@ -416,11 +431,26 @@ def _request_dict(r: SagaRequest) -> dict[str, Any]:
 
 
 def _abort_dict(r: SagaAbort) -> dict[str, Any]:
-    return {
+    data: dict[str, Any] = {
         "v": WIRE_VERSION,
         "type": r.TYPE,
         "tx_id": r.tx_id,
         "reason": r.reason,
+        "at_ms": r.at_ms,
+    }
+    if r.by is not None:
+        data["by"] = r.by
+    return data
+
+
+def _resolve_dict(r: SagaResolve) -> dict[str, Any]:
+    return {
+        "v": WIRE_VERSION,
+        "type": r.TYPE,
+        "tx_id": r.tx_id,
+        "step": r.step,
+        "note": r.note,
+        "by": r.by,
         "at_ms": r.at_ms,
     }
 
@@ -474,6 +504,7 @@ def _status_dict(r: SagaStatus) -> dict[str, Any]:
 _TO_DICT: Final[dict[type, Callable[[Any], dict[str, Any]]]] = {
     SagaRequest: _request_dict,
     SagaAbort: _abort_dict,
+    SagaResolve: _resolve_dict,
     StepEvent: _step_dict,
     Decision: _decision_dict,
     SagaStatus: _status_dict,

@@ -36,6 +36,8 @@ class StepStatus(StrEnum):
     COMMITTED = "committed"
     COMPENSATED = "compensated"
     COMPENSATION_FAILED = "compensation_failed"
+    RESOLVED = "resolved"
+    """Only in status records: a failed compensation an operator handled by hand."""
 
 
 class Outcome(StrEnum):
@@ -113,6 +115,26 @@ class SagaAbort:
     tx_id: str
     reason: str
     at_ms: int
+    by: str | None = None
+    """Who asked (an operator's name), when the sender said."""
+
+
+@dataclass(frozen=True, slots=True)
+class SagaResolve:
+    """``saga.resolve`` on the requests topic: an operator handled a failed compensation.
+
+    Says that step ``step`` of a ``failed`` transaction, whose compensation failed,
+    was put right by hand (``note`` says how, ``by`` who). Once no failed step is
+    left, the transaction is ``rolled_back``.
+    """
+
+    TYPE: ClassVar[str] = "saga.resolve"
+
+    tx_id: str
+    step: int
+    note: str
+    by: str
+    at_ms: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,7 +188,7 @@ class SagaStatus:
     fingerprint: str | None = None
 
 
-Record = SagaRequest | SagaAbort | StepEvent | Decision | SagaStatus
+Record = SagaRequest | SagaAbort | SagaResolve | StepEvent | Decision | SagaStatus
 RECORD_TYPES: dict[str, type[Record]] = {
-    cls.TYPE: cls for cls in (SagaRequest, SagaAbort, StepEvent, Decision, SagaStatus)
+    cls.TYPE: cls for cls in (SagaRequest, SagaAbort, StepEvent, Decision, SagaStatus, SagaResolve)
 }

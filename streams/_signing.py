@@ -13,6 +13,7 @@ record                        signed by
 ============================  ==========================================
 request                       ``client`` or ``operator``
 abort                         ``client`` or ``operator`` (``aborters``)
+resolve                       ``operator``
 step event of participant P   ``participant-P``
 decision, status, dead letter ``coordinator``
 ============================  ==========================================
@@ -54,7 +55,14 @@ from nacl.exceptions import BadSignatureError
 from nacl.signing import SigningKey, VerifyKey
 
 from streams._errors import ConfigurationError
-from streams._records import Decision, SagaAbort, SagaRequest, SagaStatus, StepEvent
+from streams._records import (
+    Decision,
+    SagaAbort,
+    SagaRequest,
+    SagaResolve,
+    SagaStatus,
+    StepEvent,
+)
 
 HEADER_KEY_ID: Final = "saga.kid"
 HEADER_SIGNATURE: Final = "saga.sig"
@@ -69,7 +77,7 @@ CLIENT: Final = "client"
 OPERATOR: Final = "operator"
 PARTICIPANT_PREFIX: Final = "participant-"
 
-Record = SagaRequest | SagaAbort | StepEvent | Decision | SagaStatus
+Record = SagaRequest | SagaAbort | SagaResolve | StepEvent | Decision | SagaStatus
 
 
 def participant_principal(name: str) -> str:
@@ -102,6 +110,8 @@ def allowed_signers(
         return frozenset({CLIENT, OPERATOR})
     if isinstance(record, SagaAbort):
         return aborters
+    if isinstance(record, SagaResolve):
+        return frozenset({OPERATOR})
     if isinstance(record, StepEvent):
         return frozenset({participant_principal(record.participant)})
     return frozenset({COORDINATOR})

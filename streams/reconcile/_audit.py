@@ -14,7 +14,8 @@ Per step, the statuses its participant reported are kept as bit masks
 is looked at only for transactions whose masks say it matters.
 
 Classes, most severe first: ``violation`` (an invariant is broken; the row
-names which and why), ``compensation_failed``, ``stuck_no_decision`` (no
+names which and why), ``compensation_failed``, ``resolved_by_hand`` (rolled back
+once an operator's ``saga.resolve`` closed each failed compensation), ``stuck_no_decision`` (no
 decision ``grace`` after the deadline), ``stuck_unfinished`` (a decision, and
 ``grace`` after it a step still lacks ``committed``/``compensated``),
 ``in_flight`` (still within its deadline or grace), ``ok``.
@@ -41,6 +42,7 @@ __all__ = [
 CLASSES: Final = (
     "violation",
     "compensation_failed",
+    "resolved_by_hand",
     "stuck_no_decision",
     "stuck_unfinished",
     "in_flight",
@@ -65,6 +67,16 @@ def _mask(status: str) -> str:
 _AGGREGATES: Final = {
     "n_requests": "count_if(kind = 'request')",
     "n_aborts": "count_if(kind = 'abort')",
+    "n_resolves": "count_if(kind = 'resolve')",
+    # Steps an operator resolved by hand (saga.resolve; the coordinator dead-letters a
+    # resolve of anything but a failed compensation, which makes it invalid here).
+    "m_resolved": "bit_or(CASE WHEN kind = 'resolve' THEN shiftleft(1L, step) ELSE 0L END)",
+    # What operators did, for the report's operator actions (a redriven record that is
+    # still invalid is kept too: its key says which transaction it names).
+    "ops": """collect_list(CASE WHEN kind IN ('abort', 'resolve') OR redriven IS NOT NULL
+        THEN named_struct('action', CASE WHEN redriven IS NOT NULL THEN 'redrive' ELSE kind END,
+        'tx_id', rkey, 'topic', src, 'part', part, 'off', off, 'at_ms', at_ms,
+        'by', actor, 'step', step, 'text', coalesce(redriven, note, reason)) END)""",
     "n_events": "count_if(kind = 'event')",
     "n_decisions": "count_if(kind = 'decision')",
     "bad_requests": "count_if(kind = 'invalid' AND src = 'requests')",
@@ -173,9 +185,9 @@ def per_transaction(union: Any, *, as_of_ms: int, grace_ms: int, window: bool) -
         "*",
         "dec.outcome AS outcome",
         """CASE WHEN dec.outcome = 'commit' THEN m_all & ~m_committed
-                WHEN dec.outcome = 'rollback' THEN m_all & ~m_compensated
+                WHEN dec.outcome = 'rollback' THEN m_all & ~(m_compensated | m_resolved)
                 ELSE 0L END AS m_unfinished""",
-        "m_comp_failed & ~m_compensated AS m_comp_open",
+        "m_comp_failed & ~m_compensated & ~m_resolved AS m_comp_open",
     )
 
     late = f"""array_join(array_sort(array_distinct(transform(filter(events, a ->
@@ -248,6 +260,7 @@ def per_transaction(union: Any, *, as_of_ms: int, grace_ms: int, window: bool) -
             WHEN m_comp_open != 0L AND outcome = 'rollback' THEN 'compensation_failed'
             WHEN m_unfinished != 0L AND dec.at_ms < {due} THEN 'stuck_unfinished'
             WHEN m_unfinished != 0L THEN 'in_flight'
+            WHEN m_resolved != 0L AND outcome = 'rollback' THEN 'resolved_by_hand'
             ELSE 'ok' END AS progress""",
     )
 
@@ -343,6 +356,7 @@ def classify(frame: Any, *, as_of_ms: int) -> Any:
             "n_decisions AS decisions",
             "n_events AS events",
             "n_aborts",
+            "n_resolves",
             "bad_requests",
             "bad_events",
             "bad_decisions",

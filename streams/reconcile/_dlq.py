@@ -60,6 +60,7 @@ from streams._records import (
     Record,
     SagaAbort,
     SagaRequest,
+    SagaResolve,
     SagaStatus,
     StepEvent,
 )
@@ -152,7 +153,7 @@ class DlqVerdict:
 
 def _kinds(topics: Topics, source: str | None) -> tuple[type[Record], ...] | None:
     if source == topics.requests:
-        return (SagaRequest, SagaAbort)
+        return (SagaRequest, SagaAbort, SagaResolve)
     if source == topics.events:
         return (StepEvent,)
     if source == topics.decisions:
@@ -313,6 +314,8 @@ def _wrongly_rejected(letter: DeadLetter, record: Record, tx: TxFacts | None) ->
             return None  # a conflicting resubmission: rightly rejected
     if isinstance(record, SagaAbort) and tx is not None and tx.decided:
         return None  # an abort after the decision: rightly rejected
+    if isinstance(record, SagaResolve):
+        return None  # the coordinator rejects only a resolve of no failed compensation
     return (
         f"a valid {record.TYPE} from {where} is on the dead-letter topic "
         f"(rejected with: {said[:200]})"

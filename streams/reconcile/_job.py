@@ -36,6 +36,7 @@ from streams._records import SagaRequest
 
 from . import _audit, _dlq, _replay, _signatures, _sources
 from ._config import ReconcileConfig
+from ._operators import collect_actions
 from ._spark import (
     LogRange,
     Original,
@@ -174,7 +175,8 @@ def _audit_and_replay(
     def read_topic(topic: str) -> tuple[Any, Any, Any]:
         """The topic's records in the range, where its rejected ones sit (or None), and
         the signature check (or None)."""
-        frame = kafka_frame(spark, config, log, topic, config.since_ms, headers=signer is not None)
+        # Headers always: signatures, and the redrive headers of the operator actions.
+        frame = kafka_frame(spark, config, log, topic, config.since_ms, headers=True)
         at = rejected.get(topic)
         where = spark.createDataFrame(sorted(at), "partition INT, offset BIGINT") if at else None
         return frame, where, signer
@@ -293,13 +295,17 @@ def _finish(
     with spark_boundary("auditing the log"):
         totals = _totals(final)
         records = {
-            "requests": totals["n_requests"] + totals["n_aborts"] + totals["bad_requests"],
+            "requests": totals["n_requests"]
+            + totals["n_aborts"]
+            + totals["n_resolves"]
+            + totals["bad_requests"],
             "events": totals["n_events"] + totals["bad_events"],
             "decisions": totals["n_decisions"] + totals["bad_decisions"],
             "dlq": verdict.records,
         }
         records["total"] = sum(records.values())
         say(f"classified {totals['transactions']} transactions from {records['total']} records")
+        operator_count, operator_actions = collect_actions(base)
         transactions = final.where("tx_id IS NOT NULL")
         findings_path = config.out / "findings"
         written = transactions if config.write_all else transactions.where("class != 'ok'")
@@ -388,6 +394,7 @@ def _finish(
             "by_component": dict(verdict.by_component),
         },
         "ledgers": ledger_info,
+        "operator_actions": {"count": operator_count, "actions": operator_actions},
         "checks": checks,
         "replay": {
             "mode": "sent" if config.replay else "dry-run",
@@ -437,6 +444,7 @@ def _totals(final: Any) -> dict[str, int]:
     sums = {
         "n_requests": "requests",
         "n_aborts": "n_aborts",
+        "n_resolves": "n_resolves",
         "n_events": "events",
         "n_decisions": "decisions",
         "bad_requests": "bad_requests",

@@ -98,12 +98,17 @@ _UNION_COLUMNS: Final = (
     ("at_ms", "bigint"),
     ("reason", "string"),
     ("forged", "boolean"),
+    ("actor", "string"),
+    ("note", "string"),
+    ("redriven", "string"),
+    ("rkey", "string"),
 )
 
 _REQUESTS_SCHEMA: Final = (
     "v BIGINT, type STRING, tx_id STRING, saga STRING, mode STRING, "
     "steps ARRAY<STRUCT<participant: STRING, action: STRING, args: STRING>>, "
-    "deadline_ms BIGINT, created_ms BIGINT, meta STRING, reason STRING, at_ms BIGINT"
+    "deadline_ms BIGINT, created_ms BIGINT, meta STRING, reason STRING, at_ms BIGINT, "
+    "step BIGINT, note STRING, by STRING"
 )
 _EVENTS_SCHEMA: Final = (
     "v BIGINT, type STRING, tx_id STRING, step BIGINT, participant STRING, status STRING, "
@@ -148,10 +153,22 @@ _REQUEST_VALID: Final = f"""coalesce(
     AND r.created_ms >= 0 AND r.deadline_ms >= r.created_ms
     AND (r.meta IS NULL OR startswith(r.meta, '{{')), false)"""
 
+_OPERATOR_NAME: Final = "length(r.by) BETWEEN 1 AND 200"
+"""An operator's name (``by``) as the abort and resolve schemas bound it."""
+
 _ABORT_VALID: Final = f"""coalesce(
     {_common("saga.abort")}
-    AND {_keys_within("v", "type", "tx_id", "reason", "at_ms")}
+    AND {_keys_within("v", "type", "tx_id", "reason", "at_ms", "by")}
+    AND (r.by IS NULL OR {_OPERATOR_NAME})
     AND {_reason(required=True)} AND r.at_ms >= 0, false)"""
+
+# A resolve is the operator's alone: with signatures on, only the operator key counts.
+_RESOLVE_VALID: Final = f"""coalesce(
+    {_common("saga.resolve")}
+    AND {_keys_within("v", "type", "tx_id", "step", "note", "by", "at_ms")}
+    AND r.step BETWEEN 0 AND 63 AND length(r.note) BETWEEN 1 AND {MAX_REASON_CHARS}
+    AND {_OPERATOR_NAME} AND r.at_ms >= 0
+    AND (NOT signed OR coalesce(by = 'operator', false)), false)"""
 
 _EVENT_VALID: Final = f"""coalesce(
     {_common("saga.step")}
@@ -200,6 +217,15 @@ def _parsed(raw: Any, schema: str, rejected: Any, signer: SignerColumn | None) -
     wrapped = F.from_json(
         F.concat(F.lit("["), text, F.lit("]")), f"ARRAY<STRUCT<{schema}>>", _JSON_OPTIONS
     )
+    # An operator's copy of a dead letter (`saga dlq redrive`) says so in two headers.
+    if "headers" in raw.columns:
+        redriven = F.expr(
+            "concat(CAST(try_element_at(filter(headers, h -> h.key = 'saga.redriven.from'), -1)"
+            ".value AS STRING), ' by ', coalesce(CAST(try_element_at(filter(headers, "
+            "h -> h.key = 'saga.redriven.by'), -1).value AS STRING), '?'))"
+        )
+    else:
+        redriven = F.lit(None).cast("string")
     return raw.select(
         F.col("key").cast("string").alias("k"),
         F.col("partition").alias("part"),
@@ -215,6 +241,7 @@ def _parsed(raw: Any, schema: str, rejected: Any, signer: SignerColumn | None) -
         text.alias("text"),
         by.alias("by"),
         F.lit(signer is not None).alias("signed"),
+        redriven.alias("redriven"),
     ).selectExpr(
         "k",
         "part",
@@ -222,6 +249,7 @@ def _parsed(raw: Any, schema: str, rejected: Any, signer: SignerColumn | None) -
         "keys",
         "by",
         "signed",
+        "redriven",
         "try_element_at(objects, 1) AS r",
         """coalesce(sound AND size(objects) = 1 AND (NOT contains(text, ']')
             OR json_array_length(concat('[', text, ',0]')) = 2), false) AS whole""",
@@ -242,7 +270,15 @@ def _union_row(frame: Any, src: str, **columns: str) -> Any:
     """``frame`` projected onto the union's columns; ``columns`` are SQL for the others."""
     from pyspark.sql import functions as F
 
-    fixed = {"src": f"'{src}'", "part": "part", "off": "off", "forged": "forged", **columns}
+    fixed = {
+        "src": f"'{src}'",
+        "part": "part",
+        "off": "off",
+        "forged": "forged",
+        "redriven": "redriven",
+        "rkey": "k",
+        **columns,
+    }
     return frame.select(
         *(
             F.expr(fixed[name]).cast(kind).alias(name)
@@ -254,10 +290,13 @@ def _union_row(frame: Any, src: str, **columns: str) -> Any:
 
 
 def parse_requests(raw: Any, rejected: Any = None, signer: SignerColumn | None = None) -> Any:
-    """``saga.request`` and ``saga.abort`` records of the requests topic, or ``invalid``.
+    """``saga.request``, ``saga.abort`` and ``saga.resolve`` records of the requests
+    topic, or ``invalid``.
 
     ``signer`` (a key folder's, :func:`._signatures.signer_column`): only records
-    signed by ``client`` or ``operator`` are valid.
+    signed by ``client`` or ``operator`` are valid (a resolve: ``operator`` only).
+    ``actor`` is who acted (an abort's or resolve's ``by``; ``operator`` for an abort
+    the operator key signed), ``note`` a resolve's note.
     """
     checked = _parsed(raw, _REQUESTS_SCHEMA, rejected, signer).selectExpr(
         "*", f"NOT {_BY_REQUESTER} AS forged"
@@ -265,7 +304,8 @@ def parse_requests(raw: Any, rejected: Any = None, signer: SignerColumn | None =
     checked = checked.selectExpr(
         "*",
         f"CASE WHEN forged THEN 'invalid' WHEN {_REQUEST_VALID} THEN 'request' "
-        f"WHEN {_ABORT_VALID} THEN 'abort' ELSE 'invalid' END AS kind",
+        f"WHEN {_ABORT_VALID} THEN 'abort' WHEN {_RESOLVE_VALID} THEN 'resolve' "
+        "ELSE 'invalid' END AS kind",
     )
     return _union_row(
         checked,
@@ -277,8 +317,12 @@ def parse_requests(raw: Any, rejected: Any = None, signer: SignerColumn | None =
         parts="CASE WHEN kind = 'request' THEN transform(r.steps, s -> s.participant) END",
         deadline_ms="CASE WHEN kind = 'request' THEN r.deadline_ms END",
         created_ms="CASE WHEN kind = 'request' THEN r.created_ms END",
-        at_ms="CASE WHEN kind = 'abort' THEN r.at_ms END",
+        at_ms="CASE WHEN kind IN ('abort', 'resolve') THEN r.at_ms END",
         reason="CASE WHEN kind = 'abort' THEN r.reason END",
+        step="CASE WHEN kind = 'resolve' THEN r.step END",
+        note="CASE WHEN kind = 'resolve' THEN r.note END",
+        actor="""CASE WHEN kind = 'resolve' THEN r.by
+            WHEN kind = 'abort' THEN coalesce(r.by, CASE WHEN by = 'operator' THEN by END) END""",
     )
 
 

@@ -11,12 +11,14 @@ from rich.console import Console
 from rich.table import Table
 
 from ._audit import CLASSES, INVARIANTS
+from ._operators import render_actions
 
 __all__ = ["render", "write_json", "write_jsonl"]
 
 _MEANING = {
     "violation": "an invariant is broken",
     "compensation_failed": "an operator must act",
+    "resolved_by_hand": "rolled back; a failed compensation was resolved by hand",
     "stuck_no_decision": "no decision after the deadline + grace",
     "stuck_unfinished": "decided, steps unanswered after grace",
     "in_flight": "within its deadline or grace",
@@ -119,6 +121,7 @@ def render(
         f"audit {t['audit_s']:.1f}s, Spark start {t['startup_s']:.1f}s, wall {t['wall_s']:.1f}s",
     )
     console.print(table)
+    render_actions(console, (summary.get("operator_actions") or {}).get("actions") or [])
     if shown:
         found = Table(title="findings (first rows; all of them in findings/)", title_justify="left")
         for column in ("tx_id", "class", "why"):

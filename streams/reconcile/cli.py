@@ -213,9 +213,10 @@ def reconcile(
 
     Reads requests, events and decisions (and the dead letters) as a batch,
     checks invariants I1-I4 and I6 per transaction, classifies each as ok,
-    in_flight, stuck_no_decision, stuck_unfinished, compensation_failed or
-    violation, writes the findings as Parquet with a JSON summary, and prints
-    a summary table. With --replay it re-publishes what stuck sagas miss.
+    in_flight, stuck_no_decision, stuck_unfinished, compensation_failed,
+    resolved_by_hand or violation, writes the findings as Parquet with a JSON
+    summary, and prints a summary table and the operator actions (aborts,
+    resolves, redrives). With --replay it re-publishes what stuck sagas miss.
     """
     started = time.monotonic()
     try:

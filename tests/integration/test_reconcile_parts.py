@@ -313,6 +313,7 @@ def test_public_names() -> None:
     assert streams.reconcile.CLASSES == (
         "violation",
         "compensation_failed",
+        "resolved_by_hand",
         "stuck_no_decision",
         "stuck_unfinished",
         "in_flight",

@@ -34,6 +34,7 @@ from streams import (
     Record,
     SagaAbort,
     SagaRequest,
+    SagaResolve,
     SagaState,
     SagaStatus,
     Step,
@@ -79,6 +80,15 @@ VALID: dict[str, dict[str, Any]] = {
         "reason": "aborted by operator",
         "at_ms": 1500,
     },
+    "saga.resolve": {
+        "v": 1,
+        "type": "saga.resolve",
+        "tx_id": "tx-1",
+        "step": 0,
+        "note": "refunded by hand, ticket 42",
+        "by": "ann@host",
+        "at_ms": 1600,
+    },
     "saga.step": {
         "v": 1,
         "type": "saga.step",
@@ -115,6 +125,7 @@ VALID: dict[str, dict[str, Any]] = {
 CLASSES: dict[str, type[Record]] = {
     "saga.request": SagaRequest,
     "saga.abort": SagaAbort,
+    "saga.resolve": SagaResolve,
     "saga.step": StepEvent,
     "saga.decision": Decision,
     "saga.status": SagaStatus,
@@ -186,13 +197,25 @@ def requests(draw: st.DrawFn) -> SagaRequest:
     )
 
 
-ABORTS = st.builds(SagaAbort, tx_id=TX_IDS, reason=TEXT, at_ms=MS)
+ABORTS = st.builds(
+    SagaAbort, tx_id=TX_IDS, reason=TEXT, at_ms=MS, by=st.none() | st.text(min_size=1, max_size=200)
+)
+RESOLVES = st.builds(
+    SagaResolve,
+    tx_id=TX_IDS,
+    step=st.integers(0, MAX_STEPS - 1),
+    note=st.text(min_size=1, max_size=1000),
+    by=st.text(min_size=1, max_size=200),
+    at_ms=MS,
+)
 STEP_EVENTS = st.builds(
     StepEvent,
     tx_id=TX_IDS,
     step=st.integers(0, MAX_STEPS - 1),
     participant=NAMES,
-    status=st.sampled_from([s for s in StepStatus if s is not StepStatus.PENDING]),
+    status=st.sampled_from(
+        [s for s in StepStatus if s not in (StepStatus.PENDING, StepStatus.RESOLVED)]
+    ),
     at_ms=MS,
     reason=st.none() | TEXT,
 )
@@ -214,7 +237,7 @@ STATUSES = st.builds(
     deadline_ms=MS,
     fingerprint=st.none() | st.from_regex(r"[0-9a-f]{32}", fullmatch=True),
 )
-RECORDS = requests() | ABORTS | STEP_EVENTS | DECISIONS | STATUSES
+RECORDS = requests() | ABORTS | RESOLVES | STEP_EVENTS | DECISIONS | STATUSES
 
 # Generating up to 64 steps with nested args is slow on a busy machine; the
 # wall clock says nothing about correctness here.
@@ -728,6 +751,7 @@ def test_schema_names_are_the_record_types() -> None:
         "saga.step",
         "saga.decision",
         "saga.status",
+        "saga.resolve",
     )
     assert set(SCHEMA_NAMES) == set(RECORD_TYPES)
 

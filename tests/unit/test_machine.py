@@ -60,7 +60,8 @@ PARTICIPANTS = ("ledger", "inventory", "loyalty")
 # The machine's own order of step progress (not a copy of it): the tests below check
 # that it orders the statuses as the protocol does and that ``decide`` follows it.
 RANK = _RANK
-REPORTED = [s for s in StepStatus if s is not StepStatus.PENDING]  # pending is never reported
+# Pending is never reported, and resolved is an operator's (saga.resolve), not a participant's.
+REPORTED = [s for s in StepStatus if s not in (StepStatus.PENDING, StepStatus.RESOLVED)]
 
 # ------------------------------------------------------------------ helpers
 
@@ -988,7 +989,7 @@ class World:
                 self.compensated.add(e.step)
         elif isinstance(inp, AbortRequested):
             self.aborted = True
-        else:
+        elif isinstance(inp, Tick):
             self.max_time = max(self.max_time, inp.now_ms)
         self.saga, out = decide(self.saga, inp)
         self.twin, twin_out = decide(self.twin, inp)

@@ -57,6 +57,7 @@ PINNED: dict[str, list[str]] = {
         "SagaAbort",
         "SagaError",
         "SagaRequest",
+        "SagaResolve",
         "SagaState",
         "SagaStatus",
         "SagaTimeout",

@@ -1,0 +1,641 @@
+"""What an operator reads from the log: one saga's history, sagas by state, dead letters.
+
+Plain functions over a :class:`streams.log.Log` (or the
+:class:`~streams.kafka.KafkaSettings` to make a :class:`~streams.kafka.KafkaLog` of),
+shared by the ``saga`` admin commands (:mod:`coordinator._cli_admin`) and the web
+console. They only read, except :func:`redrive` and :func:`send_resolve`, which
+append operator records; none of them changes a record that is there.
+
+Everything read is hostile until decoded: a record that does not decode is shown
+as ``invalid`` with the codec's reason, never raised. With ``keys``, signatures are
+checked and the verified signer is reported; a status record the coordinator did
+not sign does not count as a saga's status (as in :mod:`coordinator._restore`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from coordinator._restore import _read, standing_status
+from streams import (
+    RECORD_TYPES,
+    ConfigurationError,
+    InvalidRecord,
+    SagaState,
+    SagaStatus,
+    decode_keyed,
+    to_dict,
+)
+from streams._signing import HEADER_KEY_ID, HEADER_SIGNATURE, Keyring
+from streams.kafka import KafkaLog, KafkaSettings, Message, partition_for
+from streams.log import Log
+
+__all__ = [
+    "REDRIVEN_BY",
+    "REDRIVEN_FROM",
+    "DeadLetter",
+    "HistoryEntry",
+    "SagaRow",
+    "SagaStep",
+    "dead_letter",
+    "dead_letters",
+    "history",
+    "list_sagas",
+    "redrive",
+    "standing",
+]
+
+REDRIVEN_FROM = "saga.redriven.from"
+"""Header of a redriven record: ``<dlq partition>:<dlq offset>`` of the dead letter copied."""
+REDRIVEN_BY = "saga.redriven.by"
+"""Header of a redriven record: the operator who redrove it."""
+
+_SUMMARY_CHARS = 200
+
+
+def _log_of(source: Log | KafkaSettings) -> Log:
+    return KafkaLog(source) if isinstance(source, KafkaSettings) else source
+
+
+# ---------------------------------------------------------------- history
+
+
+@dataclass(frozen=True)
+class HistoryEntry:
+    """One record of a transaction, on any topic.
+
+    ``kind`` is the record's wire type (``saga.request``, ``saga.step``,
+    ``saga.decision``, ``saga.status``, ``saga.abort``, ``saga.resolve``), or
+    ``dlq`` for a dead letter, ``redrive`` for a record an operator copied back
+    from the DLQ (header :data:`REDRIVEN_FROM`), ``tombstone`` for a status
+    tombstone, ``invalid`` for bytes that do not decode (``summary`` says why).
+    ``record`` is the decoded JSON object (for a dead letter: its bytes, if they
+    are a JSON object), else ``None``. ``headers`` are decoded as UTF-8 with
+    replacement, the signature as hex. ``signer`` is the principal that signed
+    the record: verified when keys were given (``"forged: <why>"`` if not valid),
+    else as the key id claims it (``"<principal> (unverified)"``); ``None`` when
+    unsigned.
+    """
+
+    topic: str
+    partition: int
+    offset: int
+    timestamp_ms: int | None
+    kind: str
+    summary: str
+    record: dict[str, Any] | None
+    headers: dict[str, str]
+    signer: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict of this entry."""
+        return {
+            "topic": self.topic,
+            "partition": self.partition,
+            "offset": self.offset,
+            "timestamp_ms": self.timestamp_ms,
+            "kind": self.kind,
+            "summary": self.summary,
+            "signer": self.signer,
+            "record": self.record,
+            "headers": self.headers,
+        }
+
+
+def history(
+    log_or_settings: Log | KafkaSettings,
+    tx_id: str,
+    *,
+    timeout: float = 10.0,
+    keys: Keyring | None = None,
+) -> list[HistoryEntry]:
+    """Every record keyed ``tx_id`` on every topic, ordered by time, then topic, then offset.
+
+    All topics share one partition count and are keyed by ``tx_id``, so only
+    partition ``partition_for(tx_id, n)`` of each is read, from its low to its high
+    watermark (dead letters keep the original key, so they are found the same way).
+    A topic that does not exist (or may not be read) is passed over. Stops after
+    ``timeout`` seconds with what was read (an open Kafka transaction holds
+    read_committed readers before its records).
+    """
+    log = _log_of(log_or_settings)
+    topics = log.settings.topics
+    order = {t: i for i, t in enumerate(topics.all)}
+    key = tx_id.encode()
+    reader = log.consumer(None, client_id="saga.admin.history")
+    found: list[Message] = []
+    try:
+        partition = partition_for(key, reader.list_partitions(topics.requests, timeout))
+        ends: dict[str, int] = {}
+        start: list[tuple[str, int, int]] = []
+        for topic in topics.all:
+            try:
+                low, high = reader.watermarks(topic, partition, timeout)
+            except ConfigurationError:
+                continue  # no such topic (a deployment without a DLQ), or no right to read it
+            if high > low:
+                ends[topic] = high
+                start.append((topic, partition, low))
+        if start:
+            reader.assign(start)
+        found = _read_to(reader, ends, partition, timeout, key)
+    finally:
+        reader.close()
+    entries = [_entry(m, topics.dlq, keys) for m in found]
+    entries.sort(key=lambda e: (e.timestamp_ms or 0, order.get(e.topic, 99), e.offset))
+    return entries
+
+
+def _read_to(
+    reader: Any, ends: dict[str, int], partition: int, timeout: float, key: bytes | None
+) -> list[Message]:
+    """Poll ``reader`` until each topic's position reaches ``ends``; keep records keyed ``key``."""
+    found: list[Message] = []
+    todo = set(ends)
+    deadline = time.monotonic() + timeout
+    while todo and time.monotonic() < deadline:
+        for m in reader.poll_batch(2000, 0.2):
+            if key is None or m.key == key:
+                found.append(m)
+            if m.offset + 1 >= ends.get(m.topic, 0):
+                todo.discard(m.topic)
+        # Transaction markers occupy offsets too: the position tells when we are done.
+        for (topic, _), pos in reader.position([(t, partition) for t in todo]).items():
+            if pos is not None and pos >= ends[topic]:
+                todo.discard(topic)
+    return found
+
+
+def _text_headers(headers: Sequence[tuple[str, bytes]]) -> dict[str, str]:
+    shown: dict[str, str] = {}
+    for name, value in headers:
+        shown[name] = value.hex() if name == HEADER_SIGNATURE else value.decode("utf-8", "replace")
+    return shown
+
+
+def _signer(m: Message, keys: Keyring | None) -> str | None:
+    kid = m.header(HEADER_KEY_ID)
+    if kid is None:
+        return None
+    if keys is None:
+        principal = kid.decode("utf-8", "replace").rpartition(".")[0] or "?"
+        return f"{principal} (unverified)"
+    try:
+        return keys.signer(m.topic, m.key, m.value, m.headers)
+    except ValueError as exc:
+        return f"forged: {exc}"
+
+
+def _loose_json(value: bytes | None) -> dict[str, Any] | None:
+    """``value`` as a JSON object, if it is one; never raises."""
+    if value is None:
+        return None
+    try:
+        parsed = orjson.loads(value)
+    except orjson.JSONDecodeError:
+        return None
+    return parsed if isinstance(parsed, dict) else None
+
+
+def _cut(text: str) -> str:
+    line = " ".join(text.split())
+    return line if len(line) <= _SUMMARY_CHARS else line[: _SUMMARY_CHARS - 3] + "..."
+
+
+def _entry(m: Message, dlq_topic: str, keys: Keyring | None) -> HistoryEntry:
+    headers = _text_headers(m.headers)
+    signer = _signer(m, keys)
+
+    def made(kind: str, summary: str, record: dict[str, Any] | None) -> HistoryEntry:
+        return HistoryEntry(
+            topic=m.topic,
+            partition=m.partition,
+            offset=m.offset,
+            timestamp_ms=m.timestamp_ms,
+            kind=kind,
+            summary=_cut(summary),
+            record=record,
+            headers=headers,
+            signer=signer,
+        )
+
+    if m.topic == dlq_topic:
+        return made("dlq", _dead_letter_summary(headers), _loose_json(m.value))
+    if m.value is None:
+        return made("tombstone", "the coordinator forgot this saga (retention)", None)
+    record: dict[str, Any] | None
+    try:
+        decoded = to_dict(decode_keyed(m.key, m.value, *RECORD_TYPES.values()))
+        record, kind, summary = decoded, str(decoded.get("type")), summarize(decoded)
+    except InvalidRecord as exc:
+        record = _loose_json(m.value)
+        kind, summary = "invalid", f"does not decode: {exc.reason}"
+    redriven = headers.get(REDRIVEN_FROM)
+    if redriven is not None:
+        # An operator's copy from the DLQ shows as such, whether it decodes now or not.
+        by = headers.get(REDRIVEN_BY, "?")
+        return made("redrive", f"redriven from dlq {redriven} by {by}: {summary}", record)
+    return made(kind, summary, record)
+
+
+def _dead_letter_summary(headers: dict[str, str]) -> str:
+    source = (
+        f"{headers.get('saga.source.topic', '?')}/{headers.get('saga.source.partition', '?')}"
+        f"@{headers.get('saga.source.offset', '?')}"
+    )
+    return (
+        f"rejected by {headers.get('saga.component', '?')} from {source}: "
+        f"{headers.get('saga.error', '?')}"
+    )
+
+
+def summarize(record: dict[str, Any]) -> str:
+    """One line about a decoded record (a :func:`streams.to_dict` of it)."""
+    kind = record.get("type")
+    if kind == "saga.request":
+        steps = ", ".join(
+            f"{i}:{s.get('participant')}.{s.get('action')}"
+            for i, s in enumerate(record.get("steps", ()))
+        )
+        return f"{record.get('saga')} ({record.get('mode')}): {steps}"
+    if kind == "saga.step":
+        why = f": {record['reason']}" if record.get("reason") else ""
+        return f"step {record.get('step')} {record.get('participant')} {record.get('status')}{why}"
+    if kind == "saga.decision":
+        return f"{record.get('outcome')}: {record.get('reason')}"
+    if kind == "saga.status":
+        steps = " ".join(f"{s.get('participant')}:{s.get('status')}" for s in record["steps"])
+        why = f" ({record['reason']})" if record.get("reason") else ""
+        return f"{record.get('state')} [{steps}]{why}"
+    if kind == "saga.abort":
+        return f"abort: {record.get('reason') or 'no reason given'}"
+    if kind == "saga.resolve":
+        return f"step {record.get('step')} resolved by hand by {record.get('by')}: " + str(
+            record.get("note")
+        )
+    return str(kind)
+
+
+# ---------------------------------------------------------------- sagas by state
+
+
+@dataclass(frozen=True)
+class SagaStep:
+    """One step of a listed saga: its index, participant and progress."""
+
+    index: int
+    participant: str
+    status: str
+
+
+@dataclass(frozen=True)
+class SagaRow:
+    """A saga as its latest standing status record says (see :func:`list_sagas`)."""
+
+    tx_id: str
+    saga: str
+    state: str
+    reason: str | None
+    created_ms: int
+    updated_ms: int
+    deadline_ms: int
+    steps: tuple[SagaStep, ...]
+
+    @classmethod
+    def of(cls, status: SagaStatus) -> SagaRow:
+        return cls(
+            tx_id=status.tx_id,
+            saga=status.saga,
+            state=status.state.value,
+            reason=status.reason,
+            created_ms=status.created_ms,
+            updated_ms=status.updated_ms,
+            deadline_ms=status.deadline_ms,
+            steps=tuple(
+                SagaStep(i, s.participant, s.status.value) for i, s in enumerate(status.steps)
+            ),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict of this row."""
+        return {
+            "tx_id": self.tx_id,
+            "saga": self.saga,
+            "state": self.state,
+            "reason": self.reason,
+            "created_ms": self.created_ms,
+            "updated_ms": self.updated_ms,
+            "deadline_ms": self.deadline_ms,
+            "steps": [
+                {"step": s.index, "participant": s.participant, "status": s.status}
+                for s in self.steps
+            ],
+        }
+
+
+def _states(states: Iterable[str | SagaState] | None) -> frozenset[str] | None:
+    if states is None:
+        return None
+    wanted = frozenset(str(s) for s in states)
+    unknown = wanted - {s.value for s in SagaState}
+    if unknown:
+        raise ConfigurationError(
+            f"unknown saga state(s) {', '.join(sorted(unknown))}; use "
+            + ", ".join(s.value for s in SagaState)
+        )
+    return wanted
+
+
+def list_sagas(
+    log_or_settings: Log | KafkaSettings,
+    *,
+    states: Iterable[str | SagaState] | None = None,
+    older_than_ms: int | None = None,
+    saga: str | None = None,
+    participant: str | None = None,
+    limit: int | None = None,
+    keys: Keyring | None = None,
+    now_ms: int | None = None,
+) -> list[SagaRow]:
+    """The sagas of the status topic, newest update first, filtered.
+
+    Reads the whole compacted status topic; per transaction the standing status
+    counts (:func:`coordinator._restore.standing_status`: newest first, undecodable
+    records and, with ``keys``, records the coordinator did not sign passed over; a
+    tombstone means forgotten). Filters: ``states`` (any of), ``older_than_ms``
+    (created at least that long before ``now_ms``, default now: finds stuck sagas),
+    ``saga`` (the saga name), ``participant`` (one of its steps names it);
+    ``limit`` keeps the first rows. Raises :class:`ConfigurationError` for an
+    unknown state name.
+    """
+    wanted = _states(states)
+    log = _log_of(log_or_settings)
+    topic = log.settings.topics.status
+    probe = log.consumer(None, client_id="saga.admin.list")
+    try:
+        count = probe.list_partitions(topic)
+    finally:
+        probe.close()
+    cutoff = None
+    if older_than_ms is not None:
+        cutoff = (now_ms if now_ms is not None else int(time.time() * 1000)) - older_than_ms
+    rows: list[SagaRow] = []
+    for by_key in _read(log, topic, list(range(count)), "saga.admin.list").values():
+        for records in by_key.values():
+            _, status = standing_status(records, keys, lambda _m, _why: None)
+            if status is None:
+                continue
+            if wanted is not None and status.state.value not in wanted:
+                continue
+            if cutoff is not None and status.created_ms > cutoff:
+                continue
+            if saga is not None and status.saga != saga:
+                continue
+            if participant is not None and all(s.participant != participant for s in status.steps):
+                continue
+            rows.append(SagaRow.of(status))
+    rows.sort(key=lambda r: (r.updated_ms, r.tx_id), reverse=True)
+    return rows if limit is None else rows[:limit]
+
+
+def standing(
+    log_or_settings: Log | KafkaSettings,
+    tx_id: str,
+    *,
+    keys: Keyring | None = None,
+    timeout: float = 10.0,
+) -> SagaStatus | None:
+    """The standing status of one transaction (``None``: none, or forgotten)."""
+    log = _log_of(log_or_settings)
+    topic = log.settings.topics.status
+    key = tx_id.encode()
+    reader = log.consumer(None, client_id="saga.admin.status")
+    try:
+        partition = partition_for(key, reader.list_partitions(topic, timeout))
+        low, high = reader.watermarks(topic, partition, timeout)
+        if high <= low:
+            return None
+        reader.assign([(topic, partition, low)])
+        records = _read_to(reader, {topic: high}, partition, timeout, key)
+    finally:
+        reader.close()
+    return standing_status(records, keys, lambda _m, _why: None)[1]
+
+
+# ---------------------------------------------------------------- dead letters
+
+
+@dataclass(frozen=True)
+class DeadLetter:
+    """A record on the DLQ: where it came from, why it was rejected, its bytes."""
+
+    partition: int
+    offset: int
+    timestamp_ms: int | None
+    key: bytes | None
+    value: bytes | None
+    headers: dict[str, str]
+    source_topic: str | None
+    source_partition: int | None
+    source_offset: int | None
+    reason: str
+    component: str | None
+    truncated: bool
+
+    @property
+    def where(self) -> str:
+        """``<partition>:<offset>``, how the commands name a dead letter."""
+        return f"{self.partition}:{self.offset}"
+
+    def to_json(self, *, full: bool = False) -> dict[str, Any]:
+        """A JSON-ready dict; ``full`` adds the key and value as text (or hex)."""
+        shown: dict[str, Any] = {
+            "dlq": self.where,
+            "partition": self.partition,
+            "offset": self.offset,
+            "timestamp_ms": self.timestamp_ms,
+            "tx_id": _text(self.key)[0] if self.key is not None else None,
+            "source_topic": self.source_topic,
+            "source_partition": self.source_partition,
+            "source_offset": self.source_offset,
+            "reason": self.reason,
+            "component": self.component,
+            "truncated": self.truncated,
+        }
+        if full:
+            for name, data in (("key", self.key), ("value", self.value)):
+                text, encoding = _text(data) if data is not None else (None, None)
+                shown[name] = text
+                shown[f"{name}_encoding"] = encoding
+            shown["headers"] = self.headers
+        return shown
+
+
+def _text(data: bytes) -> tuple[str, str]:
+    """``data`` as UTF-8 text when it is, else as hex; with which one it is."""
+    try:
+        return data.decode("utf-8"), "utf-8"
+    except UnicodeDecodeError:
+        return data.hex(), "hex"
+
+
+def _int_or_none(text: str | None) -> int | None:
+    try:
+        return int(text) if text is not None else None
+    except ValueError:
+        return None
+
+
+def _dead_letter_of(m: Message) -> DeadLetter:
+    headers = _text_headers(m.headers)
+    return DeadLetter(
+        partition=m.partition,
+        offset=m.offset,
+        timestamp_ms=m.timestamp_ms,
+        key=m.key,
+        value=m.value,
+        headers=headers,
+        source_topic=headers.get("saga.source.topic"),
+        source_partition=_int_or_none(headers.get("saga.source.partition")),
+        source_offset=_int_or_none(headers.get("saga.source.offset")),
+        reason=headers.get("saga.error", "no reason recorded"),
+        component=headers.get("saga.component"),
+        truncated=headers.get("saga.truncated") == "1",
+    )
+
+
+def dead_letters(
+    log_or_settings: Log | KafkaSettings,
+    *,
+    source_topic: str | None = None,
+    since_ms: int | None = None,
+    limit: int | None = None,
+    timeout: float = 10.0,
+) -> list[DeadLetter]:
+    """The DLQ's records, newest first: those from ``source_topic`` (a full topic name or
+    its suffix such as ``requests``), written at or after ``since_ms``; at most ``limit``.
+    """
+    log = _log_of(log_or_settings)
+    topic = log.settings.topics.dlq
+    reader = log.consumer(None, client_id="saga.admin.dlq")
+    found: list[Message] = []
+    try:
+        ends: dict[int, int] = {}
+        start: list[tuple[str, int, int]] = []
+        for p in range(reader.list_partitions(topic, timeout)):
+            low, high = reader.watermarks(topic, p, timeout)
+            if high > low:
+                ends[p] = high
+                start.append((topic, p, low))
+        if start:
+            reader.assign(start)
+        todo = set(ends)
+        deadline = time.monotonic() + timeout
+        while todo and time.monotonic() < deadline:
+            for m in reader.poll_batch(2000, 0.2):
+                found.append(m)
+                if m.offset + 1 >= ends.get(m.partition, 0):
+                    todo.discard(m.partition)
+            for (_, p), pos in reader.position([(topic, p) for p in todo]).items():
+                if pos is not None and pos >= ends[p]:
+                    todo.discard(p)
+    finally:
+        reader.close()
+    prefix = log.settings.topics.prefix
+    wanted = None
+    if source_topic is not None:
+        wanted = source_topic if "." in source_topic else f"{prefix}.{source_topic}"
+    letters = [
+        d
+        for d in map(_dead_letter_of, found)
+        if (wanted is None or d.source_topic == wanted)
+        and (since_ms is None or (d.timestamp_ms or 0) >= since_ms)
+    ]
+    letters.sort(key=lambda d: (d.timestamp_ms or 0, d.partition, d.offset), reverse=True)
+    return letters if limit is None else letters[:limit]
+
+
+def dead_letter(
+    log_or_settings: Log | KafkaSettings, partition: int, offset: int, *, timeout: float = 10.0
+) -> DeadLetter | None:
+    """The dead letter at ``partition:offset`` of the DLQ, or ``None`` if there is none."""
+    log = _log_of(log_or_settings)
+    topic = log.settings.topics.dlq
+    reader = log.consumer(None, client_id="saga.admin.dlq")
+    try:
+        if not 0 <= partition < reader.list_partitions(topic, timeout):
+            return None
+        low, high = reader.watermarks(topic, partition, timeout)
+        if not low <= offset < high:
+            return None
+        reader.assign([(topic, partition, offset)])
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for m in reader.poll_batch(1, 0.2):
+                return _dead_letter_of(m) if m.offset == offset else None
+            pos = reader.position([(topic, partition)]).get((topic, partition))
+            if pos is not None and pos > offset:
+                return None  # a transaction marker or an aborted record: no dead letter
+    finally:
+        reader.close()
+    return None
+
+
+def redrive(
+    log_or_settings: Log | KafkaSettings, letter: DeadLetter, *, by: str
+) -> tuple[str, int, int]:
+    """Produce ``letter``'s original key and value to its source topic again.
+
+    The copy carries :data:`REDRIVEN_FROM` and :data:`REDRIVEN_BY` and none of the
+    dead letter's ``saga.*`` headers. A dead letter does not keep the original's
+    headers, so the copy is unsigned: where signatures are checked, the consumer
+    rejects it again (a redrive cannot launder a record). Returns
+    ``(topic, partition, offset)`` of the copy.
+
+    Raises :class:`ConfigurationError` for a truncated dead letter (its bytes are
+    not the whole record) or one whose source topic is not a topic of this
+    deployment.
+    """
+    log = _log_of(log_or_settings)
+    topics = log.settings.topics
+    if letter.truncated:
+        raise ConfigurationError(
+            f"dead letter {letter.where} holds only the start of a record that was too large, "
+            "so it cannot be redriven; ask its producer to send it again"
+        )
+    source = letter.source_topic
+    if source not in (topics.requests, topics.events, topics.decisions):
+        raise ConfigurationError(
+            f"dead letter {letter.where} came from {source or 'an unknown topic'}, not from "
+            f"{topics.requests}, {topics.events} or {topics.decisions}; it cannot be redriven"
+        )
+    # The dead letter's own headers (saga.*) describe the rejection, and its signature
+    # (if any) is the coordinator's over the dead letter: neither belongs on the copy.
+    headers = [
+        *((n, v.encode()) for n, v in letter.headers.items() if not n.startswith("saga.")),
+        (REDRIVEN_FROM, letter.where.encode()),
+        (REDRIVEN_BY, by.encode()),
+    ]
+    delivered: list[Message] = []
+    errors: list[str] = []
+
+    def done(error: object, m: Message) -> None:
+        if error is not None:
+            errors.append(str(error))
+        else:
+            delivered.append(m)
+
+    with log.producer(client_id="saga.admin.redrive") as producer:
+        producer.produce(source, letter.key, letter.value, headers=headers, on_delivery=done)
+        producer.flush(30)
+    if errors or not delivered:
+        raise ConfigurationError(
+            f"the copy of dead letter {letter.where} was not delivered "
+            f"({errors[0] if errors else 'no answer from Kafka'}); try again"
+        )
+    return source, delivered[0].partition, delivered[0].offset
