@@ -1,11 +1,16 @@
 """What the console does besides showing its view: operator actions and the other sources.
 
-:class:`Operations` sends an abort through the client library (the same path as
-``saga abort``; with an operator key it signs as ``operator``), records every action
-with who asked for it in the audit trail, and reaches the admin module
-(:mod:`coordinator._admin`: a saga's history, resolve, DLQ redrive) and the
-participant registry when they are installed. Each of those is imported in one small
-function below, so an install without them still serves the rest of the console.
+:class:`Operations` acts through the same functions as the ``saga`` admin commands:
+:func:`coordinator._admin_actions.abort` and :func:`~coordinator._admin_actions.resolve`
+(records on the requests topic naming who asked, signed with the operator key when
+the console has one; each waits a few seconds for the coordinator's answer and says
+whether the action was honoured) and :func:`coordinator._admin.redrive`; it reads a
+saga's history with :func:`coordinator._admin.history`. Every action, refused ones
+too, goes to the console's audit trail with the operator's name.
+
+The participant registry belongs to another module: :func:`registry_participants`
+is the one place that imports it, defensively, so an install without it still
+serves the rest of the console.
 """
 
 from __future__ import annotations
@@ -14,12 +19,12 @@ import importlib
 import logging
 import re
 import threading
-from collections.abc import Callable
+import time
 from dataclasses import asdict, is_dataclass
 from typing import Any
 
 from coordinator._console._store import ViewStore
-from streams import MAX_REASON_CHARS, TX_ID_PATTERN, SagaError, SagaState
+from streams import MAX_REASON_CHARS, TX_ID_PATTERN, SagaError
 from streams._lifecycle import wall_clock_ms
 from streams._secrets import redact
 from streams._signing import Keyring
@@ -34,6 +39,11 @@ OPERATOR_PATTERN = r"^[A-Za-z0-9._@+-]{1,64}$"
 MAX_NOTE_CHARS = 500
 """The longest reason or note an operator may type (the decision quotes it)."""
 
+ACTION_WAIT_S = 5.0
+"""How long an action waits for the coordinator's answer before saying it is not known yet."""
+
+_REGISTRY_CACHE_S = 3.0
+
 
 class ActionRefused(Exception):
     """An action the console will not send; ``status`` is the HTTP status to answer."""
@@ -41,16 +51,6 @@ class ActionRefused(Exception):
     def __init__(self, message: str, status: int = 400) -> None:
         super().__init__(message)
         self.status = status
-
-
-def _admin(name: str) -> Callable[..., Any] | None:
-    """``coordinator._admin.<name>`` when the admin module is installed and has it."""
-    try:
-        module = importlib.import_module("coordinator._admin")
-    except ImportError:
-        return None
-    found = getattr(module, name, None)
-    return found if callable(found) else None
 
 
 def _plain(value: Any) -> Any:
@@ -68,70 +68,85 @@ def _plain(value: Any) -> Any:
     return str(value)
 
 
-def registry_participants(settings: KafkaSettings, keys: Keyring | None) -> list[Any] | None:
+def registry_participants(
+    source: Log | KafkaSettings, keys: Keyring | None
+) -> list[dict[str, Any]] | None:
     """The participants that announced themselves, or None without a registry module.
 
-    The one place that knows the registry's API (``coordinator._registry``): wire a
-    new registry here.
+    The one place that knows the registry's API (``streams._registry.read_registry``,
+    whose answers have ``participants()`` with ``to_json()``): wire a new registry here.
+    A registry topic that cannot be read yet shows as an empty list.
     """
     try:
-        module = importlib.import_module("coordinator._registry")
+        module = importlib.import_module("streams._registry")
     except ImportError:
         return None
-    read = getattr(module, "participants", None) or getattr(module, "read_registry", None)
+    read = getattr(module, "read_registry", None)
     if not callable(read):
         return None
-    found = read(settings, keys=keys) if keys is not None else read(settings)
-    return list(_plain(found.values() if isinstance(found, dict) else found))
+    try:
+        registry = read(source, 5.0, keys=keys)
+    except SagaError as exc:
+        log.info("the participant registry cannot be read: %s", exc)
+        return []
+    return [dict(_plain(p.to_json())) for p in registry.participants()]
 
 
 class Operations:
-    """The console's actions; thread-safe. ``signing_keys`` signs (an operator key).
+    """The console's actions and slower reads; thread-safe.
 
-    ``log`` makes the abort's client (default: a Kafka client of ``settings``).
+    ``source`` is the log the admin functions use (a :class:`~streams.kafka.KafkaSettings`
+    makes a Kafka log per call). ``signing_keys`` signs actions (the operator key);
+    ``verify_keys`` checks what is read. ``actions_disabled`` says why every action is
+    refused (read-only, or no operator key).
     """
 
     def __init__(
         self,
-        settings: KafkaSettings,
+        source: Log | KafkaSettings,
         store: ViewStore,
         *,
         verify_keys: Keyring | None,
         signing_keys: Keyring | None,
         actions_disabled: str | None = None,
-        log: Log | None = None,
+        wait_s: float = ACTION_WAIT_S,
     ) -> None:
-        self._settings = settings
-        self._log = log
+        self._source = source
         self._store = store
         self._verify_keys = verify_keys
         self._signing_keys = signing_keys
+        self._wait_s = wait_s
         self.actions_disabled = actions_disabled
         """Why actions are off (e.g. no operator key), or None."""
-        self._client: Any = None
         self._lock = threading.Lock()
+        self._registry: tuple[float, list[dict[str, Any]] | None] | None = None
 
     # ------------------------------------------------------------------ reading
 
-    def history(self, tx_id: str, timeout: float) -> list[Any] | None:
-        """Every record of ``tx_id`` from every topic, or None without the admin module."""
-        history = _admin("history")
-        if history is None:
-            return None
-        return list(_plain(history(self._settings, tx_id, timeout=timeout)))
+    def history(self, tx_id: str, timeout: float) -> list[Any]:
+        """Every record of ``tx_id`` from every topic, oldest first (``saga history``)."""
+        from coordinator._admin import history
 
-    def participants(self) -> list[Any] | None:
-        return registry_participants(self._settings, self._verify_keys)
+        _check_tx_id(tx_id)
+        entries = history(self._source, tx_id, timeout=timeout, keys=self._verify_keys)
+        return list(_plain(entries))
+
+    def participants(self) -> list[dict[str, Any]] | None:
+        """The registry's participants (read at most every few seconds), or None."""
+        with self._lock:
+            if self._registry is not None and time.monotonic() - self._registry[0] < (
+                _REGISTRY_CACHE_S
+            ):
+                return self._registry[1]
+        found = registry_participants(self._source, self._verify_keys)
+        with self._lock:
+            self._registry = (time.monotonic(), found)
+        return found
 
     def capabilities(self) -> dict[str, bool]:
-        """Which actions this install can do (the UI shows only those)."""
+        """Which actions this console may take (the page shows only those)."""
         on = self.actions_disabled is None
-        return {
-            "abort": on,
-            "resolve": on and _admin("resolve") is not None,
-            "redrive": on and _admin("redrive") is not None,
-            "history": _admin("history") is not None,
-        }
+        return {"abort": on, "resolve": on, "redrive": on, "history": True}
 
     # ------------------------------------------------------------------ acting
 
@@ -140,93 +155,81 @@ class Operations:
             raise ActionRefused(self.actions_disabled, 403)
 
     def abort(self, tx_id: str, reason: str, operator: str) -> dict[str, Any]:
-        """Send an abort of ``tx_id``; recorded in the audit trail with ``operator``.
+        """Abort ``tx_id`` as ``saga abort`` does; the answer says whether it was honoured.
 
-        Refused (:class:`ActionRefused`) for a transaction the view shows decided: the
-        coordinator would ignore it. The coordinator's decision quotes the reason,
-        which names the operator, so the log itself says who aborted.
+        The ``saga.abort`` record names ``<operator> (saga console)``, and so does the
+        coordinator's decision (``aborted by operator alice (saga console): ...``).
         """
+        from coordinator._admin_actions import Verdict, abort
+
         self._check_allowed()
         _check_tx_id(tx_id)
         note = _check_note(reason, "reason")
-        row = self._store.saga(tx_id)
-        if row is not None and row["state"] != SagaState.PENDING.value:
-            self._audit(operator, "abort", tx_id, note, f"refused: already {row['state']}")
-            raise ActionRefused(
-                f"transaction {tx_id} is already {row['state']}: only a pending saga can be "
-                "aborted",
-                409,
-            )
-        sent_reason = (
-            f"{note} (by {operator} via saga console)"
-            if note
-            else (f"by {operator} via saga console")
-        )
         try:
-            self._abort_client().abort(tx_id, sent_reason)
+            result = abort(
+                self._source,
+                tx_id,
+                reason=note,
+                by=_by(operator),
+                wait_s=self._wait_s,
+                keys=self._signing_keys,
+            )
         except SagaError as exc:
             self._audit(operator, "abort", tx_id, note, f"failed: {exc}")
             raise ActionRefused(f"the abort could not be sent: {redact(str(exc))}", 502) from None
-        self._audit(operator, "abort", tx_id, note, "sent")
-        return {"tx_id": tx_id, "sent": True, "reason": sent_reason}
+        self._audit(operator, "abort", tx_id, note, f"{result.verdict.value}: {result.message}")
+        if result.verdict in (Verdict.UNKNOWN, Verdict.REFUSED, Verdict.NOT_HONOURED):
+            raise ActionRefused(result.message, 404 if result.verdict is Verdict.UNKNOWN else 409)
+        return result.to_json()
 
     def resolve(self, tx_id: str, step: int, note: str, operator: str) -> dict[str, Any]:
-        """Record that a failed compensation was handled by hand (the admin module's resolve)."""
+        """Record that step ``step``'s failed compensation was handled by hand."""
+        from coordinator._admin_actions import Verdict, resolve
+
         self._check_allowed()
         _check_tx_id(tx_id)
         text = _check_note(note, "note")
-        resolve = _admin("resolve")
-        if resolve is None:
-            raise ActionRefused("this install has no resolve (coordinator._admin is missing)", 501)
+        if not text:
+            raise ActionRefused("the note must say what was done by hand, e.g. 'refunded #42'")
+        detail = f"step {step}: {text}"
         try:
-            done = resolve(
-                self._settings,
+            result = resolve(
+                self._source,
                 tx_id,
-                step=step,
+                step,
                 note=text,
-                operator=operator,
+                by=_by(operator),
+                wait_s=self._wait_s,
                 keys=self._signing_keys,
             )
         except SagaError as exc:
-            self._audit(operator, "resolve", tx_id, f"step {step}: {text}", f"failed: {exc}")
+            self._audit(operator, "resolve", tx_id, detail, f"failed: {exc}")
             raise ActionRefused(redact(str(exc)), 502) from None
-        self._audit(operator, "resolve", tx_id, f"step {step}: {text}", "sent")
-        return {"tx_id": tx_id, "result": _plain(done)}
+        self._audit(operator, "resolve", tx_id, detail, f"{result.verdict.value}: {result.message}")
+        if result.verdict in (Verdict.UNKNOWN, Verdict.REFUSED):
+            raise ActionRefused(result.message, 409)
+        return result.to_json()
 
     def redrive(self, partition: int, offset: int, operator: str) -> dict[str, Any]:
-        """Send a dead letter back to its source topic (the admin module's redrive)."""
+        """Send the dead letter at ``partition:offset`` back to its source topic."""
+        from coordinator._admin import dead_letter, redrive
+
         self._check_allowed()
-        redrive = _admin("redrive")
-        if redrive is None:
-            raise ActionRefused("this install has no redrive (coordinator._admin is missing)", 501)
-        where = f"dlq {partition}@{offset}"
+        where = f"dlq {partition}:{offset}"
+        letter = dead_letter(self._source, partition, offset)
+        if letter is None:
+            self._audit(operator, "redrive", None, where, "refused: no dead letter there")
+            raise ActionRefused(f"there is no dead letter at {partition}:{offset}", 404)
+        shown = letter.to_json()["tx_id"]
+        tx_id = shown if isinstance(shown, str) else None
         try:
-            done = redrive(
-                self._settings,
-                partition=partition,
-                offset=offset,
-                operator=operator,
-                keys=self._signing_keys,
-            )
+            topic, new_partition, new_offset = redrive(self._source, letter, by=_by(operator))
         except SagaError as exc:
-            self._audit(operator, "redrive", None, where, f"failed: {exc}")
-            raise ActionRefused(redact(str(exc)), 502) from None
-        self._audit(operator, "redrive", None, where, "sent")
-        return {"result": _plain(done)}
-
-    def _abort_client(self) -> Any:
-        # One client for the console's life: it costs a producer and a status reader.
-        with self._lock:
-            if self._client is None:
-                from coordinator._client import SagaClient
-
-                self._client = SagaClient(
-                    self._settings,
-                    status_from_beginning=False,
-                    keys=self._signing_keys,
-                    log=self._log,
-                )
-            return self._client
+            self._audit(operator, "redrive", tx_id, where, f"refused: {exc}")
+            raise ActionRefused(redact(str(exc)), 409) from None
+        copy = f"{topic}/{new_partition}@{new_offset}"
+        self._audit(operator, "redrive", tx_id, where, f"sent to {copy}")
+        return {"redriven": where, "to": copy}
 
     def _audit(
         self, operator: str, action: str, tx_id: str | None, detail: str, outcome: str
@@ -236,11 +239,10 @@ class Operations:
         )
         log.warning("operator %s: %s %s (%s): %s", operator, action, tx_id or "", detail, outcome)
 
-    def close(self) -> None:
-        with self._lock:
-            if self._client is not None:
-                self._client.close()
-                self._client = None
+
+def _by(operator: str) -> str:
+    """Who acted, as the records say it: the operator, through the console."""
+    return f"{operator} (saga console)"
 
 
 def _check_tx_id(tx_id: str) -> None:

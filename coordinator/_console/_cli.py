@@ -121,9 +121,10 @@ def console(
             )
     wait_for_broker(settings, timeout=connect_timeout)
     store = ViewStore(url)
-    table = StatusTable(KafkaLog(settings), store, keys=verify_keys).start()
+    kafka = KafkaLog(settings)
+    table = StatusTable(kafka, store, keys=verify_keys).start()
     operations = Operations(
-        settings,
+        kafka,
         store,
         verify_keys=verify_keys,
         signing_keys=signing_keys,
@@ -162,5 +163,4 @@ def console(
     finally:
         server.server_close()
         table.stop()
-        operations.close()
         store.close()

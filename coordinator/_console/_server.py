@@ -210,8 +210,7 @@ class _Handler(BaseHTTPRequestHandler):
                 raise ActionRefused(f"no saga {parts[2][:140]!r} in the view (yet)", 404)
             self._json({"saga": row, "dead_letters": c.store.dead_letters(50, tx_id=parts[2])})
         elif len(parts) == 4 and parts[:2] == ["api", "sagas"] and parts[3] == "history":
-            entries = c.operations.history(parts[2], c.history_timeout)
-            self._json({"available": entries is not None, "entries": entries or []})
+            self._json({"entries": c.operations.history(parts[2], c.history_timeout)})
         elif parts == ["api", "metrics"]:
             metrics = c.store.metrics(wall_clock_ms())
             metrics.update(

@@ -101,8 +101,9 @@ def start(*, disabled: str | None = None, user_header: str | None = None) -> Ite
             producer.produce(SETTINGS.topics.status, record.tx_id, encode(record))
     store = ViewStore(":memory:")
     table = StatusTable(log, store)
+    # No coordinator runs here: an abort is sent and its wait ends at once with "timeout".
     operations = Operations(
-        SETTINGS, store, verify_keys=None, signing_keys=None, actions_disabled=disabled, log=log
+        log, store, verify_keys=None, signing_keys=None, actions_disabled=disabled, wait_s=0.01
     )
     console = Console(
         store=store,
@@ -122,7 +123,6 @@ def start(*, disabled: str | None = None, user_header: str | None = None) -> Ite
     finally:
         server.shutdown()
         server.server_close()
-        operations.close()
         store.close()
 
 
@@ -173,16 +173,21 @@ def test_bad_queries_get_one_sentence_and_a_4xx(running: Running) -> None:
 def test_an_abort_goes_through_the_client_and_lands_in_the_audit_trail(running: Running) -> None:
     code, body = running.call("/api/sagas/tx-pending/abort", {"reason": "stuck on shop"})
     assert code == 200, body
+    assert (body["verdict"], body["sent"]) == ("timeout", True)
     [sent] = running.aborts()
-    assert sent.tx_id == "tx-pending"
-    assert sent.reason == "stuck on shop (by alice via saga console)"
+    assert (sent.tx_id, sent.reason, sent.by) == (
+        "tx-pending",
+        "stuck on shop",
+        "alice (saga console)",
+    )
     [line] = running.call("/api/audit")[1]["audit"]
-    assert (line["operator"], line["action"], line["tx_id"], line["outcome"]) == (
+    assert (line["operator"], line["action"], line["tx_id"], line["detail"]) == (
         "alice",
         "abort",
         "tx-pending",
-        "sent",
+        "stuck on shop",
     )
+    assert line["outcome"].startswith("timeout: abort of tx-pending sent")
 
 
 def test_an_abort_of_a_decided_saga_is_refused_and_audited(running: Running) -> None:
@@ -190,7 +195,7 @@ def test_an_abort_of_a_decided_saga_is_refused_and_audited(running: Running) -> 
     assert code == 409 and "already committed" in body["error"]
     assert running.aborts() == []
     [line] = running.call("/api/audit")[1]["audit"]
-    assert line["outcome"] == "refused: already committed"
+    assert line["outcome"].startswith("not_honoured: tx-done is already committed")
 
 
 @pytest.mark.parametrize(
@@ -242,5 +247,5 @@ def test_behind_a_proxy_the_operator_comes_from_its_header() -> None:
             "/api/sagas/tx-pending/abort", {"reason": "x"}, {"X-Forwarded-User": "bob"}
         )
         assert code == 200
-        assert [a.reason for a in running.aborts()] == ["x (by bob via saga console)"]
+        assert [a.by for a in running.aborts()] == ["bob (saga console)"]
         assert running.call("/api/audit")[1]["audit"][0]["operator"] == "bob"

@@ -197,13 +197,6 @@ async function refreshTimeline(txId) {
     return;
   }
   if (txId !== selected) return;
-  if (!data.available) {
-    $("timeline-note").textContent =
-      "The full history (request, step events, decision, status, DLQ) needs `saga history` " +
-      "(coordinator._admin), which this install lacks; the steps above come from the status topic.";
-    $("timeline").replaceChildren();
-    return;
-  }
   $("timeline-note").textContent = data.entries.length + " records, oldest first";
   replaceRows($("timeline"), data.entries.map((e) => {
     const li = el("li", null, "kind-" + String(e.kind || "").replace(/[^a-z_.-]/gi, ""));
@@ -211,6 +204,7 @@ async function refreshTimeline(txId) {
       el("span", when(e.timestamp_ms), "when"),
       el("span", e.kind || "record", "kind"),
       el("span", (e.topic || "") + " " + e.partition + "@" + e.offset, "where mono"),
+    e.signer ? el("span", " signed " + e.signer, "where") : "",
       el("div", e.summary || "", "summary"),
     );
     return li;
@@ -233,11 +227,13 @@ async function doAbort() {
   const txId = selected;
   const reason = $("abort-reason").value;
   try {
-    await post("/api/sagas/" + encodeURIComponent(txId) + "/abort", { reason });
-    toast("abort of " + txId + " sent; the coordinator decides in a moment");
+    toast("abort of " + txId + " sent; waiting for the coordinator…");
+    const result = await post("/api/sagas/" + encodeURIComponent(txId) + "/abort", { reason });
+    toast(result.message, result.verdict !== "honoured" && result.verdict !== "already");
   } catch (e) {
     toast("abort refused: " + e.message, true);
   }
+  historyAt = 0;  // the timeline shows the abort and the decision at the next refresh
   refreshAudit();
   refreshDetail();
 }
@@ -259,9 +255,9 @@ function askResolve() {
 async function doResolve() {
   const txId = selected;
   try {
-    await post("/api/sagas/" + encodeURIComponent(txId) + "/resolve",
+    const result = await post("/api/sagas/" + encodeURIComponent(txId) + "/resolve",
       { step: Number($("resolve-step").value), note: $("resolve-note").value });
-    toast("resolution of " + txId + " recorded");
+    toast(result.message, result.verdict !== "honoured");
   } catch (e) {
     toast("resolve refused: " + e.message, true);
   }
@@ -272,8 +268,8 @@ async function doRedrive(d) {
   if (!confirm("Send this dead letter (" + d.partition + "@" + d.offset + ") back to " +
       (d.source_topic || "its topic") + "? Recorded as done by " + OPERATOR + ".")) return;
   try {
-    await post("/api/dlq/redrive", { partition: d.partition, offset: d.offset });
-    toast("dead letter " + d.partition + "@" + d.offset + " redriven");
+    const result = await post("/api/dlq/redrive", { partition: d.partition, offset: d.offset });
+    toast("dead letter " + result.redriven + " sent again to " + result.to);
   } catch (e) {
     toast("redrive refused: " + e.message, true);
   }
@@ -286,10 +282,10 @@ async function refreshParticipants() {
   const data = await api("/api/participants");
   $("participants-note").textContent = data.available
     ? data.participants.length + " participants announced themselves"
-    : "This install has no participant registry (coordinator._registry): nothing to show.";
+    : "This install has no participant registry (streams._registry): nothing to show.";
   replaceRows($("participants"), data.participants.map((p) => {
-    const beat = p.last_heartbeat_ms ?? p.heartbeat_ms ?? p.last_seen_ms ?? p.at_ms;
-    const status = p.status ?? (p.alive === undefined ? "" : (p.alive ? "alive" : "gone"));
+    const beat = p.last_heartbeat_ms;
+    const status = p.state || "";
     const tr = el("tr");
     tr.append(
       el("td", p.name, "mono"),
