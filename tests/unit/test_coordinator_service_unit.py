@@ -27,6 +27,7 @@ from streams import (
     Outcome,
     SagaAbort,
     SagaRequest,
+    SagaResolve,
     SagaState,
     SagaStatus,
     Step,
@@ -457,3 +458,33 @@ def test_every_rejected_record_of_a_batch_is_dead_lettered_once_and_skipped(
     stepper.step(3)
     assert sorted(s for s, _ in dead_letters(log)) == [f"{TOPICS.requests}@{i}" for i in range(3)]
     assert log.committed_offset(GROUP, TOPICS.requests, 1) == 3
+
+
+# ---------------------------------------------------------------- operator resolves
+
+
+def test_a_resolve_closes_a_failed_compensation_and_a_wrong_one_goes_to_the_dlq(
+    log: InMemoryLog, clock: ManualClock, coordinators: Running
+) -> None:
+    service, stepper = coordinators.start()
+    tx = tx_on(0)
+    submit(log, clock, tx)
+    report(log, clock, tx, StepStatus.APPLIED, 0)
+    report(log, clock, tx, StepStatus.FAILED, 1)
+    stepper.step()
+    report(log, clock, tx, StepStatus.COMPENSATION_FAILED, 0)
+    report(log, clock, tx, StepStatus.COMPENSATED, 1)
+    stepper.step()
+    assert state(log, tx) is SagaState.FAILED
+    with log.producer() as producer:
+        for step in (1, 0):  # step 1 was compensated: nothing to resolve there
+            resolve = SagaResolve(tx, step, "refunded by hand", "ann", clock())
+            producer.produce(TOPICS.requests, tx, encode(resolve))
+    stepper.step()
+    found = statuses(log)[tx]
+    assert found.state is SagaState.ROLLED_BACK
+    assert [s.status for s in found.steps] == [StepStatus.RESOLVED, StepStatus.COMPENSATED]
+    assert found.reason is not None and found.reason.endswith("resolved by hand by ann")
+    ((where, why),) = dead_letters(log)
+    assert where.startswith(TOPICS.requests) and "step 1 has no failed compensation" in why
+    assert service.stats.dlq == 1
