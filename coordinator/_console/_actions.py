@@ -177,7 +177,7 @@ class Operations:
         except SagaError as exc:
             self._audit(operator, "abort", tx_id, note, f"failed: {exc}")
             raise ActionRefused(f"the abort could not be sent: {redact(str(exc))}", 502) from None
-        self._audit(operator, "abort", tx_id, note, f"{result.verdict.value}: {result.message}")
+        self._audit(operator, "abort", tx_id, note, _outcome(result))
         if result.verdict in (Verdict.UNKNOWN, Verdict.REFUSED, Verdict.NOT_HONOURED):
             raise ActionRefused(result.message, 404 if result.verdict is Verdict.UNKNOWN else 409)
         return result.to_json()
@@ -205,7 +205,7 @@ class Operations:
         except SagaError as exc:
             self._audit(operator, "resolve", tx_id, detail, f"failed: {exc}")
             raise ActionRefused(redact(str(exc)), 502) from None
-        self._audit(operator, "resolve", tx_id, detail, f"{result.verdict.value}: {result.message}")
+        self._audit(operator, "resolve", tx_id, detail, _outcome(result))
         if result.verdict in (Verdict.UNKNOWN, Verdict.REFUSED):
             raise ActionRefused(result.message, 409)
         return result.to_json()
@@ -238,6 +238,12 @@ class Operations:
             wall_clock_ms(), operator, action, tx_id, detail, redact(outcome)[:500]
         )
         log.warning("operator %s: %s %s (%s): %s", operator, action, tx_id or "", detail, outcome)
+
+
+def _outcome(result: Any) -> str:
+    """An action's line in the audit trail: its verdict and the state it left."""
+    state = result.status.state.value if result.status is not None else "no status"
+    return f"{result.verdict.value} (state {state})"
 
 
 def _by(operator: str) -> str:

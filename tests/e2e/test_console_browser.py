@@ -136,7 +136,10 @@ def start_console(system: SagaSystem) -> tuple[Proc, str]:
     return proc, found.group(1)
 
 
-def shot(driver: WebDriver, name: str, tmp: Path) -> None:
+def shot(driver: WebDriver, name: str, tmp: Path, height: int = 900) -> None:
+    """Save the page as console-<name>.png (toast hidden, ``height`` pixels tall)."""
+    driver.execute_script("document.getElementById('toast').hidden = true")
+    driver.set_window_size(1400, height)
     folders = [tmp]
     if os.environ.get("SAGA_CONSOLE_SCREENSHOTS"):
         folders.append(ROOT / os.environ["SAGA_CONSOLE_SCREENSHOTS"])
@@ -209,19 +212,24 @@ def test_a_pending_saga_is_found_aborted_and_seen_rolled_back_in_the_browser(
     driver.find_element(By.ID, "abort-reason").send_keys("shop is down")
     driver.find_element(By.ID, "abort-confirm").click()
     wait.until(ec.text_to_be_present_in_element((By.ID, "detail-state"), "rolling_back"))
-    assert "aborted by operator: shop is down" in driver.find_element(By.ID, "detail-reason").text
+    reason = f"aborted by operator {OPERATOR} (saga console): shop is down"
+    assert driver.find_element(By.ID, "detail-reason").text == reason
 
     shop(system)  # owes the compensation of a step it never applied
     wait.until(ec.text_to_be_present_in_element((By.ID, "detail-state"), "rolled_back"))
     steps = driver.find_element(By.ID, "detail-steps").text
     assert steps.count("compensated") == 2, steps
-    shot(driver, "saga", tmp_path)
+    # The timeline (saga history) shows the request, the abort and the decision.
+    for kind in ("saga.request", "saga.abort", "saga.decision"):
+        wait.until(ec.text_to_be_present_in_element((By.ID, "timeline"), kind))
+    shot(driver, "saga", tmp_path, height=1400)
 
+    driver.set_window_size(1400, 900)
     driver.find_element(By.ID, "tab-audit").click()
     audit = (By.CSS_SELECTOR, "#audit tr")
     wait.until(ec.visibility_of_element_located(audit))
     line = driver.find_element(*audit).text
-    assert OPERATOR in line and "abort" in line and stuck in line and "sent" in line, line
+    assert OPERATOR in line and "abort" in line and stuck in line and "honoured" in line, line
     shot(driver, "audit", tmp_path)
 
     driver.find_element(By.ID, "tab-dlq").click()
@@ -235,4 +243,4 @@ def test_a_pending_saga_is_found_aborted_and_seen_rolled_back_in_the_browser(
     assert console.alive, console.log()
     # The abort reached the coordinator as a decision that names the operator.
     [decision] = system.decisions(stuck)
-    assert decision.reason == f"aborted by operator: shop is down (by {OPERATOR} via saga console)"
+    assert decision.reason == reason
