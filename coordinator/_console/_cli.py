@@ -100,7 +100,10 @@ def console(
     from streams._signing import Keyring
     from streams.kafka import KafkaLog, wait_for_broker
 
-    name = operator or getpass.getuser()
+    try:
+        name = operator or getpass.getuser()
+    except (OSError, KeyError):  # no login name in a bare container
+        fail("cannot tell who you are (no login name): pass --operator NAME", 2)
     if not re.fullmatch(OPERATOR_PATTERN, name):
         fail(f"--operator {name!r} is not a usable name: letters, digits and ._@+- only", 2)
     settings = settings_from(bootstrap, prefix, kafka_config)
@@ -119,10 +122,11 @@ def console(
             disabled = disabled or (
                 "the console has no operator key in its --keys-dir, so it cannot sign actions"
             )
-    wait_for_broker(settings, timeout=connect_timeout)
+    # Everything that can be wrong on this side (database, port) fails before Kafka is
+    # waited for, so a typo is reported at once.
     store = ViewStore(url)
     kafka = KafkaLog(settings)
-    table = StatusTable(kafka, store, keys=verify_keys).start()
+    table = StatusTable(kafka, store, keys=verify_keys)
     operations = Operations(
         kafka,
         store,
@@ -142,8 +146,15 @@ def console(
     try:
         server = make_server(shared, host, port)
     except OSError as exc:
-        table.stop()
+        store.close()
         fail(f"cannot listen on {host}:{port} ({exc.strerror}); choose another --port or --host", 2)
+    try:
+        wait_for_broker(settings, timeout=connect_timeout)
+    except BaseException:
+        server.server_close()
+        store.close()
+        raise
+    table.start()
 
     def stop(_signum: int, _frame: object) -> None:
         # shutdown() waits for serve_forever to return: call it from another thread.

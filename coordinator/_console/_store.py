@@ -150,7 +150,7 @@ class ViewStore:
             except psycopg.Error as exc:
                 raise ConfigurationError(
                     f"cannot open the console database {redact(self._url)}: "
-                    f"{redact(str(exc)).strip()}; check the URL and that the server runs"
+                    f"{' '.join(redact(str(exc)).split())}; check the URL and that the server runs"
                 ) from None
         path = self._url
         if path.startswith("sqlite:///"):

@@ -249,3 +249,36 @@ def test_behind_a_proxy_the_operator_comes_from_its_header() -> None:
         assert code == 200
         assert [a.by for a in running.aborts()] == ["bob (saga console)"]
         assert running.call("/api/audit")[1]["audit"][0]["operator"] == "bob"
+
+
+def test_the_timeline_is_the_sagas_history(running: Running) -> None:
+    code, body = running.call("/api/sagas/tx-pending/history")
+    assert code == 200, body
+    assert [(e["kind"], e["topic"]) for e in body["entries"]] == [
+        ("saga.status", SETTINGS.topics.status)
+    ]
+
+
+def test_a_dead_letter_is_redriven_and_audited(running: Running) -> None:
+    with running.log.producer() as producer:
+        producer.produce(
+            SETTINGS.topics.dlq,
+            "tx-9",
+            b'{"v": 1}',
+            headers=[
+                ("saga.error", b"missing fields"),
+                ("saga.source.topic", SETTINGS.topics.requests.encode()),
+            ],
+        )
+    running.drain()
+    [letter] = running.call("/api/dlq")[1]["dead_letters"]
+    where = {"partition": letter["partition"], "offset": letter["offset"]}
+    code, body = running.call("/api/dlq/redrive", where)
+    assert code == 200, body
+    copies = [m for m in running.log.records(SETTINGS.topics.requests) if m.key == b"tx-9"]
+    assert [m.value for m in copies] == [b'{"v": 1}']
+    assert copies[0].header("saga.redriven.by") == b"alice (saga console)"
+    [line] = running.call("/api/audit")[1]["audit"]
+    assert (line["action"], line["tx_id"], line["operator"]) == ("redrive", "tx-9", "alice")
+    code, body = running.call("/api/dlq/redrive", {"partition": 0, "offset": 999})
+    assert code == 404 and "no dead letter" in body["error"]
