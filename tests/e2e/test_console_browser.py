@@ -18,19 +18,16 @@ docs/img/console-*.png).
 from __future__ import annotations
 
 import os
-import re
-import signal
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
-import sqlalchemy as sa
 
-from streams import SagaState, Step
-from tests._infra import ROOT, Services, eventually
-from tests._system import Proc, SagaSystem, bank_schema, engine_for
+from tests._console import bank_system, shop, start_console, stuck_saga
+from tests._infra import ROOT, Services
+from tests._system import SagaSystem
 
 if TYPE_CHECKING:
     from selenium.webdriver.remote.webdriver import WebDriver
@@ -42,36 +39,10 @@ BROWSER = "/usr/bin/chromium"
 DRIVER = "/usr/bin/chromedriver"
 
 
-def debit(amount: int) -> Step:
-    return Step(
-        "ledger",
-        "increment",
-        {"target": "accounts", "key": "alice", "field": "balance", "by": -amount, "min": 0},
-    )
-
-
-def order(key: str) -> Step:
-    return Step("shop", "insert", {"target": "orders", "key": key, "value": {"item": "book"}})
-
-
 @pytest.fixture
 def system(services: Services, pg_schema: tuple[str, str], tmp_path: Path) -> Iterator[SagaSystem]:
-    _, schema = pg_schema
-    engine = engine_for(services)
-    try:
-        bank_schema(engine, schema)
-        with engine.begin() as conn:
-            conn.execute(sa.text(f"INSERT INTO \"{schema}\".accounts VALUES ('alice', 1000)"))
-    finally:
-        engine.dispose()
-    made = SagaSystem(services, tmp_path, schema, partitions=2)
-    made.extra_env["SAGA_KAFKA_SESSION_TIMEOUT_MS"] = "6000"
-    made.create_topics()
-    try:
+    with bank_system(services, pg_schema[1], tmp_path) as made:
         yield made
-    finally:
-        made.stop_all()
-        made.delete_topics()
 
 
 @pytest.fixture(scope="module")
@@ -110,32 +81,6 @@ def browser(chromium: None) -> Iterator[WebDriver]:
         driver.quit()
 
 
-def shop(system: SagaSystem) -> Proc:
-    return system.participant("shop", ["orders"], tag=f"-{len(system.procs)}")
-
-
-def start_console(system: SagaSystem) -> tuple[Proc, str]:
-    proc = system.start(
-        "console",
-        [
-            "console",
-            "--port",
-            "0",
-            "--db",
-            f"sqlite:///{system.tmp / 'console.db'}",
-            "--operator",
-            OPERATOR,
-        ],
-    )
-    found = eventually(
-        lambda: re.search(r"saga console ready: (http://\S+)", proc.log()) or not proc.alive,
-        timeout=60,
-        message="saga console did not print its address",
-    )
-    assert proc.alive and isinstance(found, re.Match), proc.log()
-    return proc, found.group(1)
-
-
 def shot(driver: WebDriver, name: str, tmp: Path, height: int = 900) -> None:
     """Save the page as console-<name>.png (toast hidden, ``height`` pixels tall)."""
     driver.execute_script("document.getElementById('toast').hidden = true")
@@ -165,31 +110,12 @@ def test_a_pending_saga_is_found_aborted_and_seen_rolled_back_in_the_browser(
         ignored_exceptions=[StaleElementReferenceException],
     )
 
-    system.coordinator()
-    system.participant("ledger", ["accounts"])
-    first_shop = shop(system)
-    with system.client() as client:
-        # Both participants answer: a committed saga, and one the ledger rejects.
-        done = client.submit([debit(10), order("o-warm")], saga="order", timeout=120)
-        assert client.result(done, timeout=120).state is SagaState.COMMITTED
-        rejected = client.submit([debit(10**6)], saga="transfer", timeout=120)
-        assert client.result(rejected, timeout=120).state is SagaState.ROLLED_BACK
-        first_shop.kill(signal.SIGTERM)
-        stuck = client.submit([debit(25), order("o-stuck")], saga="order", timeout=3600)
-        eventually(
-            lambda: (
-                (s := client.status(stuck)) is not None
-                and s.state is SagaState.PENDING
-                and s.steps[0].status.value == "applied"
-            ),
-            timeout=60,
-            message="the saga did not wait on the stopped shop",
-        )
+    stuck = stuck_saga(system)
     with system.producer() as producer:  # a dead letter for the DLQ view
         producer.produce(system.settings.topics.requests, "poison-1", b"{not json")
         producer.flush(30)
 
-    console, url = start_console(system)
+    console, url = start_console(system, "--operator", OPERATOR)
     driver.get(url)
     search = wait.until(ec.element_to_be_clickable((By.ID, "search")))
     search.send_keys(stuck)
