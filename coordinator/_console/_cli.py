@@ -21,6 +21,7 @@ from coordinator._cli_common import (
 )
 from streams import ConfigurationError
 from streams._secrets import redact_url, remember, url_password
+from streams.log import Log
 
 
 def _default_db(prefix: str) -> str:
@@ -32,6 +33,21 @@ def _default_db(prefix: str) -> str:
         base = Path(tempfile.gettempdir())
     safe = re.sub(r"[^A-Za-z0-9._-]", "_", prefix)
     return f"sqlite:///{base / f'console-{safe}.db'}"
+
+
+def _check_topics(kafka: Log, status_topic: str) -> None:
+    """Fail with one sentence when the status topic is missing (a wrong --prefix, mostly)."""
+    probe = kafka.consumer(None, client_id="saga.console.probe")
+    try:
+        probe.list_partitions(status_topic)
+    except ConfigurationError:
+        fail(
+            f"there is no topic {status_topic}: check --prefix (or SAGA_TOPIC_PREFIX), or "
+            "create the topics with `saga topics create`",
+            2,
+        )
+    finally:
+        probe.close()
 
 
 @click.command("console")
@@ -150,6 +166,7 @@ def console(
         fail(f"cannot listen on {host}:{port} ({exc.strerror}); choose another --port or --host", 2)
     try:
         wait_for_broker(settings, timeout=connect_timeout)
+        _check_topics(kafka, settings.topics.status)
     except BaseException:
         server.server_close()
         store.close()

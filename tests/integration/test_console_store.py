@@ -1,4 +1,5 @@
-"""The console's view in PostgreSQL (``--db postgresql://...``), against the real server.
+"""The console's view in PostgreSQL (``--db postgresql://...``), against the real server;
+and ``saga console`` on a prefix whose topics do not exist.
 
 The same store code as the SQLite default, through psycopg: rows, search, a
 tombstone, dead letters with a NUL byte (PostgreSQL text holds none), the audit
@@ -9,6 +10,8 @@ suggests for one console per topic prefix.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from urllib.parse import quote
 
 import pytest
@@ -16,7 +19,7 @@ import pytest
 from coordinator._console import ViewStore
 from coordinator._console._store import DeadLetter
 from streams import ConfigurationError, SagaState, SagaStatus, StepProgress, StepStatus
-from tests._infra import Services
+from tests._infra import Services, unique_name
 
 pytestmark = pytest.mark.integration
 
@@ -72,3 +75,17 @@ def test_a_database_that_cannot_be_opened_is_one_sentence_without_the_password(
         ViewStore(url)
     assert "s3cret-pass" not in str(caught.value)
     assert "cannot open the console database" in str(caught.value)
+
+
+def test_a_prefix_without_topics_is_one_sentence(services: Services) -> None:
+    args = ["--prefix", unique_name("none"), "--bootstrap", services.kafka_bootstrap]
+    done = subprocess.run(
+        [sys.executable, "-m", "coordinator", "console", *args, "--db", ":memory:", "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr
+    assert "there is no topic" in done.stderr and "--prefix" in done.stderr
