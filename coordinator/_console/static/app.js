@@ -241,7 +241,11 @@ async function doAbort() {
 function askResolve() {
   if (!selectedRow) return;
   const select = $("resolve-step");
-  select.replaceChildren(...selectedRow.steps.map((p, i) => {
+  // Only a step whose compensation failed can be resolved by hand.
+  const failed = selectedRow.steps
+    .map((p, i) => [p, i])
+    .filter(([p]) => p.status === "compensation_failed");
+  select.replaceChildren(...failed.map(([p, i]) => {
     const o = el("option", i + " · " + p.participant + " · " + p.status);
     o.value = String(i);
     return o;
