@@ -282,3 +282,34 @@ def test_a_dead_letter_is_redriven_and_audited(running: Running) -> None:
     assert (line["action"], line["tx_id"], line["operator"]) == ("redrive", "tx-9", "alice")
     code, body = running.call("/api/dlq/redrive", {"partition": 0, "offset": 999})
     assert code == 404 and "no dead letter" in body["error"]
+
+
+def test_a_resolve_is_sent_for_a_failed_compensation_only(running: Running) -> None:
+    failed = SagaStatus(
+        tx_id="tx-failed",
+        saga="transfer",
+        state=SagaState.FAILED,
+        steps=(StepProgress("ledger", StepStatus.COMPENSATION_FAILED),),
+        reason="step 0 compensation failed",
+        created_ms=1_000,
+        updated_ms=2_000,
+        deadline_ms=60_000,
+    )
+    with running.log.producer() as producer:
+        producer.produce(SETTINGS.topics.status, failed.tx_id, encode(failed))
+    running.drain()
+    code, body = running.call("/api/sagas/tx-pending/resolve", {"step": 0, "note": "by hand"})
+    assert code == 409 and "not failed" in body["error"]
+    code, body = running.call("/api/sagas/tx-failed/resolve", {"step": 0, "note": ""})
+    assert code == 400 and "note" in body["error"]
+    code, body = running.call("/api/sagas/tx-failed/resolve", {"step": 0, "note": "refunded"})
+    assert code == 200 and body["sent"] is True, body
+    sent = [decode(m.value) for m in running.log.records(SETTINGS.topics.requests) if m.value]
+    assert [(r.TYPE, r.step, r.note, r.by) for r in sent] == [
+        ("saga.resolve", 0, "refunded", "alice (saga console)")
+    ]
+    outcomes = [
+        (a["action"], a["tx_id"], a["outcome"]) for a in running.call("/api/audit")[1]["audit"]
+    ]
+    assert ("resolve", "tx-failed", "timeout (state failed)") in outcomes
+    assert ("resolve", "tx-pending", "refused (state pending)") in outcomes
