@@ -29,7 +29,16 @@ from typing import Any
 
 import pytest
 
-from streams import Decision, InvalidRecord, Record, SagaAbort, SagaRequest, StepEvent, decode_keyed
+from streams import (
+    Decision,
+    InvalidRecord,
+    Record,
+    SagaAbort,
+    SagaRequest,
+    SagaResolve,
+    StepEvent,
+    decode_keyed,
+)
 from streams._limits import (
     INT64_MAX,
     MAX_KEY_BYTES,
@@ -110,6 +119,19 @@ def padded(key: bytes, value: bytes, total: int) -> bytes:
 
 def abort(tx: str, reason: str) -> dict[str, Any]:
     return {"v": 1, "type": "saga.abort", "tx_id": tx, "reason": reason, "at_ms": OLD}
+
+
+def resolve(tx: str, **fields: Any) -> dict[str, Any]:
+    return {
+        "v": 1,
+        "type": "saga.resolve",
+        "tx_id": tx,
+        "step": 0,
+        "note": "refunded by hand",
+        "by": "ann@host",
+        "at_ms": OLD,
+        **fields,
+    }
 
 
 def event(tx: str, **fields: Any) -> dict[str, Any]:
@@ -198,6 +220,12 @@ def request_cases() -> dict[str, tuple[bytes, bytes, str]]:
         "name-ending-in-a-newline": (*keyed(with_names("tx-1", "bank", "insert\n")), "invalid"),
         "int64-overflow": (*keyed(request("tx-1", deadline_ms=INT64_MAX + 1)), "invalid"),
         "abort-reason-too-long": (*keyed(abort("tx-1", "r" * (MAX_REASON_CHARS + 1))), "invalid"),
+        "valid-abort-naming-who": (*keyed({**abort("tx-1", "stop"), "by": "ann@host"}), "abort"),
+        "abort-naming-nobody": (*keyed({**abort("tx-1", "stop"), "by": ""}), "invalid"),
+        "valid-resolve": (*keyed(resolve("tx-1", step=63)), "resolve"),
+        "resolve-of-step-64": (*keyed(resolve("tx-1", step=64)), "invalid"),
+        "resolve-without-a-note": (*keyed(resolve("tx-1", note="")), "invalid"),
+        "resolve-with-an-extra-field": (*keyed(resolve("tx-1", reason="x")), "invalid"),
         "mode-null": (*keyed(request("tx-1", mode=None)), "invalid"),
         "single-quotes": (key, value.replace(b'"test"', b"'test'"), "invalid"),
         "nan": (key, value.replace(b'"b":2', b'"b":NaN'), "invalid"),
@@ -234,7 +262,7 @@ def decision_cases() -> dict[str, tuple[bytes, bytes, str]]:
 
 
 TOPICS: dict[str, tuple[Any, tuple[type[Record], ...]]] = {
-    "requests": (parse_requests, (SagaRequest, SagaAbort)),
+    "requests": (parse_requests, (SagaRequest, SagaAbort, SagaResolve)),
     "events": (parse_events, (StepEvent,)),
     "decisions": (parse_decisions, (Decision,)),
 }
