@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from tests._console import bank_system, shop, start_console, stuck_saga
+from streams import SagaState
+from tests._console import bank_system, debit, shop, start_console, stuck_saga
 from tests._infra import ROOT, Services
 from tests._system import SagaSystem
 
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 OPERATOR = "e2e-operator"
+HOSTILE_NAME = "<img src=x onerror=window.pwned=1>"
 BROWSER = "/usr/bin/chromium"
 DRIVER = "/usr/bin/chromedriver"
 
@@ -167,6 +169,15 @@ def test_a_pending_saga_is_found_aborted_and_seen_rolled_back_in_the_browser(
     driver.find_element(By.ID, "tab-participants").click()
     wait.until(lambda d: d.find_element(By.ID, "participants-note").text != "")
     shot(driver, "participants", tmp_path)
+
+    with system.client() as client:  # markup in a saga's name is shown, never run
+        hostile = client.submit([debit(1)], saga=HOSTILE_NAME, timeout=120)
+        assert client.result(hostile, timeout=120).state is SagaState.COMMITTED
+    driver.find_element(By.ID, "tab-sagas").click()
+    hostile_row = (By.CSS_SELECTOR, f'#sagas tr[data-tx="{hostile}"]')
+    wait.until(ec.text_to_be_present_in_element(hostile_row, HOSTILE_NAME))
+    assert driver.execute_script("return window.pwned") is None
+    assert not driver.find_elements(By.CSS_SELECTOR, "#sagas img")
 
     assert console.alive, console.log()
     # The abort reached the coordinator as a decision that names the operator.
