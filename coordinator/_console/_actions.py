@@ -16,6 +16,7 @@ serves the rest of the console.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import logging
 import re
 import threading
@@ -146,7 +147,8 @@ class Operations:
     def capabilities(self) -> dict[str, bool]:
         """Which actions this console may take (the page shows only those)."""
         on = self.actions_disabled is None
-        return {"abort": on, "resolve": on, "redrive": on, "history": True}
+        registry = importlib.util.find_spec("streams._registry") is not None
+        return {"abort": on, "resolve": on, "redrive": on, "participants": registry}
 
     # ------------------------------------------------------------------ acting
 

@@ -121,6 +121,8 @@ async function refreshMetrics() {
   if (m.forged_skipped) health.textContent += " · " + m.forged_skipped + " forged skipped";
   capabilities = m.capabilities || {};
   capabilities.why = m.actions_disabled;
+  // The participants tab exists only where the participant registry is installed.
+  $("tab-participants").hidden = !capabilities.participants;
 }
 
 // ---------------------------------------------------------------- one saga
