@@ -26,10 +26,11 @@ from streams.log import Log
 
 def _default_db(prefix: str) -> str:
     """A SQLite file in the user's state folder (a temporary one if that is not writable)."""
-    base = Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state") / "saga"
     try:
+        state = os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state"
+        base = Path(state) / "saga"
         base.mkdir(parents=True, exist_ok=True)
-    except OSError:
+    except (OSError, RuntimeError):  # no home folder, or one that cannot be written
         base = Path(tempfile.gettempdir())
     safe = re.sub(r"[^A-Za-z0-9._-]", "_", prefix)
     return f"sqlite:///{base / f'console-{safe}.db'}"
