@@ -62,7 +62,7 @@ def chromium() -> None:
 
 
 @pytest.fixture
-def browser(chromium: None) -> Iterator[WebDriver]:
+def browser(chromium: None, tmp_path: Path) -> Iterator[WebDriver]:
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
@@ -80,7 +80,12 @@ def browser(chromium: None) -> Iterator[WebDriver]:
     try:
         yield driver
     finally:
-        driver.quit()
+        # What the page showed last, next to the processes' logs, for a failed run.
+        try:
+            driver.save_screenshot(str(tmp_path / "browser-last.png"))
+            (tmp_path / "browser-last.html").write_text(driver.page_source)
+        finally:
+            driver.quit()
 
 
 def shot(driver: WebDriver, name: str, tmp: Path, height: int = 900) -> None:
