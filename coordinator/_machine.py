@@ -340,9 +340,10 @@ def _on_resolve(saga: Saga | None, resolve: SagaResolve) -> Saga | Ignored:
     steps = list(saga.steps)
     steps[step] = StepStatus.RESOLVED
     saga = replace(saga, steps=tuple(steps), updated_ms=resolve.at_ms)
-    if StepStatus.COMPENSATION_FAILED in saga.steps:
-        return saga  # still failed: the operator note names the steps left
     base = (saga.reason or "").split(_OPERATOR_MUST_ACT.split("{", maxsplit=1)[0])[0]
+    left = [i for i, s in enumerate(saga.steps) if s is StepStatus.COMPENSATION_FAILED]
+    if left:  # still failed: the operator note names only the steps left
+        return replace(saga, reason=f"{base}{_OPERATOR_MUST_ACT.format(left)}")
     reason = f"{base}; failed compensation resolved by hand by {resolve.by}"
     if len(reason) > MAX_REASON_CHARS:
         reason = reason[: MAX_REASON_CHARS - 3] + "..."

@@ -67,6 +67,9 @@ def test_the_saga_stays_failed_until_every_failed_step_is_resolved() -> None:
     saga, out = decide(failed_saga((0, 1)), resolve(1))
     assert live(saga).state is SagaState.FAILED
     assert live(saga).steps == (StepStatus.COMPENSATION_FAILED, StepStatus.RESOLVED)
+    assert (live(saga).reason or "").endswith(
+        "compensation of step(s) [0] failed: an operator must act"
+    )
     assert len(statuses(out)) == 1
 
     saga, out = decide(saga, resolve(0, by="bob"))

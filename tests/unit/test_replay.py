@@ -69,6 +69,7 @@ from coordinator._machine import (
     Ignored,
     Input,
     RequestReceived,
+    ResolveRequested,
     Saga,
     StepReported,
     Tick,
@@ -92,6 +93,7 @@ from streams import (
     Record,
     SagaAbort,
     SagaRequest,
+    SagaResolve,
     SagaStatus,
     StepEvent,
     StepStatus,
@@ -123,7 +125,7 @@ def load(path: Path) -> dict[str, Any]:
 def decoded(rec: Mapping[str, Any]) -> Record:
     """The record as a consumer of its topic reads it, through the real codec."""
     kinds: tuple[type[Record], ...] = {
-        "requests": (SagaRequest, SagaAbort),
+        "requests": (SagaRequest, SagaAbort, SagaResolve),
         "events": (StepEvent,),
         "decisions": (Decision,),
         "status": (SagaStatus,),
@@ -163,6 +165,8 @@ def coordinator_input(fx: Mapping[str, Any], index: int, at_ms: int) -> Input:
         return RequestReceived(record, at_ms, frozenset(known) if known else None)
     if isinstance(record, SagaAbort):
         return AbortRequested(record)
+    if isinstance(record, SagaResolve):
+        return ResolveRequested(record)
     assert isinstance(record, StepEvent), f"not a coordinator input: {rec}"
     return StepReported(record, at_ms)
 

@@ -49,6 +49,7 @@ from streams import (
     Outcome,
     SagaAbort,
     SagaRequest,
+    SagaResolve,
     SagaState,
     SagaStatus,
     SagaTimeout,
@@ -484,6 +485,32 @@ def test_only_operators_abort_when_the_coordinator_says_so(
     send(log, keys.operator, TOPICS.requests, SagaAbort(tx, "operator", clock()))
     c.step()
     assert real_decisions(log, keys) == [(tx, Outcome.ROLLBACK)]
+
+
+def test_only_the_operator_key_resolves_a_failed_compensation(
+    log: InMemoryLog, clock: ManualClock, keys: Keys, running: Running
+) -> None:
+    _, c = running.coordinator()
+    tx = tx_on(1)
+    send(log, keys.client, TOPICS.requests, request(tx, clock))
+    send(log, keys.bank, TOPICS.events, event(tx, 0, "bank", StepStatus.APPLIED, clock))
+    send(log, keys.shop, TOPICS.events, event(tx, 1, "shop", StepStatus.FAILED, clock))
+    c.step()
+    send(log, keys.bank, TOPICS.events, event(tx, 0, "bank", StepStatus.COMPENSATION_FAILED, clock))
+    send(log, keys.shop, TOPICS.events, event(tx, 1, "shop", StepStatus.COMPENSATED, clock))
+    c.step()
+    assert real_state(log, keys, tx) is SagaState.FAILED
+    for signer in (keys.client, None):
+        send(log, signer, TOPICS.requests, SagaResolve(tx, 0, "by hand", "mallory", clock()))
+    c.step()
+    assert real_state(log, keys, tx) is SagaState.FAILED
+    assert dead_letters(log) == [
+        (TOPICS.requests, "record is signed by client, not by operator"),
+        (TOPICS.requests, "record is not signed: expected a signature by operator"),
+    ]
+    send(log, keys.operator, TOPICS.requests, SagaResolve(tx, 0, "by hand", "ann", clock()))
+    c.step()
+    assert real_state(log, keys, tx) is SagaState.ROLLED_BACK
 
 
 # ---------------------------------------------------------------- forged status
