@@ -12,7 +12,7 @@ INFRA  := infra/services.sh
 # Exports the running services' addresses (SAGA_KAFKA_BOOTSTRAP, ...) into a recipe.
 WITH_ENV := eval "$$($(INFRA) env)" &&
 
-.PHONY: help venv lint unit test demo bench bench-short reconcile-bench state-bench chaos chaos-short infra-up infra-down infra-status clean
+.PHONY: help venv lint unit test demo bench bench-short reconcile-bench state-bench chaos chaos-short console-screenshots infra-up infra-down infra-status clean
 
 help:
 	@echo "make test          install everything, start the local services, lint, run the test suite"
@@ -29,6 +29,7 @@ help:
 	@echo "make chaos-short   fault injection, short profile (CI): every fault type once, a few minutes;"
 	@echo "                   then 1,000+ hostile records of 29 kinds in 1,000+ valid sagas"
 	@echo "make chaos         fault injection, long profile: 20,000 sagas, 20 kills of each component"
+	@echo "make console-screenshots  the web console's browser test, saving docs/img/console-*.png"
 
 $(VENV)/.installed: pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -94,6 +95,12 @@ chaos-short: venv infra-up
 
 chaos: venv infra-up
 	@$(WITH_ENV) $(VENV)/bin/pytest -m chaos -q -s tests/chaos/test_chaos.py::test_long_profile
+
+# The web console's browser test (headless Chromium from Debian's packages, installed by
+# infra/chromium.sh), keeping its screenshots in docs/img for the README.
+console-screenshots: venv infra-up
+	@$(WITH_ENV) SAGA_CONSOLE_SCREENSHOTS=docs/img $(VENV)/bin/pytest -q \
+		tests/e2e/test_console_browser.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -56,6 +56,8 @@ from streams.kafka import create_topics, wait_for_broker
 
 # The tools' commands: name -> module of the tools package that defines it.
 TOOL_COMMANDS = {"bench": "sagatools.cli", "demo": "sagatools.cli"}
+# Core commands imported only when run (a web server is no start-up cost for the rest).
+LAZY_COMMANDS = {"console": "coordinator._console._cli"}
 
 
 def _tools_missing(name: str, problem: str) -> click.Command:
@@ -119,13 +121,17 @@ class SagaGroup(click.Group):
     """
 
     def list_commands(self, ctx: click.Context) -> list[str]:
-        return sorted({*super().list_commands(ctx), *TOOL_COMMANDS})
+        return sorted({*super().list_commands(ctx), *TOOL_COMMANDS, *LAZY_COMMANDS})
 
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
         found = self._command(ctx, cmd_name)
         return with_verbose(found) if found is not None else None
 
     def _command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name in LAZY_COMMANDS and cmd_name not in self.commands:
+            lazy = getattr(importlib.import_module(LAZY_COMMANDS[cmd_name]), cmd_name)
+            assert isinstance(lazy, click.Command)
+            return lazy
         module_name = TOOL_COMMANDS.get(cmd_name)
         if module_name is None or cmd_name in self.commands:
             return super().get_command(ctx, cmd_name)
