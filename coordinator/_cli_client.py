@@ -195,11 +195,17 @@ def status(
     tx_id: str,
     keys_dir: str | None,
 ) -> None:
-    """Print the latest status of a transaction (reads the status topic)."""
+    """Print the latest status of a transaction (reads the status topic).
+
+    For a saga still committing or rolling back, a line on standard error names each
+    participant it waits on that is gone or never announced itself (see `saga participants`).
+    """
+    from coordinator._cli_registry import waiting_notes
     from coordinator._status_view import StatusView
 
     settings = settings_from(bootstrap, prefix, kafka_config)
-    view = StatusView(settings, from_beginning=True, keys=load_keys(keys_dir, None))
+    keys = load_keys(keys_dir, None)
+    view = StatusView(settings, from_beginning=True, keys=keys)
     try:
         view.wait_caught_up(60)
         found = view.get(tx_id)
@@ -208,6 +214,8 @@ def status(
     if found is None:
         fail(f"no status for transaction {tx_id}: the coordinator has not seen it (yet)")
     click.echo(json.dumps(to_dict(found), indent=2))
+    for note in waiting_notes(settings, found, keys):  # on stderr: stdout stays JSON
+        click.echo(f"saga: {note}", err=True)
 
 
 @click.command()

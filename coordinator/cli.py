@@ -40,11 +40,13 @@ from coordinator._cli_common import (
     settings_from,
 )
 from coordinator._cli_keys import keys
+from coordinator._cli_registry import participants
 from streams import (
     ConfigurationError,
     ConflictingRequest,
     SagaError,
     SagaTimeout,
+    StorageKind,
     schema,
 )
 from streams._secrets import install_log_redaction, redact, url_password
@@ -86,6 +88,15 @@ class SagaGroup(click.Group):
         command = getattr(module, cmd_name)
         assert isinstance(command, click.Command)
         return command
+
+
+def _duration_ms(value: str, option: str) -> int:
+    from streams._duration import parse_duration_ms
+
+    try:
+        return parse_duration_ms(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint=option) from None
 
 
 def _exit_wedged(message: str) -> None:
@@ -141,7 +152,11 @@ def topics_create(
     replication_factor: int,
     retention_ms: int,
 ) -> None:
-    """Create requests, events, decisions, status (compacted) and dlq with one partition count."""
+    """Create requests, events, decisions, status (compacted), dlq and participants
+    (compacted: the participant registry), all with one partition count.
+
+    Run it again after an upgrade: it adds the topics that are missing and leaves the
+    others alone."""
     settings = settings_from(bootstrap, prefix, kafka_config)
     created = create_topics(settings, partitions, replication_factor, retention_ms=retention_ms)
     for name in settings.topics.all:
@@ -170,7 +185,17 @@ def coordinator() -> None:
     "--participants",
     default=None,
     help="Comma-separated names of the participants that exist; a request naming "
-    "another rolls back at once (default: accept any name).",
+    "another rolls back at once (default: those that announced themselves on the "
+    "participant registry, <prefix>.participants).",
+)
+@click.option(
+    "--unknown-participants",
+    type=click.Choice(["reject", "accept"]),
+    default="reject",
+    show_default=True,
+    help="Without --participants: reject (roll back at once) a request naming a participant "
+    "that never announced itself on the registry, or accept any name (for deployments "
+    "that start participants after their first requests).",
 )
 @retention_option("Forget sagas (memory, status topic) finished longer ago than this")
 @connect_timeout_option
@@ -187,6 +212,7 @@ def coordinator_run(
     kafka_config: str | None,
     instance_id: str,
     participants: str | None,
+    unknown_participants: str,
     retention_ms: int,
     connect_timeout: float,
     keys_dir: str | None,
@@ -196,7 +222,9 @@ def coordinator_run(
 
     Sagas that ended committed or rolled back are forgotten --retention after their
     deadline and last change; a request whose deadline passed longer ago than that
-    goes to the DLQ as expired.
+    goes to the DLQ as expired. A request naming a participant that never announced
+    itself on the participant registry rolls back at once (see --unknown-participants);
+    the coordinator reads the registry to its end before it decides anything.
     """
     from coordinator._service import CoordinatorService
     from streams._faults import faults_from_env
@@ -216,6 +244,7 @@ def coordinator_run(
         settings,
         instance_id=instance_id,
         participants=known,
+        unknown_participants="accept" if unknown_participants == "accept" else "reject",
         retention_ms=retention_ms,
         log=KafkaLog(settings, on_wedged=_exit_wedged),
         faults=faults,
@@ -273,6 +302,15 @@ def participant() -> None:
 @click.option("--handlers", default=None, help="Dotted path of a module with custom HANDLERS.")
 @click.option("--schema", "db_schema", default=None, help="SQL schema of the tables and ledger.")
 @retention_option("Remove ledger entries of transactions finished longer ago than this")
+@click.option(
+    "--heartbeat",
+    "heartbeat_ms",
+    default="5s",
+    show_default=True,
+    callback=lambda _c, _p, v: _duration_ms(v, "--heartbeat"),
+    help="How often to announce on the participant registry that this process is up "
+    "(500ms, 5s, 1m); it counts as gone after three missed heartbeats.",
+)
 @connect_timeout_option
 @keys_dir_option
 def participant_run(
@@ -289,6 +327,7 @@ def participant_run(
     handlers: str | None,
     db_schema: str | None,
     retention_ms: int,
+    heartbeat_ms: int,
     connect_timeout: float,
     keys_dir: str | None,
 ) -> None:
@@ -296,7 +335,9 @@ def participant_run(
 
     The storage URL comes from one of --url, --url-file or --url-env, else from
     the SAGA_STORAGE_URL environment variable; --password-file sets its password.
-    No message or log line shows the password. An authentication failure of the
+    No message or log line shows the password. Before it consumes, the process
+    announces itself on the participant registry (<prefix>.participants), then
+    again every --heartbeat. An authentication failure of the
     storage exits with code 2; Kafka not answering within --connect-timeout
     seconds exits with code 1.
     """
@@ -336,6 +377,9 @@ def participant_run(
         log=KafkaLog(settings, on_wedged=_exit_wedged),
         faults=faults,
         keys=signing_keys,
+        heartbeat_interval_ms=heartbeat_ms,
+        kind=StorageKind(storage),
+        targets=target_list,
     )
     runtime.install_signal_handlers()
     runtime.run()
@@ -360,7 +404,7 @@ from streams.reconcile.cli import reconcile  # noqa: E402  (registered after mai
 
 main.add_command(reconcile)
 main.add_command(acls)
-for _command in (submit, status, watch, abort, keys):
+for _command in (submit, status, watch, abort, keys, participants):
     main.add_command(_command)
 
 

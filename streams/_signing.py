@@ -13,7 +13,8 @@ record                        signed by
 ============================  ==========================================
 request                       ``client`` or ``operator``
 abort                         ``client`` or ``operator`` (``aborters``)
-step event of participant P   ``participant-P``
+step event of participant P   ``participant-P`` (``compensated``: also ``coordinator``)
+announcement of P             ``participant-P`` (a tombstone: also ``operator``)
 decision, status, dead letter ``coordinator``
 ============================  ==========================================
 
@@ -54,7 +55,15 @@ from nacl.exceptions import BadSignatureError
 from nacl.signing import SigningKey, VerifyKey
 
 from streams._errors import ConfigurationError
-from streams._records import Decision, SagaAbort, SagaRequest, SagaStatus, StepEvent
+from streams._records import (
+    Decision,
+    ParticipantAnnouncement,
+    SagaAbort,
+    SagaRequest,
+    SagaStatus,
+    StepEvent,
+    StepStatus,
+)
 
 HEADER_KEY_ID: Final = "saga.kid"
 HEADER_SIGNATURE: Final = "saga.sig"
@@ -69,7 +78,7 @@ CLIENT: Final = "client"
 OPERATOR: Final = "operator"
 PARTICIPANT_PREFIX: Final = "participant-"
 
-Record = SagaRequest | SagaAbort | StepEvent | Decision | SagaStatus
+Record = SagaRequest | SagaAbort | StepEvent | Decision | SagaStatus | ParticipantAnnouncement
 
 
 def participant_principal(name: str) -> str:
@@ -103,7 +112,14 @@ def allowed_signers(
     if isinstance(record, SagaAbort):
         return aborters
     if isinstance(record, StepEvent):
+        if record.status is StepStatus.COMPENSATED:
+            # The coordinator reports a step of a participant that never announced itself
+            # as compensated (nothing to undo), so that its sequential predecessor, which
+            # waits for that event, compensates. It could roll the saga back anyway.
+            return frozenset({participant_principal(record.participant), COORDINATOR})
         return frozenset({participant_principal(record.participant)})
+    if isinstance(record, ParticipantAnnouncement):
+        return frozenset({participant_principal(record.name)})
     return frozenset({COORDINATOR})
 
 
