@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from typing import Final
 
-from streams import SagaRequest
+from streams import ConfigurationError, SagaRequest
 from streams._lifecycle import Clock, wall_clock_ms
 from streams._registry import ParticipantRegistry
 from streams._signing import Keyring
@@ -80,7 +80,16 @@ class KnownParticipants:
         """
         if self.registry is None:
             return True
-        self.registry.start()
+        try:
+            self.registry.start()
+        except ConfigurationError as exc:
+            if "does not exist" not in str(exc):
+                raise
+            raise ConfigurationError(
+                f"topic {self.registry.topic} (the participant registry) does not exist: run "
+                "`saga topics create` again, which adds only the missing topics, or run the "
+                "coordinator with --unknown-participants accept"
+            ) from None
         begun = time.monotonic()
         while not self.registry.catch_up(_STARTUP_REPORT_S, stop=should_stop):
             if should_stop():
