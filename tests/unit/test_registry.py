@@ -44,7 +44,7 @@ from streams import (
     encode,
 )
 from streams._signed_log import SignedLog
-from streams._signing import OPERATOR, Keyring, create_key, participant_principal
+from streams._signing import OPERATOR, Keyring, create_key
 from streams.testing import InMemoryLog, ManualClock, Stepper, key_on
 
 pytestmark = pytest.mark.unit
@@ -215,7 +215,7 @@ def keys_in(folder: Path, principal: str | None) -> Keyring:
 
 @pytest.fixture
 def key_folder(tmp_path: Path) -> Path:
-    for principal in ("coordinator", OPERATOR, participant_principal("bank"), "participant-shop"):
+    for principal in ("coordinator", "client", OPERATOR, "participant-bank", "participant-shop"):
         create_key(tmp_path, principal)
     return tmp_path
 
@@ -447,3 +447,65 @@ def test_a_participant_announces_itself_before_consuming_then_beats_then_says_st
     registry.poll(0)
     (info,) = registry.participants()
     assert info.gone and info.instances[0].state is ParticipantState.STOPPING
+
+
+@pytest.mark.parametrize("signed", [False, True], ids=["unsigned", "signed"])
+def test_the_coordinators_report_of_an_unknown_step_lets_the_earlier_step_compensate(
+    log: InMemoryLog, clock: ManualClock, tmp_path: Path, key_folder: Path, signed: bool
+) -> None:
+    """Sequential: ``bank`` applied step 0 and got the rollback; it compensates only once
+    step 1 is reported compensated, which its participant (``ledgr``, unknown) never does:
+    the coordinator's report of that step is what lets it (with keys: signed by the
+    coordinator, which may sign a ``compensated`` report and nothing else of the kind)."""
+    import sqlalchemy as sa
+
+    url = f"sqlite:///{tmp_path / 'bank.db'}"
+    engine = sa.create_engine(url)
+    with engine.begin() as connection:
+        connection.execute(sa.text("CREATE TABLE accounts (id TEXT PRIMARY KEY, n INTEGER)"))
+        connection.execute(sa.text("INSERT INTO accounts VALUES ('a', 100)"))
+
+    def balance() -> int:
+        with engine.connect() as connection:
+            return int(connection.execute(sa.text("SELECT n FROM accounts")).scalar_one())
+
+    def as_(principal: str) -> Any:
+        made = SignedLog(log, keys_in(key_folder, principal)) if signed else log
+        return made.producer()
+
+    storage = open_storage("sql", name="bank", url=url, targets=["accounts"])
+    runtime = ParticipantRuntime(
+        "bank",
+        storage,
+        SETTINGS,
+        log=log,
+        clock=clock,
+        keys=keys_in(key_folder, "participant-bank") if signed else None,
+    )
+    stepper = Stepper(log, runtime.run, stop=runtime.stop).start()
+    tx = key_on(0, PARTITIONS)
+    try:
+        req = request(tx, clock, "bank", "ledgr", mode=Mode.SEQUENTIAL)
+        with as_("client") as producer:
+            producer.produce(TOPICS.requests, tx, encode(req))
+        stepper.step()
+        assert balance() == 101  # applied (increment by 1)
+        rollback = Decision(tx, Outcome.ROLLBACK, "unknown participant 'ledgr'", clock())
+        with as_("coordinator") as producer:
+            producer.produce(TOPICS.decisions, tx, encode(rollback))
+        stepper.step()
+        assert balance() == 101  # waits for its successor's compensation
+        _, out = decide(None, RequestReceived(req, clock(), frozenset({"bank"}), "x"))
+        (report,) = [o for o in out if isinstance(o, StepEvent)]
+        with as_("coordinator") as producer:
+            producer.produce(TOPICS.events, tx, encode(report))
+        stepper.step()
+        assert balance() == 100
+        mine = [decode_as(m.value, StepEvent) for m in log.records(TOPICS.events)]
+        assert [(e.step, e.status) for e in mine if isinstance(e, StepEvent)][-1] == (
+            0,
+            StepStatus.COMPENSATED,
+        )
+    finally:
+        stepper.stop()
+        engine.dispose()
