@@ -200,7 +200,6 @@ class CoordinatorService(Stoppable):
         if self._keys is not None:
             # Read only to move forged status records to the DLQ (see _forged_status).
             topics.append(self.topics.status)
-        self._consumer.subscribe(topics)
         if self._keys is None:
             log.warning(
                 "records are not authenticated (anyone who can write to the topics can "
@@ -208,8 +207,10 @@ class CoordinatorService(Stoppable):
             )
         log.info("coordinator %s running on %s", self.instance_id, self.settings.bootstrap)
         try:
+            # The registry first, then the group: no partition waits while it is read.
             if not self.known.start(lambda: self.stopping):
                 return
+            self._consumer.subscribe(topics)
             while not self.stopping:
                 self.known.poll()
                 messages = self._consumer.poll_batch(self.batch_size, self.poll_timeout_s)

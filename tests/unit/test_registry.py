@@ -13,6 +13,8 @@ reads the registry before it decides anything.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -509,3 +511,71 @@ def test_the_coordinators_report_of_an_unknown_step_lets_the_earlier_step_compen
     finally:
         stepper.stop()
         engine.dispose()
+
+
+# ---------------------------------------------------------------- the command line
+
+
+def test_saga_participants_prints_a_table_and_json(
+    log: InMemoryLog, clock: ManualClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from click.testing import CliRunner
+
+    from coordinator import _cli_registry
+    from coordinator.cli import main
+
+    announce(log, clock, "bank")
+    clock.advance(4 * INTERVAL_MS)
+    announce(log, clock, "shop")
+    monkeypatch.setattr(_cli_registry, "_read", lambda *_: registry_of(log, clock))
+    runner = CliRunner()
+    table = runner.invoke(main, ["participants", "--bootstrap", "x:1", "--prefix", "r"])
+    assert table.exit_code == 0, table.output
+    lines = table.output.splitlines()
+    assert lines[0].split() == [
+        "NAME", "STORAGE", "STATE", "INSTANCES", "HEARTBEAT", "VERSION", "TARGETS"
+    ]  # fmt: skip
+    assert lines[1].split() == ["bank", "sql", "gone", "0", "up", "/", "1", "4s", "ago", "0.1.0",
+                                "accounts"]  # fmt: skip
+    assert lines[2].split()[:3] == ["shop", "sql", "up"]
+    as_json = runner.invoke(main, ["participants", "--json", "--bootstrap", "x:1"])
+    listed = {p["name"]: p for p in json.loads(as_json.output)}
+    assert listed["bank"]["state"] == "gone" and listed["bank"]["heartbeat_age_ms"] == 4_000
+    assert listed["shop"]["instances"][0]["state"] == "up"
+
+
+def test_status_notes_the_gone_and_the_never_announced_a_saga_waits_on(
+    log: InMemoryLog, clock: ManualClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from coordinator import _cli_registry
+    from streams import StepProgress
+
+    announce(log, clock, "bank")
+    announce(log, clock, "shop")
+    clock.advance(120_000)
+    announce(log, clock, "shop")
+    monkeypatch.setattr(_cli_registry, "_read", lambda *_: registry_of(log, clock))
+    waiting = SagaStatus(
+        "t",
+        "transfer",
+        SagaState.ROLLING_BACK,
+        (
+            StepProgress("bank", StepStatus.APPLIED),
+            StepProgress("shop", StepStatus.APPLIED),
+            StepProgress("ghost", StepStatus.PENDING),
+            StepProgress("done", StepStatus.COMPENSATED),
+        ),
+        "deadline passed",
+        1,
+        2,
+        3,
+    )
+    assert _cli_registry.waiting_notes(SETTINGS, waiting, None) == [
+        "waiting on 'bank', which has not been heard from for 2m",
+        "waiting on 'ghost', which has never announced itself on r.participants",
+    ]
+    finished = dataclasses.replace(waiting, state=SagaState.ROLLED_BACK)
+    assert _cli_registry.waiting_notes(SETTINGS, finished, None) == []
+    assert [_cli_registry.age(ms) for ms in (0, 89_999, 90_000, 5_400_000, 200_000_000)] == [
+        "0s", "89s", "1m", "1h", "2d"
+    ]  # fmt: skip
