@@ -59,11 +59,19 @@ def _read(settings: KafkaSettings, timeout: float, keys: Keyring | None) -> Part
     "rolls back requests naming it. Repeatable.",
 )
 @click.option(
+    "--wait",
+    "wait_for",
+    multiple=True,
+    metavar="NAME",
+    help="Wait until participant NAME is up (repeatable), then list; exit 4 if --timeout "
+    "passes first. For scripts that submit right after starting participants.",
+)
+@click.option(
     "--timeout",
     type=Seconds(3600),
     default=10.0,
     show_default=True,
-    help="Seconds to read the registry to its end.",
+    help="Seconds to read the registry to its end (with --wait: to wait).",
 )
 @keys_dir_option
 def participants(
@@ -72,6 +80,7 @@ def participants(
     kafka_config: str | None,
     as_json: bool,
     forget: tuple[str, ...],
+    wait_for: tuple[str, ...],
     timeout: float,
     keys_dir: str | None,
 ) -> None:
@@ -86,7 +95,10 @@ def participants(
     if forget:
         _forget(settings, forget, timeout, keys_dir)
         return
-    registry = _read(settings, timeout, load_keys(keys_dir, None))
+    keys = load_keys(keys_dir, None)
+    registry = (
+        _wait(settings, wait_for, timeout, keys) if wait_for else _read(settings, timeout, keys)
+    )
     found = registry.participants()
     if as_json:
         click.echo(json.dumps([p.to_json() for p in found], indent=2))
@@ -119,6 +131,27 @@ def participants(
             "or not signed by their participant)",
             err=True,
         )
+
+
+def _wait(
+    settings: KafkaSettings, names: Iterable[str], timeout: float, keys: Keyring | None
+) -> ParticipantRegistry:
+    import time
+
+    from streams import SagaTimeout
+
+    deadline = time.monotonic() + timeout
+    while True:
+        registry = _read(settings, max(1.0, deadline - time.monotonic()), keys)
+        missing = sorted(set(names) - {p.name for p in registry.participants() if not p.gone})
+        if not missing:
+            return registry
+        if time.monotonic() >= deadline:
+            raise SagaTimeout(
+                f"participant(s) {', '.join(missing)} not up on {settings.topics.participants} "
+                f"after {timeout:g}s: start them with `saga participant run --name ...`"
+            )
+        time.sleep(0.2)
 
 
 def _forget(
