@@ -12,7 +12,8 @@ shows a password: storage URLs' passwords and Kafka settings named like
 This module holds the group, the service commands (``topics``, ``coordinator``,
 ``participant``, ``schema``) and the entry point; the shared options live in
 :mod:`coordinator._cli_common`, the client commands in
-:mod:`coordinator._cli_client`, and ``reconcile`` in :mod:`streams.reconcile.cli`.
+:mod:`coordinator._cli_client`, ``participants`` (the participant registry) in
+:mod:`coordinator._cli_registry`, and ``reconcile`` in :mod:`streams.reconcile.cli`.
 ``demo`` and ``bench`` belong to the tools package (:mod:`sagatools.cli`, the
 ``tools`` extra) and are attached lazily: the core imports no storage driver.
 """
