@@ -91,13 +91,19 @@ class SagaGroup(click.Group):
         return command
 
 
-def _duration_ms(value: str, option: str) -> int:
+def _duration_ms(value: str, option: str, least_ms: int, most_ms: int) -> int:
     from streams._duration import parse_duration_ms
 
     try:
-        return parse_duration_ms(value)
+        ms = parse_duration_ms(value)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint=option) from None
+    if not least_ms <= ms <= most_ms:
+        raise click.BadParameter(
+            f"{value!r} is out of range: give {least_ms} ms to {most_ms // 3_600_000} h",
+            param_hint=option,
+        )
+    return ms
 
 
 def _exit_wedged(message: str) -> None:
@@ -308,7 +314,7 @@ def participant() -> None:
     "heartbeat_ms",
     default="5s",
     show_default=True,
-    callback=lambda _c, _p, v: _duration_ms(v, "--heartbeat"),
+    callback=lambda _c, _p, v: _duration_ms(v, "--heartbeat", 100, 86_400_000),
     help="How often to announce on the participant registry that this process is up "
     "(500ms, 5s, 1m); it counts as gone after three missed heartbeats.",
 )

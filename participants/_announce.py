@@ -42,6 +42,7 @@ log = logging.getLogger("saga.participant")
 DEFAULT_HEARTBEAT_MS: Final = 5_000
 """How often a participant says it is still there, unless told otherwise."""
 
+_MAX_INTERVAL_MS: Final = 86_400_000
 _FLUSH_S: Final = 10.0
 # A heartbeat holds up the poll loop at most this long when Kafka is slow or away.
 _BEAT_FLUSH_S: Final = 1.0
@@ -91,8 +92,10 @@ class Announcer:
         instance: str | None = None,
         version: str | None = None,
     ) -> None:
-        if interval_ms < 1:
-            raise ConfigurationError(f"the heartbeat interval must be positive, not {interval_ms}")
+        if not 1 <= interval_ms <= _MAX_INTERVAL_MS:  # the schema's bounds
+            raise ConfigurationError(
+                f"the heartbeat interval must be 1 ms to 1 day, not {interval_ms} ms"
+            )
         self.name = name
         self.topic = topics.participants
         self.storage = storage
