@@ -158,6 +158,7 @@ class ParticipantRegistry:
         self.clock = clock
         self._client_id = client_id or f"{log.settings.topics.prefix}.registry"
         self._consumer: LogConsumer | None = None
+        self._marks: LogConsumer | None = None
         self._latest: dict[tuple[str, str], ParticipantAnnouncement] = {}
         self._names: frozenset[str] = frozenset()
         self._progress = _Progress()
@@ -173,20 +174,24 @@ class ParticipantRegistry:
             TransientError: Kafka does not answer.
         """
         consumer = self._log.consumer(None, client_id=self._client_id)
+        # Ends are asked of a consumer that fetches nothing: on the reading one, an offset
+        # request waits behind its fetch, which the broker may hold for up to 500 ms.
+        marks = self._log.consumer(None, client_id=f"{self._client_id}.ends")
         try:
             count = consumer.list_partitions(self.topic)
             consumer.assign([(self.topic, p, OFFSET_BEGINNING) for p in range(count)])
         except BaseException:
             consumer.close()
+            marks.close()
             raise
-        self._consumer = consumer
+        self._consumer, self._marks = consumer, marks
         self._progress = _Progress(next=dict.fromkeys(range(count), 0))
         self._mark_target()
 
     def _mark_target(self) -> None:
-        assert self._consumer is not None
+        assert self._marks is not None
         self._progress.target = {
-            p: self._consumer.watermarks(self.topic, p)[1] for p in self._progress.next
+            p: self._marks.watermarks(self.topic, p)[1] for p in self._progress.next
         }
 
     @property
@@ -234,9 +239,11 @@ class ParticipantRegistry:
         return self.catch_up(timeout)
 
     def close(self) -> None:
-        if self._consumer is not None:
-            self._consumer.close()
-            self._consumer = None
+        """Release the consumers; what was read stays readable (answers only)."""
+        for consumer in (self._consumer, self._marks):
+            if consumer is not None:
+                consumer.close()
+        self._consumer = self._marks = None
 
     def _apply(self, m: Message) -> None:
         raw_key = m.key or b""
