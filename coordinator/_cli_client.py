@@ -241,12 +241,16 @@ def status(
     """Print the latest status of a transaction (reads the status topic) as JSON.
 
     Exit status as `saga submit --wait`: 0 committed, 3 rolled back, 5 failed (an
-    operator must act), 4 not final yet (or no status yet).
+    operator must act), 4 not final yet (or no status yet). For a saga still committing
+    or rolling back, a line on standard error names each participant it waits on that
+    is gone or never announced itself (see `saga participants`).
     """
+    from coordinator._cli_registry import waiting_notes
     from coordinator._status_view import StatusView
 
     settings = settings_from(bootstrap, prefix, kafka_config)
-    view = StatusView(settings, from_beginning=True, keys=load_keys(keys_dir, None))
+    keys = load_keys(keys_dir, None)
+    view = StatusView(settings, from_beginning=True, keys=keys)
     try:
         view.wait_caught_up(60)
         found = view.get(tx_id)
@@ -259,6 +263,8 @@ def status(
             EXIT_NOT_FINAL,
         )
     click.echo(json.dumps(to_dict(found), indent=2))
+    for note in waiting_notes(settings, found, keys):  # on stderr: stdout stays JSON
+        click.echo(f"saga: {note}", err=True)
     sys.exit(exit_code_of(found.state))
 
 

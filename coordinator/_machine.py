@@ -34,6 +34,7 @@ from dataclasses import dataclass, replace
 from streams import (
     MAX_REASON_CHARS,
     Decision,
+    Mode,
     Outcome,
     Record,
     SagaAbort,
@@ -74,15 +75,21 @@ _CLOSED_BY_ROLLBACK = (StepStatus.COMPENSATED, StepStatus.RESOLVED)
 
 @dataclass(frozen=True, slots=True)
 class RequestReceived:
-    """A request; ``known`` lists the participants that exist, when the operator said so.
+    """A request; ``known`` lists the participants that exist, when the coordinator knows.
 
     A step naming a participant outside ``known`` can never be applied: the
-    transaction rolls back at once and that step counts as compensated.
+    transaction rolls back at once and that step counts as compensated. In a
+    sequential saga the machine also reports that step ``compensated`` on the
+    events topic (a :class:`~streams.StepEvent` output): the step before it waits
+    for that event before it compensates, and its participant will never send it.
+    ``unknown_why`` (e.g. "no participant of that name has announced itself on
+    saga.participants") leads the rollback reason, before the part that names them.
     """
 
     request: SagaRequest
     at_ms: int
     known: frozenset[str] | None = None
+    unknown_why: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,7 +165,7 @@ class Ignored:
     reason: str
 
 
-Output = Decision | SagaStatus | Ignored
+Output = Decision | SagaStatus | StepEvent | Ignored
 
 
 # ---------------------------------------------------------------- state
@@ -299,16 +306,30 @@ def decide(saga: Saga | None, inp: Input) -> tuple[Saga | None, list[Output]]:
             for i, p in enumerate(after.participants)
             if inp.known is not None and p not in inp.known
         ]
+        voided: list[Output] = []
         if unknown:
             steps = list(after.steps)
             for i in unknown:
                 steps[i] = StepStatus.COMPENSATED
             after = replace(after, steps=tuple(steps))
             if not after.decided:
-                names = ", ".join(sorted({after.participants[i] for i in unknown}))
-                reason = f"step {unknown[0]} names unknown participant(s): {names}"
-                after = _decide(after, Outcome.ROLLBACK, reason, inp.at_ms)
+                after = _decide(
+                    after, Outcome.ROLLBACK, _unknown_reason(after, unknown, inp), inp.at_ms
+                )
+            if inp.request.mode is Mode.SEQUENTIAL:
+                voided = [
+                    StepEvent(
+                        after.tx_id,
+                        i,
+                        after.participants[i],
+                        StepStatus.COMPENSATED,
+                        inp.at_ms,
+                        "nothing to compensate: no such participant (reported by the coordinator)",
+                    )
+                    for i in unknown
+                ]
         before, after = saga, _settle(after, inp.at_ms)
+        return after, [*_outputs(before, after), *voided]
     elif isinstance(inp, StepReported):
         before = saga
         result = _on_step(saga, inp)
@@ -370,6 +391,18 @@ def _on_resolve(saga: Saga | None, resolve: SagaResolve) -> Saga | Ignored:
     if len(reason) > MAX_REASON_CHARS:
         reason = reason[: MAX_REASON_CHARS - 3] + "..."
     return replace(saga, state=SagaState.ROLLED_BACK, reason=reason)
+
+
+def _unknown_reason(saga: Saga, unknown: list[int], inp: RequestReceived) -> str:
+    # The audit (streams/reconcile/_audit.py) reads the names after the last
+    # "names unknown participant(s): ", up to the end: that part stays last.
+    names = sorted({saga.participants[i] for i in unknown})
+    listed = ", ".join(names)
+    tail = f"step {unknown[0]} names unknown participant(s): {listed}"
+    if inp.unknown_why is None:
+        return tail
+    quoted = ", ".join(repr(n) for n in names)
+    return f"unknown participant {quoted}: {inp.unknown_why}; {tail}"
 
 
 def _on_request(saga: Saga | None, inp: RequestReceived) -> Saga:

@@ -33,7 +33,7 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from coordinator._machine import Saga
-from streams import Decision, SagaState, SagaStatus
+from streams import Decision, SagaState, SagaStatus, StepEvent
 from streams._observe import LoopObserver
 from streams.kafka import Message
 
@@ -136,7 +136,7 @@ class CoordinatorObserver(LoopObserver):
         self,
         messages: Sequence[Message],
         changed: dict[str, tuple[int, Saga]],
-        outputs: Iterable[tuple[int, Decision | SagaStatus, bytes]],
+        outputs: Iterable[tuple[int, Decision | SagaStatus | StepEvent, bytes]],
         rejected: Iterable[tuple[Message, str]],
     ) -> None:
         """A batch's transaction committed; its changes are not merged into memory yet."""

@@ -19,8 +19,10 @@ from __future__ import annotations
 import heapq
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Literal
 
+from coordinator._known import KnownParticipants
 from coordinator._machine import (
     Ignored,
     Input,
@@ -33,6 +35,7 @@ from coordinator._machine import (
 )
 from coordinator._observe import CoordinatorObserver
 from coordinator._restore import restore
+from coordinator._retention import PartitionState, due_to_forget, due_to_refresh
 from streams import (
     Decision,
     InvalidRecord,
@@ -85,20 +88,6 @@ class CoordinatorStats:
     forged_status: int = 0  # status records skipped by a restore for their signature
 
 
-# Forgetting is a chore, not a reason to make one transaction huge.
-_FORGET_PER_BATCH = 5000
-
-
-@dataclass(slots=True)
-class _Partition:
-    sagas: dict[str, Saga] = field(default_factory=dict)
-    deadlines: list[tuple[int, str]] = field(default_factory=list)
-    # (when the saga may be forgotten, tx_id); entries go stale when a saga changes
-    forget: list[tuple[int, str]] = field(default_factory=list)
-    # tx_id -> when its unchanged status was last published again (kept sagas only)
-    refreshed: dict[str, int] = field(default_factory=dict)
-
-
 class CoordinatorService(Stoppable):
     """Runs one coordinator instance until :meth:`stop` (or SIGTERM/SIGINT).
 
@@ -106,8 +95,11 @@ class CoordinatorService(Stoppable):
     (``<prefix>.coordinator``). ``instance_id`` must be stable for an instance
     across restarts and unique among live instances: it names the
     transactional producer, so a restarted instance fences its predecessor and
-    aborts what that one left open. ``participants``, when given, is the set of
-    participant names that exist: a request naming another rolls back at once.
+    aborts what that one left open. Which participants exist (a request naming
+    another rolls back at once; :mod:`coordinator._known`): ``participants``, when
+    given; else, with ``unknown_participants="reject"``, those that announced
+    themselves on the participant registry (read to its end before any decision);
+    else (``"accept"``, the default here) any name.
 
     Retention (``retention_ms``): a saga that ended ``committed`` or
     ``rolled_back`` is forgotten once ``retention_ms`` have passed since both its
@@ -156,6 +148,7 @@ class CoordinatorService(Stoppable):
         faults: Faults = NO_FAULTS,
         keys: Keyring | None = None,
         aborters: frozenset[str] = frozenset({CLIENT, OPERATOR}),
+        unknown_participants: Literal["accept", "reject"] = "accept",
     ) -> None:
         self.settings = settings
         self._keys = keys
@@ -168,12 +161,17 @@ class CoordinatorService(Stoppable):
         self.topics = settings.topics
         self.instance_id = instance_id
         self.participants = participants
+        self.known = KnownParticipants(static=participants)
+        if participants is None and unknown_participants == "reject":
+            self.known = KnownParticipants.from_registry(
+                self._log, keys=keys, clock=clock, client_id=f"{self.topics.prefix}.registry"
+            )
         self.batch_size = batch_size
         self.poll_timeout_s = poll_timeout_s
         self.clock = clock
         self.stats = CoordinatorStats()
         super().__init__()
-        self._partitions: dict[int, _Partition] = {}
+        self._partitions: dict[int, PartitionState] = {}
         self._partition_count = 0  # of every saga topic; read at start
         self._next_refresh_ms = 0  # when to look for kept sagas to publish again
         self._consumer = self._log.consumer(
@@ -206,7 +204,6 @@ class CoordinatorService(Stoppable):
         if self._keys is not None:
             # Read only to move forged status records to the DLQ (see _forged_status).
             topics.append(self.topics.status)
-        self._consumer.subscribe(topics)
         if self._keys is None:
             log.warning(
                 "records are not authenticated (anyone who can write to the topics can "
@@ -214,7 +211,12 @@ class CoordinatorService(Stoppable):
             )
         log.info("coordinator %s running on %s", self.instance_id, self.settings.bootstrap)
         try:
+            # The registry first, then the group: no partition waits while it is read.
+            if not self.known.start(lambda: self.stopping):
+                return
+            self._consumer.subscribe(topics)
             while not self.stopping:
+                self.known.poll()
                 messages = self._consumer.poll_batch(self.batch_size, self.poll_timeout_s)
                 self.observer.polled(messages)
                 now = self.clock()
@@ -228,6 +230,7 @@ class CoordinatorService(Stoppable):
                         self._faults.hit("coordinator.after_read")
                     self._process(messages, now)
         finally:
+            self.known.close()
             self._consumer.close()
             self._producer.close()
 
@@ -241,7 +244,7 @@ class CoordinatorService(Stoppable):
         self._await_previous_owner(new)
         restored = self._restore(new)
         for p in new:
-            part = _Partition()
+            part = PartitionState()
             for saga in restored.get(p, ()):
                 part.sagas[saga.tx_id] = saga
                 if not saga.decided and saga.request_seen:
@@ -322,7 +325,7 @@ class CoordinatorService(Stoppable):
 
     def _process(self, messages: list[Message], now: int) -> None:
         changed: dict[str, tuple[int, Saga]] = {}
-        outputs: list[tuple[int, Decision | SagaStatus, bytes]] = []
+        outputs: list[tuple[int, Decision | SagaStatus | StepEvent, bytes]] = []
         rejected: list[tuple[Message, str]] = []
         new_deadlines: list[tuple[int, int, str]] = []
 
@@ -409,8 +412,14 @@ class CoordinatorService(Stoppable):
                 if saga is not None and not saga.decided:
                     feed(p, tx_id, Tick(now), None)
 
-        forgotten = self._due_to_forget(now, changed)
-        outputs.extend(self._due_to_refresh(now, changed))
+        forgotten = due_to_forget(self._partitions, now, changed, self._forget_at)
+        if now >= self._next_refresh_ms:  # a sweep every quarter retention
+            self._next_refresh_ms = now + max(1, self.retention_ms // 4)
+            again = due_to_refresh(
+                self._partitions, now, changed, self.retention_ms, self._forget_at
+            )
+            self.stats.refreshed += len(again)
+            outputs.extend(again)
         if not self._commit_batch(messages, changed, outputs, rejected, forgotten):
             for p, at, tx_id in forgotten:  # still due: the next batch tries again
                 if (owner := self._partitions.get(p)) is not None:
@@ -434,49 +443,6 @@ class CoordinatorService(Stoppable):
                     before is None or self._forget_at(before) != forget_at
                 ):
                     heapq.heappush(owner.forget, (forget_at, tx_id))
-
-    def _due_to_refresh(
-        self, now: int, changed: dict[str, tuple[int, Saga]]
-    ) -> list[tuple[int, Decision | SagaStatus, bytes]]:
-        """Statuses of kept sagas to publish again, so the status topic never deletes them.
-
-        A sweep every quarter retention over the owned sagas; one whose status was
-        last published (``updated_ms``, or its last refresh) half a retention ago or
-        more is published again, unchanged. Only sagas kept that long are concerned:
-        pending with a long deadline, stuck, or ``failed``.
-        """
-        if now < self._next_refresh_ms:
-            return []
-        self._next_refresh_ms = now + max(1, self.retention_ms // 4)
-        half = self.retention_ms // 2
-        out: list[tuple[int, Decision | SagaStatus, bytes]] = []
-        for p, part in self._partitions.items():
-            for tx_id, saga in part.sagas.items():
-                if tx_id in changed or self._forget_at(saga) is not None:
-                    continue
-                published = max(saga.updated_ms, part.refreshed.get(tx_id, 0))
-                if published + half <= now:
-                    status = saga.status()
-                    out.append((p, status, encode(status)))
-                    part.refreshed[tx_id] = now
-        self.stats.refreshed += len(out)
-        return out
-
-    def _due_to_forget(
-        self, now: int, changed: dict[str, tuple[int, Saga]]
-    ) -> list[tuple[int, int, str]]:
-        """Sagas to forget in this batch: (partition, when due, tx_id)."""
-        due: list[tuple[int, int, str]] = []
-        for p, part in self._partitions.items():
-            while part.forget and part.forget[0][0] <= now and len(due) < _FORGET_PER_BATCH:
-                at, tx_id = heapq.heappop(part.forget)
-                saga = part.sagas.get(tx_id)
-                # Stale entries (the saga changed since, or is gone) are dropped; a saga
-                # changed by this batch is scheduled again when its change is merged.
-                if saga is None or tx_id in changed or self._forget_at(saga) != at:
-                    continue
-                due.append((p, at, tx_id))
-        return due
 
     def _forged_status(self, m: Message, rejected: list[tuple[Message, str]]) -> bool:
         """Whether the status record ``m`` is not the coordinator's; if so, it goes to the DLQ.
@@ -523,13 +489,15 @@ class CoordinatorService(Stoppable):
                 self.stats.unauthenticated += 1
                 rejected.append((m, reason))
                 return None
-        return input_of(record, now, self.participants)
+        if isinstance(record, SagaRequest):
+            return RequestReceived(record, now, *self.known.check(record))
+        return input_of(record, now, None)
 
     def _commit_batch(
         self,
         messages: list[Message],
         changed: dict[str, tuple[int, Saga]],
-        outputs: list[tuple[int, Decision | SagaStatus, bytes]],
+        outputs: list[tuple[int, Decision | SagaStatus | StepEvent, bytes]],
         rejected: list[tuple[Message, str]],
         forgotten: list[tuple[int, int, str]],
     ) -> bool:
@@ -537,9 +505,12 @@ class CoordinatorService(Stoppable):
         # Only the last status of a transaction in this batch matters (the topic is compacted).
         last_status: dict[str, bytes] = {}
         decisions: list[tuple[Decision, bytes]] = []
+        events: list[tuple[str, bytes]] = []  # steps of unknown participants (see _machine)
         for _, out, value in outputs:
             if isinstance(out, Decision):
                 decisions.append((out, value))
+            elif isinstance(out, StepEvent):
+                events.append((out.tx_id, value))
             else:
                 last_status[out.tx_id] = value
         offsets: dict[tuple[str, int], int] = {}
@@ -554,6 +525,8 @@ class CoordinatorService(Stoppable):
             for tx_id, value in last_status.items():
                 trace = self.observer.status_headers(tx_id)
                 self._producer.produce(self.topics.status, tx_id, value, trace)
+            for tx_id, value in events:
+                self._producer.produce(self.topics.events, tx_id, value)
             for _, _, tx_id in forgotten:
                 self._producer.produce(self.topics.status, tx_id, None)  # a tombstone
             for m, reason in rejected:

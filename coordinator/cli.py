@@ -12,7 +12,8 @@ shows a password: storage URLs' passwords and Kafka settings named like
 This module holds the group, the service commands (``topics``, ``coordinator``,
 ``participant``, ``schema``) and the entry point; the shared options live in
 :mod:`coordinator._cli_common`, the client commands in
-:mod:`coordinator._cli_client`, and ``reconcile`` in :mod:`streams.reconcile.cli`.
+:mod:`coordinator._cli_client`, ``participants`` (the participant registry) in
+:mod:`coordinator._cli_registry`, and ``reconcile`` in :mod:`streams.reconcile.cli`.
 ``demo`` and ``bench`` belong to the tools package (:mod:`sagatools.cli`, the
 ``tools`` extra) and are attached lazily: the core imports no storage driver.
 """
@@ -43,11 +44,13 @@ from coordinator._cli_common import (
 )
 from coordinator._cli_keys import keys
 from coordinator._cli_observe import Observability, log_format_option, observe_options
+from coordinator._cli_registry import participants
 from streams import (
     ConfigurationError,
     ConflictingRequest,
     SagaError,
     SagaTimeout,
+    StorageKind,
     schema,
 )
 from streams._logs import LogFormat, configure_logging
@@ -155,6 +158,21 @@ def default_instance_id() -> str:
     return name or "0"
 
 
+def _duration_ms(value: str, option: str, least_ms: int, most_ms: int) -> int:
+    from streams._duration import parse_duration_ms
+
+    try:
+        ms = parse_duration_ms(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint=option) from None
+    if not least_ms <= ms <= most_ms:
+        raise click.BadParameter(
+            f"{value!r} is out of range: give {least_ms} ms to {most_ms // 3_600_000} h",
+            param_hint=option,
+        )
+    return ms
+
+
 def _exit_wedged(message: str) -> None:
     """A Kafka client is wedged: exit, so that a supervisor's restart takes over (any thread)."""
     click.echo(f"saga: {redact(message)}; exiting so that a restarted process takes over", err=True)
@@ -215,7 +233,11 @@ def topics_create(
     replication_factor: int,
     retention_ms: int,
 ) -> None:
-    """Create requests, events, decisions, status (compacted) and dlq with one partition count."""
+    """Create requests, events, decisions, status (compacted), dlq and participants
+    (compacted: the participant registry), all with one partition count.
+
+    Run it again after an upgrade: it adds the topics that are missing and leaves the
+    others alone."""
     settings = settings_from(bootstrap, prefix, kafka_config)
     created = create_topics(settings, partitions, replication_factor, retention_ms=retention_ms)
     for name in settings.topics.all:
@@ -273,7 +295,17 @@ def coordinator() -> None:
     "--participants",
     default=None,
     help="Comma-separated names of the participants that exist; a request naming "
-    "another rolls back at once (default: accept any name).",
+    "another rolls back at once (default: those that announced themselves on the "
+    "participant registry, <prefix>.participants).",
+)
+@click.option(
+    "--unknown-participants",
+    type=click.Choice(["reject", "accept"]),
+    default="reject",
+    show_default=True,
+    help="Without --participants: reject (roll back at once) a request naming a participant "
+    "that never announced itself on the registry, or accept any name (for deployments "
+    "that start participants after their first requests).",
 )
 @retention_option("Forget sagas (memory, status topic) finished longer ago than this")
 @connect_timeout_option
@@ -291,6 +323,7 @@ def coordinator_run(
     kafka_config: str | None,
     instance_id: str | None,
     participants: str | None,
+    unknown_participants: str,
     retention_ms: int,
     connect_timeout: float,
     keys_dir: str | None,
@@ -301,7 +334,9 @@ def coordinator_run(
 
     Sagas that ended committed or rolled back are forgotten --retention after their
     deadline and last change; a request whose deadline passed longer ago than that
-    goes to the DLQ as expired.
+    goes to the DLQ as expired. A request naming a participant that never announced
+    itself on the participant registry rolls back at once (see --unknown-participants);
+    the coordinator reads the registry to its end before it decides anything.
     """
     from coordinator._service import CoordinatorService
     from streams._faults import faults_from_env
@@ -321,6 +356,7 @@ def coordinator_run(
         settings,
         instance_id=instance_id or default_instance_id(),
         participants=known,
+        unknown_participants="accept" if unknown_participants == "accept" else "reject",
         retention_ms=retention_ms,
         log=KafkaLog(settings, on_wedged=_exit_wedged),
         faults=faults,
@@ -379,6 +415,15 @@ def participant() -> None:
 @click.option("--handlers", default=None, help="Dotted path of a module with custom HANDLERS.")
 @click.option("--schema", "db_schema", default=None, help="SQL schema of the tables and ledger.")
 @retention_option("Remove ledger entries of transactions finished longer ago than this")
+@click.option(
+    "--heartbeat",
+    "heartbeat_ms",
+    default="5s",
+    show_default=True,
+    callback=lambda _c, _p, v: _duration_ms(v, "--heartbeat", 100, 86_400_000),
+    help="How often to announce on the participant registry that this process is up "
+    "(500ms, 5s, 1m); it counts as gone after three missed heartbeats.",
+)
 @connect_timeout_option
 @keys_dir_option
 @observe_options
@@ -396,6 +441,7 @@ def participant_run(
     handlers: str | None,
     db_schema: str | None,
     retention_ms: int,
+    heartbeat_ms: int,
     connect_timeout: float,
     keys_dir: str | None,
     observability: Observability,
@@ -404,7 +450,9 @@ def participant_run(
 
     The storage URL comes from one of --url, --url-file or --url-env, else from
     the SAGA_STORAGE_URL environment variable; --password-file sets its password.
-    No message or log line shows the password. An authentication failure of the
+    No message or log line shows the password. Before it consumes, the process
+    announces itself on the participant registry (<prefix>.participants), then
+    again every --heartbeat. An authentication failure of the
     storage exits with code 2; Kafka not answering within --connect-timeout
     seconds exits with code 1.
     """
@@ -444,6 +492,9 @@ def participant_run(
         log=KafkaLog(settings, on_wedged=_exit_wedged),
         faults=faults,
         keys=signing_keys,
+        heartbeat_interval_ms=heartbeat_ms,
+        kind=StorageKind(storage),
+        targets=target_list,
     )
     runtime.observer.description = f"{storage}, targets {','.join(target_list)}"
     runtime.install_signal_handlers()
@@ -470,7 +521,7 @@ from streams.reconcile.cli import reconcile  # noqa: E402  (registered after mai
 
 main.add_command(reconcile)
 main.add_command(acls)
-for _command in (submit, status, watch, abort, keys, *ADMIN_COMMANDS):
+for _command in (submit, status, watch, abort, keys, participants, *ADMIN_COMMANDS):
     main.add_command(_command)
 
 

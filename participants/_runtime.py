@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict, deque
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from tenacity import (
@@ -47,6 +48,7 @@ from tenacity import (
     wait_exponential,
 )
 
+from participants._announce import DEFAULT_HEARTBEAT_MS, Announcer, storage_kind
 from participants._barrier import PredecessorApplied, Requested, SuccessorCompensated
 from participants._observe import ParticipantObserver
 from participants._storage import (
@@ -69,6 +71,7 @@ from streams import (
     SagaResolve,
     StepEvent,
     StepStatus,
+    StorageKind,
     TransientError,
     decode_keyed,
     encode,
@@ -116,6 +119,12 @@ class ParticipantRuntime(Stoppable):
     is signed or verified, and :meth:`run` says so.
 
     ``observer`` (:mod:`participants._observe`): its health, metrics and trace context.
+
+    Registry (:mod:`participants._announce`): unless ``announce`` is false, the
+    runtime announces itself on the participants topic (``kind``, default: the
+    storage adapter's; ``targets``, default: the storage's allow-list) before it
+    consumes, beats every ``heartbeat_interval_ms`` from its poll loop, and says
+    ``stopping`` when stopped on purpose.
     """
 
     def __init__(
@@ -135,10 +144,25 @@ class ParticipantRuntime(Stoppable):
         log: Log | None = None,
         faults: Faults = NO_FAULTS,
         keys: Keyring | None = None,
+        announce: bool = True,
+        heartbeat_interval_ms: int = DEFAULT_HEARTBEAT_MS,
+        kind: StorageKind | None = None,
+        targets: Sequence[str] | None = None,
     ) -> None:
         self.name = name
         self._keys = keys
         self._log: Log = signing(log if log is not None else KafkaLog(settings), keys)
+        self.announcer: Announcer | None = None
+        if announce:
+            self.announcer = Announcer(
+                self._log,
+                settings.topics,
+                name=name,
+                storage=kind or storage_kind(storage),
+                targets=targets if targets is not None else getattr(storage, "targets", ()),
+                interval_ms=heartbeat_interval_ms,
+                clock=clock,
+            )
         self._faults = faults
         self.storage = storage
         self.settings = settings
@@ -196,6 +220,9 @@ class ParticipantRuntime(Stoppable):
         now = self.clock()
         self._sequential = OrderedDict((tx, now) for tx in self.storage.in_flight_sequential())
         self._partition_count = self._consumer.list_partitions(self.topics.requests)
+        if self.announcer is not None:
+            # Before consuming: the coordinator rejects requests naming an unannounced name.
+            self.announcer.announce()
         self._consumer.subscribe([self.topics.requests, self.topics.decisions, self.topics.events])
         if self._keys is None:
             log.warning(
@@ -213,7 +240,11 @@ class ParticipantRuntime(Stoppable):
                 else:
                     self._commit({})  # let the events window move on while idle
                 self._prune()
+                if self.announcer is not None:
+                    self.announcer.beat()
         finally:
+            if self.announcer is not None and self.stopping:
+                self.announcer.stop()
             self._producer.flush(10)
             self._consumer.close()
             self.storage.close()
@@ -348,6 +379,8 @@ class ParticipantRuntime(Stoppable):
             self.stats.retries += 1
             exc = state.outcome.exception() if state.outcome else None
             log.warning("storage unavailable, retrying the batch: %s", exc)
+            if self.announcer is not None:
+                self.announcer.beat()  # still there, though waiting for its storage
             self._consumer.pause_all()
             # Keep the group membership alive; a newly assigned partition may
             # still deliver: keep those records for the next batch.

@@ -3,7 +3,16 @@
 Everything public is re-exported here; the ``_``-prefixed modules are private.
 """
 
-from ._codec import SCHEMA_NAMES, decode, decode_as, decode_keyed, encode, schema, to_dict
+from ._codec import (
+    SCHEMA_NAMES,
+    decode,
+    decode_announcement,
+    decode_as,
+    decode_keyed,
+    encode,
+    schema,
+    to_dict,
+)
 from ._errors import (
     BusinessRejection,
     ConfigurationError,
@@ -29,6 +38,8 @@ from ._records import (
     Decision,
     Mode,
     Outcome,
+    ParticipantAnnouncement,
+    ParticipantState,
     Record,
     SagaAbort,
     SagaRequest,
@@ -39,7 +50,9 @@ from ._records import (
     StepEvent,
     StepProgress,
     StepStatus,
+    StorageKind,
 )
+from ._registry import ParticipantInfo, ParticipantRegistry, read_registry
 from ._signed_log import SignedLog
 from ._signing import Keyring
 from ._topics import Topics
@@ -66,6 +79,10 @@ __all__ = [
     "Keyring",
     "Mode",
     "Outcome",
+    "ParticipantAnnouncement",
+    "ParticipantInfo",
+    "ParticipantRegistry",
+    "ParticipantState",
     "Record",
     "SagaAbort",
     "SagaError",
@@ -79,12 +96,15 @@ __all__ = [
     "StepEvent",
     "StepProgress",
     "StepStatus",
+    "StorageKind",
     "Topics",
     "TransientError",
     "decode",
+    "decode_announcement",
     "decode_as",
     "decode_keyed",
     "encode",
+    "read_registry",
     "schema",
     "to_dict",
 ]

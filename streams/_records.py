@@ -1,6 +1,7 @@
 """Wire records, version 1 (docs/architecture.md §3): frozen, typed, one class per record type.
 
-Every record is keyed by its ``tx_id`` and carries ``"v": 1`` and a ``"type"``.
+Every record carries ``"v": 1`` and a ``"type"``; the records of a transaction are
+keyed by its ``tx_id``, a participant's announcement by ``<name>/<instance>``.
 Encoding and decoding live in one place, :mod:`streams._codec`; these classes
 only hold values.
 """
@@ -188,7 +189,71 @@ class SagaStatus:
     fingerprint: str | None = None
 
 
-Record = SagaRequest | SagaAbort | SagaResolve | StepEvent | Decision | SagaStatus
+class StorageKind(StrEnum):
+    """What a participant stores into; ``other`` is a storage class of one's own."""
+
+    SQL = "sql"
+    MONGO = "mongo"
+    REDIS = "redis"
+    OTHER = "other"
+
+
+class ParticipantState(StrEnum):
+    """What an announcement says of its process: running, or leaving on purpose."""
+
+    UP = "up"
+    STOPPING = "stopping"
+
+
+@dataclass(frozen=True, slots=True)
+class ParticipantAnnouncement:
+    """``saga.participant`` on the participants topic: a participant process says it exists.
+
+    Unlike the transaction records it is keyed by :attr:`key` (``<name>/<instance>``),
+    so the compacted topic keeps the latest announcement of each process. A process
+    announces itself before it consumes, again every ``interval_ms`` (its heartbeat),
+    and with ``state`` ``stopping`` when it stops on purpose.
+    """
+
+    TYPE: ClassVar[str] = "saga.participant"
+
+    name: str
+    storage: StorageKind
+    targets: tuple[str, ...]
+    version: str
+    instance: str
+    started_ms: int
+    heartbeat_ms: int
+    interval_ms: int
+    state: ParticipantState = ParticipantState.UP
+    host: str | None = None
+
+    @property
+    def key(self) -> str:
+        """The record key: ``<name>/<instance>``."""
+        return f"{self.name}/{self.instance}"
+
+
+Record = (
+    SagaRequest
+    | SagaAbort
+    | SagaResolve
+    | StepEvent
+    | Decision
+    | SagaStatus
+    | ParticipantAnnouncement
+)
+TxRecord = SagaRequest | SagaAbort | SagaResolve | StepEvent | Decision | SagaStatus
+"""The records of one transaction, keyed by its ``tx_id``."""
 RECORD_TYPES: dict[str, type[Record]] = {
-    cls.TYPE: cls for cls in (SagaRequest, SagaAbort, StepEvent, Decision, SagaStatus, SagaResolve)
+    cls.TYPE: cls
+    for cls in (
+        SagaRequest,
+        SagaAbort,
+        StepEvent,
+        Decision,
+        SagaStatus,
+        SagaResolve,
+        ParticipantAnnouncement,
+    )
 }

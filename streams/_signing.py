@@ -14,7 +14,8 @@ record                        signed by
 request                       ``client`` or ``operator``
 abort                         ``client`` or ``operator`` (``aborters``)
 resolve                       ``operator``
-step event of participant P   ``participant-P``
+step event of participant P   ``participant-P`` (``compensated``: also ``coordinator``)
+announcement of P             ``participant-P`` (a tombstone: also ``operator``)
 decision, status, dead letter ``coordinator``
 ============================  ==========================================
 
@@ -57,11 +58,13 @@ from nacl.signing import SigningKey, VerifyKey
 from streams._errors import ConfigurationError
 from streams._records import (
     Decision,
+    ParticipantAnnouncement,
     SagaAbort,
     SagaRequest,
     SagaResolve,
     SagaStatus,
     StepEvent,
+    StepStatus,
 )
 
 HEADER_KEY_ID: Final = "saga.kid"
@@ -77,7 +80,15 @@ CLIENT: Final = "client"
 OPERATOR: Final = "operator"
 PARTICIPANT_PREFIX: Final = "participant-"
 
-Record = SagaRequest | SagaAbort | SagaResolve | StepEvent | Decision | SagaStatus
+Record = (
+    SagaRequest
+    | SagaAbort
+    | SagaResolve
+    | StepEvent
+    | Decision
+    | SagaStatus
+    | ParticipantAnnouncement
+)
 
 
 def participant_principal(name: str) -> str:
@@ -113,7 +124,14 @@ def allowed_signers(
     if isinstance(record, SagaResolve):
         return frozenset({OPERATOR})
     if isinstance(record, StepEvent):
+        if record.status is StepStatus.COMPENSATED:
+            # The coordinator reports a step of a participant that never announced itself
+            # as compensated (nothing to undo), so that its sequential predecessor, which
+            # waits for that event, compensates. It could roll the saga back anyway.
+            return frozenset({participant_principal(record.participant), COORDINATOR})
         return frozenset({participant_principal(record.participant)})
+    if isinstance(record, ParticipantAnnouncement):
+        return frozenset({participant_principal(record.name)})
     return frozenset({COORDINATOR})
 
 

@@ -1,4 +1,4 @@
-"""Topic layout (docs/architecture.md §3): five topics whose names share one configurable prefix."""
+"""Topic layout (docs/architecture.md §3): six topics whose names share one configurable prefix."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ class Topics:
     """The names of the topics of one deployment.
 
     ``Topics()`` gives ``saga.requests``, ``saga.events``, ``saga.decisions``,
-    ``saga.status`` and ``saga.dlq``; ``Topics("test-42")`` gives
+    ``saga.status``, ``saga.dlq`` and ``saga.participants``; ``Topics("test-42")`` gives
     ``test-42.requests`` and so on, which lets several deployments (or test
     runs) share one cluster.
 
@@ -64,11 +64,23 @@ class Topics:
         return f"{self.prefix}.dlq"
 
     @property
+    def participants(self) -> str:
+        """The participant registry (``saga.participant``, key ``<name>/<instance>``); compacted."""
+        return f"{self.prefix}.participants"
+
+    @property
     def all(self) -> tuple[str, ...]:
         """Every topic, in the order above."""
-        return (self.requests, self.events, self.decisions, self.status, self.dlq)
+        return (
+            self.requests,
+            self.events,
+            self.decisions,
+            self.status,
+            self.dlq,
+            self.participants,
+        )
 
     @property
     def compacted(self) -> tuple[str, ...]:
-        """The topics that need ``cleanup.policy=compact``: only the status topic."""
-        return (self.status,)
+        """The topics that need ``cleanup.policy=compact``: status and the participant registry."""
+        return (self.status, self.participants)

@@ -10,6 +10,13 @@ folder in the test's tmp folder holds a key pair for the coordinator, the client
 the operator and ``participant-<name>`` for each name given, every process gets
 ``SAGA_KEYS_DIR`` and :meth:`SagaSystem.client` signs with the client's key. By
 default (``signing=None``) nothing is signed, as before.
+
+Participant registry: :meth:`SagaSystem.coordinator` passes ``--unknown-participants
+accept`` unless told ``unknown_participants="reject"`` (the command's default). Many
+tests start a participant after their first requests on purpose (one that is down
+past a deadline, one restarted after a crash), which is the case the override is
+for; the registry's own tests pass ``"reject"`` and wait for the participants'
+announcements with :meth:`SagaSystem.wait_announced` before they submit.
 """
 
 from __future__ import annotations
@@ -166,16 +173,42 @@ class SagaSystem:
         instance_id: str = "0",
         faults: str | None = None,
         participants: Sequence[str] | None = None,
+        unknown_participants: Literal["accept", "reject"] = "accept",
     ) -> Proc:
-        """Start ``saga coordinator run``; ``participants`` passes ``--participants a,b``."""
+        """Start ``saga coordinator run``; ``participants`` passes ``--participants a,b``,
+        ``unknown_participants`` ``--unknown-participants`` (see the module docstring)."""
         args = ["coordinator", "run", "--instance-id", instance_id]
         if participants is not None:
             args += ["--participants", ",".join(participants)]
+        args += ["--unknown-participants", unknown_participants]
         return self.start(f"coordinator-{instance_id}", args, faults)
 
+    def wait_announced(self, *names: str, timeout: float = 60.0) -> None:
+        """Return once each of ``names`` is up on the participant registry."""
+        from streams._registry import read_registry
+
+        deadline = time.monotonic() + timeout
+        while True:
+            registry = read_registry(self.settings, timeout=10)
+            up = {p.name for p in registry.participants() if not p.gone}
+            if set(names) <= up:
+                return
+            if time.monotonic() >= deadline:
+                raise AssertionError(
+                    f"participants {sorted(set(names) - up)} did not announce themselves "
+                    f"within {timeout:g}s"
+                )
+            time.sleep(0.2)
+
     def participant(
-        self, name: str, targets: Sequence[str], faults: str | None = None, tag: str = ""
+        self,
+        name: str,
+        targets: Sequence[str],
+        faults: str | None = None,
+        tag: str = "",
+        extra: Sequence[str] = (),
     ) -> Proc:
+        """Start ``saga participant run`` (SQL, the test's schema); ``extra``: more options."""
         return self.start(
             f"participant-{name}{tag}",
             [
@@ -191,6 +224,7 @@ class SagaSystem:
                 self.schema,
                 "--targets",
                 ",".join(targets),
+                *extra,
             ],
             faults,
         )

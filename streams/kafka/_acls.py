@@ -3,11 +3,15 @@
 Behind a broker whose authorizer denies what no ACL allows
 (``allow.everyone.if.no.acl.found=false``), each role gets only its own job:
 
-* ``User:client`` writes requests, reads status and dead letters, describes the topics;
-* ``User:operator`` writes requests (aborts go there) and reads status and dead letters;
-* ``User:participant-<name>`` reads requests, events and decisions, writes events,
-  and reads through its own group ``<prefix>.participant.<name>``;
-* ``User:coordinator`` reads every topic, writes decisions, status and dead letters,
+* ``User:client`` writes requests, reads status, dead letters and the participant
+  registry, describes the topics;
+* ``User:operator`` writes requests (aborts go there), reads status, dead letters and
+  the registry, and writes the registry (``saga participants --forget``);
+* ``User:participant-<name>`` reads requests, events and decisions, writes events
+  and its announcements (the participants topic), and reads through its own group
+  ``<prefix>.participant.<name>``;
+* ``User:coordinator`` reads every topic, writes decisions, status and dead letters
+  (and, for a step of a participant that never announced itself, its event),
   owns the transactional ids ``<prefix>.coordinator.*`` and the group
   ``<prefix>.coordinator``;
 * ``User:reconcile`` reads every topic; with ``replay`` it also writes requests and
@@ -129,24 +133,25 @@ def saga_acls(
     client = "User:client"
     allow(client, ["describe"], topics.all)
     allow(client, ["write"], [topics.requests])
-    allow(client, ["read"], [topics.status, topics.dlq])
+    allow(client, ["read"], [topics.status, topics.dlq, topics.participants])
     allow(client, ["read"], [readers], "group", "prefixed")
 
     operator = "User:operator"
     allow(operator, ["describe"], topics.all)
     allow(operator, ["write"], [topics.requests])
-    allow(operator, ["read"], [topics.status, topics.dlq])
+    allow(operator, ["read"], [topics.status, topics.dlq, topics.participants])
+    allow(operator, ["write"], [topics.participants])
     allow(operator, ["read"], [readers], "group", "prefixed")
 
     for name in participants:
         principal = participant_principal(name)
         allow(principal, ["read"], [topics.requests, topics.events, topics.decisions])
-        allow(principal, ["write"], [topics.events])
+        allow(principal, ["write"], [topics.events, topics.participants])
         allow(principal, ["read"], [f"{prefix}.participant.{name}"], "group")
 
     coordinator = "User:coordinator"
     allow(coordinator, ["read"], topics.all)
-    allow(coordinator, ["write"], [topics.decisions, topics.status, topics.dlq])
+    allow(coordinator, ["write"], [topics.decisions, topics.status, topics.dlq, topics.events])
     allow(coordinator, ["read"], [f"{prefix}.coordinator"], "group")
     allow(coordinator, ["read"], [readers], "group", "prefixed")
     allow(

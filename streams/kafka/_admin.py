@@ -52,6 +52,9 @@ def _topic_config(
         # acks=all then survives one broker down without losing acknowledged writes.
         config["min.insync.replicas"] = "2"
     if name in topics.compacted:
+        # The participant registry shares the status topic's settings: the latest
+        # announcement of each process, and a process silent for twice the retention
+        # (whose heartbeats stopped long ago) leaves the topic.
         config.update(
             {
                 # Compacted: the latest state of each transaction. And deleted by time:
@@ -144,11 +147,11 @@ def create_topics(
     retention_ms: int = DEFAULT_RETENTION_MS,
     status_segment_bytes: int = 16 * 1024 * 1024,
 ) -> list[str]:
-    """Create the five saga topics, all with ``partitions`` partitions; returns those created.
+    """Create the six saga topics, all with ``partitions`` partitions; returns those created.
 
     Idempotent: topics that already exist with the same partition count are
-    left alone (an existing status topic must be compacted). The status topic
-    is created with ``cleanup.policy=compact,delete`` and ``retention.ms`` twice
+    left alone (an existing status or participants topic must be compacted). Both
+    are created with ``cleanup.policy=compact,delete`` and ``retention.ms`` twice
     ``retention_ms`` (the coordinator's retention), in segments of at most
     ``status_segment_bytes``. Returns once the broker's metadata shows every topic.
 

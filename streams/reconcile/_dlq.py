@@ -63,6 +63,7 @@ from streams._records import (
     SagaResolve,
     SagaStatus,
     StepEvent,
+    TxRecord,
 )
 from streams._topics import Topics
 from streams.kafka import partition_for
@@ -194,7 +195,7 @@ def judge(
     (how to read the rejected records) turn the signature rules on.
     """
     verdict = DlqVerdict()
-    candidates: list[tuple[DeadLetter, Record]] = []
+    candidates: list[tuple[DeadLetter, TxRecord]] = []
     for letter in letters:
         verdict.records += 1
         verdict.by_component[letter.header("saga.component") or "unknown"] += 1
@@ -210,6 +211,9 @@ def judge(
             record = decode(letter.value) if kinds is None else decode_as(letter.value, *kinds)
         except InvalidRecord:
             verdict.invalid += 1
+            continue
+        if not isinstance(record, TxRecord):  # an announcement: no transaction's business
+            verdict.justified += 1
             continue
         key = letter.key.decode("utf-8", "replace") if letter.key is not None else None
         if key != record.tx_id or _misplaced(letter, partitions) or _expired(letter, record):
@@ -233,16 +237,16 @@ def judge(
 
 
 def _authenticated(
-    candidates: list[tuple[DeadLetter, Record]],
+    candidates: list[tuple[DeadLetter, TxRecord]],
     verifier: Verifier,
     originals: Originals | None,
     verdict: DlqVerdict,
-) -> list[tuple[DeadLetter, Record]]:
+) -> list[tuple[DeadLetter, TxRecord]]:
     """The candidates whose rejected record was signed by one allowed to write it; the
     others are counted justified (``unauthenticated``)."""
     wanted = {letter.source for letter, _ in candidates if letter.source is not None}
     found = originals({w for w in wanted if w is not None}) if originals and wanted else {}
-    kept: list[tuple[DeadLetter, Record]] = []
+    kept: list[tuple[DeadLetter, TxRecord]] = []
     for letter, record in candidates:
         source = letter.source
         original = found.get(source) if source is not None else None
@@ -266,7 +270,7 @@ def _misplaced(letter: DeadLetter, partitions: int | None) -> bool:
     return partition_for(letter.key, partitions) != source[1]
 
 
-def _expired(letter: DeadLetter, record: Record) -> bool:
+def _expired(letter: DeadLetter, record: TxRecord) -> bool:
     rejected = letter.int_header("saga.rejected.at_ms")
     return (
         isinstance(record, SagaRequest)
@@ -300,7 +304,7 @@ def rejected_at(
     return found
 
 
-def _wrongly_rejected(letter: DeadLetter, record: Record, tx: TxFacts | None) -> str | None:
+def _wrongly_rejected(letter: DeadLetter, record: TxRecord, tx: TxFacts | None) -> str | None:
     """Why a valid dead letter should not be there, or ``None`` when it rightly is."""
     where = (
         f"{letter.header('saga.source.topic') or 'an unknown topic'}"

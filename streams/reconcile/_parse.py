@@ -262,7 +262,12 @@ def _signed_by(allowed: str) -> str:
 
 
 _BY_REQUESTER: Final = _signed_by(", ".join(f"'{p}'" for p in REQUEST_SIGNERS))
-_BY_PARTICIPANT: Final = _signed_by("concat('participant-', r.participant)")
+# A `compensated` event may also be the coordinator's: the step of a participant that
+# never announced itself, reported so that its sequential predecessor compensates.
+_BY_PARTICIPANT: Final = _signed_by(
+    "concat('participant-', r.participant), "
+    "CASE WHEN r.status = 'compensated' THEN 'coordinator' END"
+)
 _BY_COORDINATOR: Final = _signed_by("'coordinator'")
 
 

@@ -57,7 +57,7 @@ class InMemoryLog:
             self._partitions[name] = [[] for _ in range(partitions)]
 
     def create_topics(self, partitions: int = 1) -> Topics:
-        """Create the five saga topics of the settings with ``partitions`` each."""
+        """Create the six saga topics of the settings with ``partitions`` each."""
         topics = self._settings.topics
         for name in topics.all:
             self.create_topic(name, partitions)

@@ -14,7 +14,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from coordinator._service import CoordinatorService, _Partition
+from coordinator._retention import PartitionState
+from coordinator._service import CoordinatorService
 from streams import (
     Mode,
     SagaRequest,
@@ -99,7 +100,7 @@ def test_records_of_a_lost_partition_are_neither_processed_nor_committed(
     service = CoordinatorService(settings, instance_id=f"t{uuid.uuid4().hex[:6]}")
     try:
         service._producer.init()
-        service._partitions = {0: _Partition()}  # partition 1 was revoked during the poll
+        service._partitions = {0: PartitionState()}  # partition 1 was revoked during the poll
         service._partition_count = PARTITIONS
         service._process(batch, int(time.time() * 1000))
         assert set(service._partitions[0].sagas) == {owned_tx}
@@ -132,7 +133,7 @@ class _Driven:
         )
         self.service._producer.init()
         self.service._partition_count = PARTITIONS
-        self.service._partitions = {p: _Partition() for p in range(PARTITIONS)}
+        self.service._partitions = {p: PartitionState() for p in range(PARTITIONS)}
         self.reader = Consumer(settings, group_id=None, client_id="cs-test.driven")
         topics = settings.topics
         self.reader.assign(

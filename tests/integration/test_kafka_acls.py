@@ -173,11 +173,15 @@ def test_print_lists_each_role() -> None:
     assert writes == {
         ("User:client", "p1.requests"),
         ("User:operator", "p1.requests"),
+        ("User:operator", "p1.participants"),  # saga participants --forget
         ("User:participant-bank", "p1.events"),
+        ("User:participant-bank", "p1.participants"),  # its announcements
         ("User:participant-wallet", "p1.events"),
+        ("User:participant-wallet", "p1.participants"),
         ("User:coordinator", "p1.decisions"),
         ("User:coordinator", "p1.status"),
         ("User:coordinator", "p1.dlq"),
+        ("User:coordinator", "p1.events"),  # steps of participants that never announced
     }
 
 

@@ -104,7 +104,9 @@ def read_topic(
 # --------------------------------------------------------------------------- topics
 
 
-def test_create_topics_makes_five_topics_and_compacts_status(settings: KafkaSettings) -> None:
+def test_create_topics_makes_six_topics_and_compacts_status_and_registry(
+    settings: KafkaSettings,
+) -> None:
     topics = settings.topics
     created = create_topics(settings, PARTITIONS)
     assert created == list(topics.all)
@@ -115,6 +117,7 @@ def test_create_topics_makes_five_topics_and_compacts_status(settings: KafkaSett
     # twice the default retention (7 days): what the coordinator keeps is republished
     # every half retention, so it is never deleted
     assert status["retention.ms"] == str(14 * 86_400_000)
+    assert topic_config(settings, topics.participants)["cleanup.policy"] == "compact,delete"
     assert topic_config(settings, topics.events)["cleanup.policy"] == "delete"
 
 

@@ -31,6 +31,7 @@ from streams import (
     InvalidRecord,
     Mode,
     Outcome,
+    ParticipantAnnouncement,
     Record,
     SagaAbort,
     SagaRequest,
@@ -120,7 +121,23 @@ VALID: dict[str, dict[str, Any]] = {
         "deadline_ms": 2000,
         "fingerprint": "0123456789abcdef0123456789abcdef",
     },
+    "saga.participant": {
+        "v": 1,
+        "type": "saga.participant",
+        "name": "pg",
+        "storage": "sql",
+        "targets": ["accounts", "orders"],
+        "version": "0.1.0",
+        "instance": "3f2a9c",
+        "started_ms": 1000,
+        "heartbeat_ms": 1500,
+        "interval_ms": 5000,
+        "state": "up",
+        "host": "db-1",
+    },
 }
+TX_SCHEMAS = tuple(name for name in SCHEMA_NAMES if name != "saga.participant")
+"""The records of a transaction, keyed by its tx_id (an announcement is keyed name/instance)."""
 
 CLASSES: dict[str, type[Record]] = {
     "saga.request": SagaRequest,
@@ -129,6 +146,7 @@ CLASSES: dict[str, type[Record]] = {
     "saga.step": StepEvent,
     "saga.decision": Decision,
     "saga.status": SagaStatus,
+    "saga.participant": ParticipantAnnouncement,
 }
 
 
@@ -552,7 +570,7 @@ def test_unknown_top_level_field_is_rejected(type_name: str) -> None:
     assert reason == f"{type_name}: data must not contain {{'colour'}} properties"
 
 
-@pytest.mark.parametrize("type_name", SCHEMA_NAMES)
+@pytest.mark.parametrize("type_name", TX_SCHEMAS)
 @pytest.mark.parametrize(
     "tx_id",
     ["", "tx 1", "tx/1", "tx-é", "транзакция", "tx-1\n", "\ntx-1", "x" * 129, "tx\x00"],
@@ -752,6 +770,7 @@ def test_schema_names_are_the_record_types() -> None:
         "saga.decision",
         "saga.status",
         "saga.resolve",
+        "saga.participant",
     )
     assert set(SCHEMA_NAMES) == set(RECORD_TYPES)
 
@@ -772,7 +791,7 @@ def test_schema_file_is_draft_07_and_compiles(name: str) -> None:
     assert document["additionalProperties"] is False
     assert document["properties"]["v"]["const"] == 1
     assert document["properties"]["type"]["const"] == name
-    assert {"v", "type", "tx_id"} <= set(document["required"])
+    assert {"v", "type", "tx_id" if name in TX_SCHEMAS else "name"} <= set(document["required"])
     assert set(document["required"]) <= set(document["properties"])
     validate = fastjsonschema.compile(document)
     validate(VALID[name])
@@ -803,7 +822,7 @@ def test_schema_properties_match_the_record_fields(name: str) -> None:
     assert set(schema(name)["properties"]) == fields | {"v", "type"}
 
 
-@pytest.mark.parametrize("name", SCHEMA_NAMES)
+@pytest.mark.parametrize("name", TX_SCHEMAS)
 def test_schema_tx_id_pattern_is_the_records_pattern(name: str) -> None:
     assert schema(name)["properties"]["tx_id"]["pattern"] == TX_ID_PATTERN
 
@@ -830,14 +849,16 @@ def test_default_topic_names() -> None:
     assert topics.decisions == "saga.decisions"
     assert topics.status == "saga.status"
     assert topics.dlq == "saga.dlq"
+    assert topics.participants == "saga.participants"
     assert topics.all == (
         "saga.requests",
         "saga.events",
         "saga.decisions",
         "saga.status",
         "saga.dlq",
+        "saga.participants",
     )
-    assert topics.compacted == ("saga.status",)
+    assert topics.compacted == ("saga.status", "saga.participants")
 
 
 def test_topic_prefix_is_configurable() -> None:
