@@ -110,10 +110,12 @@ master_answers() { master_json >/dev/null; }
 workers_registered() { [ "$(alive_workers)" -ge "$WORKERS" ]; }
 
 # Starts a Spark daemon class in the background; spark-class execs the JVM, so the pid
-# recorded is the JVM's. The shuffle and temporary files go under the cluster folder.
+# recorded is the JVM's. The executors a worker starts inherit its environment: they
+# bind to SAGA_HOST too (SPARK_LOCAL_IP; else Spark picks the first non-loopback
+# interface), and keep shuffle and temporary files under the cluster folder.
 start_daemon() { # name class args...
   local name=$1; shift
-  SPARK_HOME=$HOME_DIR SPARK_LOCAL_DIRS="$C/tmp" SPARK_DAEMON_MEMORY=512m \
+  SPARK_HOME=$HOME_DIR SPARK_LOCAL_IP=$SAGA_HOST SPARK_LOCAL_DIRS="$C/tmp" SPARK_DAEMON_MEMORY=512m \
     SPARK_WORKER_OPTS="-Dspark.worker.cleanup.enabled=true -Dspark.worker.cleanup.appDataTtl=86400" \
     nohup "$HOME_DIR/bin/spark-class" "$@" </dev/null >"$LOGS/$name.log" 2>&1 &
   echo $! >"$PIDS/$name.pid"
