@@ -99,11 +99,21 @@ print(sum(1 for w in json.load(sys.stdin).get("workers", []) if w.get("state") =
 wait_for() { # name what check-command...
   local name=$1 what=$2; shift 2
   local deadline=$((SECONDS + READY_TIMEOUT))
-  until "$@"; do
+  while true; do
     running "$name" || die "$name exited while starting; see its log: $LOGS/$name.log"
+    "$@" && return 0
     [ $SECONDS -lt $deadline ] || die "$what within ${READY_TIMEOUT}s; see $LOGS/$name.log"
     sleep 0.5
   done
+}
+
+port_open() { (exec 3<>"/dev/tcp/$SAGA_HOST/$1") 2>/dev/null; }
+
+# A port another process holds would make the new daemon fail, or worse, make this
+# script talk to someone else's master.
+check_free() { # port what
+  ! port_open "$1" || die "port $1 ($2) is in use on $SAGA_HOST, by another Spark cluster or \
+program: stop it, or choose another port (the variables in infra/spark-cluster.sh's header)"
 }
 
 master_answers() { master_json >/dev/null; }
@@ -115,7 +125,10 @@ workers_registered() { [ "$(alive_workers)" -ge "$WORKERS" ]; }
 # interface), and keep shuffle and temporary files under the cluster folder.
 start_daemon() { # name class args...
   local name=$1; shift
+  # spark.port.maxRetries=0: a port in use fails the start instead of Spark moving to
+  # the next port, which the exports would not name.
   SPARK_HOME=$HOME_DIR SPARK_LOCAL_IP=$SAGA_HOST SPARK_LOCAL_DIRS="$C/tmp" SPARK_DAEMON_MEMORY=512m \
+    SPARK_DAEMON_JAVA_OPTS="-Dspark.port.maxRetries=0" \
     SPARK_WORKER_OPTS="-Dspark.worker.cleanup.enabled=true -Dspark.worker.cleanup.appDataTtl=86400" \
     nohup "$HOME_DIR/bin/spark-class" "$@" </dev/null >"$LOGS/$name.log" 2>&1 &
   echo $! >"$PIDS/$name.pid"
@@ -128,6 +141,8 @@ up() {
   HOME_DIR=$(spark_home)
   mkdir -p "$LOGS" "$PIDS" "$C/tmp" "$C/work"
   if ! running master; then
+    check_free "$MASTER_PORT" SPARK_MASTER_PORT
+    check_free "$MASTER_UI_PORT" SPARK_MASTER_WEBUI_PORT
     say "starting the Spark master at $MASTER_URL (web UI $MASTER_UI)"
     start_daemon master org.apache.spark.deploy.master.Master \
       --host "$SAGA_HOST" --port "$MASTER_PORT" --webui-port "$MASTER_UI_PORT"
@@ -137,6 +152,7 @@ up() {
   for ((i = 1; i <= WORKERS; i++)); do
     name=worker-$i
     running "$name" && continue
+    check_free $((WORKER_UI_PORT + i - 1)) "SPARK_WORKER_WEBUI_PORT + $((i - 1))"
     say "starting Spark $name ($WORKER_CORES core(s), $WORKER_MEMORY)"
     mkdir -p "$C/work/$name"
     start_daemon "$name" org.apache.spark.deploy.worker.Worker "$MASTER_URL" \
