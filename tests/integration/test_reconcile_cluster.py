@@ -75,11 +75,19 @@ class Cluster:
             return found
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+def free_port(count: int = 1) -> int:
+    """A port free on loopback now, with the ``count - 1`` after it free too."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            first: int = s.getsockname()[1]
+        try:
+            for port in range(first, first + count):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return first
 
 
 def cluster_script(command: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
@@ -104,7 +112,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         SAGA_SPARK_CLUSTER_DIR=str(folder),
         SPARK_MASTER_PORT=str(free_port()),
         SPARK_MASTER_WEBUI_PORT=str(free_port()),
-        SPARK_WORKER_WEBUI_PORT=str(free_port()),
+        SPARK_WORKER_WEBUI_PORT=str(free_port(WORKERS)),
         SPARK_WORKERS=str(WORKERS),
         SPARK_WORKER_CORES="1",
         SPARK_WORKER_MEMORY="1g",
