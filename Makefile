@@ -12,7 +12,7 @@ INFRA  := infra/services.sh
 # Exports the running services' addresses (SAGA_KAFKA_BOOTSTRAP, ...) into a recipe.
 WITH_ENV := eval "$$($(INFRA) env)" &&
 
-.PHONY: help venv lint unit test demo bench bench-short reconcile-bench state-bench chaos chaos-short console-screenshots infra-up infra-down infra-status clean
+.PHONY: help venv lint unit test demo bench bench-short reconcile-bench state-bench chaos chaos-short console-screenshots infra-up infra-down infra-status spark-cluster-up spark-cluster-down clean
 
 help:
 	@echo "make test          install everything, start the local services, lint, run the test suite"
@@ -22,6 +22,9 @@ help:
 	@echo "make infra-up      provision and start Kafka, PostgreSQL, Redis, FerretDB"
 	@echo "make infra-status  which services are up, and their addresses as shell exports"
 	@echo "make infra-down    stop the services started by infra-up"
+	@echo "make spark-cluster-up    a Spark standalone master and two workers on loopback, for"
+	@echo "                         saga reconcile --master (addresses: infra/spark-cluster.sh env)"
+	@echo "make spark-cluster-down  stop them"
 	@echo "make lint          ruff and mypy"
 	@echo "make unit          the unit tests only (no services)"
 	@echo "make reconcile-bench  the reconciliation job's throughput on a generated log"
@@ -56,6 +59,13 @@ infra-down:
 
 infra-status:
 	@$(INFRA) status
+
+# A Spark standalone cluster (README "Running on a cluster"), run from the venv's pyspark.
+spark-cluster-up: venv
+	@infra/spark-cluster.sh up
+
+spark-cluster-down:
+	@infra/spark-cluster.sh down
 
 test: venv lint infra-up
 	@$(WITH_ENV) $(VENV)/bin/pytest -m "not slow and not chaos" -q

@@ -15,6 +15,12 @@ cannot (no driver reads a URL's fragment, so it is free)::
     mongo:mongodb://127.0.0.1:27027/#database=shop
     redis:redis://127.0.0.1:16379/0#prefix=saga
 
+The URL may be an environment variable instead, ``$NAME`` or ``${NAME}`` right
+after ``KIND:``; the job reads its value itself, so a URL holding a password
+need not appear on the command line (where process lists show it)::
+
+    saga reconcile --ledger 'sql:$SAGA_POSTGRES_URL#schema=bank'
+
 Keys per kind: ``sql`` — ``schema``, ``table``; ``mongo`` — ``database``,
 ``collection``; ``redis`` — ``prefix``, ``target`` (tables only). Ledgers also
 take ``participants=a,b``: the participant names whose steps that ledger
@@ -23,6 +29,7 @@ records (default: every name found in it).
 
 from __future__ import annotations
 
+import os
 import re
 import time
 from collections.abc import Mapping, Sequence
@@ -70,6 +77,7 @@ _KEYS: Final[dict[str, frozenset[str]]] = {
     "mongo": frozenset({"database", "collection", "participants"}),
     "redis": frozenset({"prefix", "target", "participants"}),
 }
+_VARIABLE: Final = re.compile(r"\$(?:\{([A-Za-z_][A-Za-z0-9_]*)\}|([A-Za-z_][A-Za-z0-9_]*))")
 _DURATION: Final = re.compile(r"(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?")
 _UNIT_MS: Final = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000}
 
@@ -165,6 +173,7 @@ class ReconcileConfig:
     write_all: bool = False
     show: int = 20
     driver_memory: str = "2g"
+    executor_memory: str | None = None
     shuffle_partitions: int = 8
     spark_conf: Mapping[str, str] = field(default_factory=dict)
     verbose: int = 0
@@ -251,7 +260,22 @@ def parse_offsets(text: str, what: str) -> dict[str, dict[int, int]]:
     return out
 
 
-def _store(text: str, what: str) -> StoreSpec:
+def _expand(url: str, what: str, environ: Mapping[str, str]) -> str:
+    """``url`` with a leading ``$NAME`` / ``${NAME}`` replaced by that variable's value."""
+    found = _VARIABLE.match(url)
+    if found is None:
+        return url
+    name = found.group(1) or found.group(2)
+    value = environ.get(name, "")
+    if not value:
+        raise ConfigurationError(
+            f"{what} reads the URL from ${name}, which is not set: export it "
+            '(e.g. eval "$(infra/services.sh env)") or write the URL itself'
+        )
+    return value + url[found.end() :]
+
+
+def _store(text: str, what: str, environ: Mapping[str, str] | None = None) -> StoreSpec:
     kind, sep, rest = text.partition(":")
     if not sep or kind not in _SCHEMES:
         raise ConfigurationError(
@@ -259,6 +283,7 @@ def _store(text: str, what: str) -> StoreSpec:
             "(e.g. sql:postgresql://user:pw@host:5432/db#schema=bank)"
         )
     url, _, fragment = rest.partition("#")
+    url = _expand(url, what, os.environ if environ is None else environ)
     scheme = urlsplit(url).scheme
     if scheme not in _SCHEMES[kind]:
         raise ConfigurationError(
@@ -290,16 +315,18 @@ def _shown(text: str) -> str:
     return repr(re.sub(r"(//[^:/@]+:)[^@]*@", r"\1***@", text))
 
 
-def parse_ledger(text: str) -> LedgerSource:
-    """``--ledger KIND:URL#options``."""
-    source = LedgerSource(_store(text, "--ledger"))
+def parse_ledger(text: str, environ: Mapping[str, str] | None = None) -> LedgerSource:
+    """``--ledger KIND:URL#options`` (URL may be ``$NAME``, read from ``environ``,
+    by default the process environment)."""
+    source = LedgerSource(_store(text, "--ledger", environ))
     if "target" in source.store.options:
         raise ConfigurationError("--ledger: target= is for --table, not for a ledger")
     return source
 
 
-def parse_table(text: str) -> TableSource:
-    """``--table NAME=KIND:URL#options``: NAME becomes a Spark SQL view."""
+def parse_table(text: str, environ: Mapping[str, str] | None = None) -> TableSource:
+    """``--table NAME=KIND:URL#options``: NAME becomes a Spark SQL view (URL as for
+    :func:`parse_ledger`)."""
     name, sep, spec = text.partition("=")
     name = name.strip()
     if not sep or not IDENTIFIER.fullmatch(name):
@@ -307,7 +334,7 @@ def parse_table(text: str) -> TableSource:
             f"--table {_shown(text)} must be NAME=KIND:URL, e.g. "
             "accounts=sql:postgresql://user:pw@host/db#schema=bank"
         )
-    store = _store(spec.strip(), f"--table {name}")
+    store = _store(spec.strip(), f"--table {name}", environ)
     if "participants" in store.options:
         raise ConfigurationError(f"--table {name}: participants= is for --ledger only")
     if store.kind == "redis" and "target" not in store.options:

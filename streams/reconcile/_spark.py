@@ -29,8 +29,10 @@ __all__ = [
     "LogRange",
     "ReconcileError",
     "check_jars",
+    "executor_python",
     "kafka_frame",
     "kafka_options",
+    "on_loopback",
     "snapshot_offsets",
     "spark_boundary",
     "start_spark",
@@ -159,7 +161,15 @@ def start_spark(config: ReconcileConfig, jars: list[Path]) -> Any:
 
     Progress bars and INFO logs are off (``-v`` shows warnings). Under
     ``spark-submit`` the session it configured is used and only the SQL
-    settings are applied.
+    settings are applied. With a cluster master (``spark://...``) the executors
+    run in other JVMs: they fetch the jars from the driver (``spark.jars``), start
+    :func:`executor_python` for the ledger readers, and reach the driver at
+    ``spark.driver.host`` (loopback when the master is on loopback).
+
+    Every setting given here reaches the driver JVM's command line (PySpark starts
+    it with ``spark-submit --conf key=value``), so none of them may hold a secret:
+    store passwords travel inside the readers' options, Kafka's in its source's
+    options.
     """
     from pyspark.sql import SparkSession
 
@@ -179,8 +189,12 @@ def start_spark(config: ReconcileConfig, jars: list[Path]) -> Any:
             .config("spark.ui.enabled", "false")
             .config("spark.ui.showConsoleProgress", "false")
         )
-        if master.startswith("local"):
-            # A loopback driver avoids host-name trouble on laptops and CI.
+        if config.executor_memory is not None:
+            builder = builder.config("spark.executor.memory", config.executor_memory)
+        if on_loopback(master) and "spark.driver.host" not in config.spark_conf:
+            # A loopback driver avoids host-name trouble on laptops and CI; executors of
+            # a cluster on loopback reach it there too. A cluster elsewhere needs the
+            # driver's routable address: --conf spark.driver.host=...
             builder = builder.config("spark.driver.host", "127.0.0.1").config(
                 "spark.driver.bindAddress", "127.0.0.1"
             )
@@ -200,11 +214,33 @@ def start_spark(config: ReconcileConfig, jars: list[Path]) -> Any:
 
         for name in ("DataFrameQueryContextLogger", "SQLQueryContextLogger"):
             PySparkLogger.getLogger(name).disabled = True
-    if (session.sparkContext.master or "").startswith("local"):
-        # Local Python workers run this very interpreter: the ledger readers import this
-        # package and the store drivers (PySpark's default is whatever `python3` is).
-        session.sparkContext.pythonExec = sys.executable
+    # The interpreter every Python task starts (on the executors too): PySpark's default
+    # is whatever `python3` is, which lacks this package and the store drivers.
+    session.sparkContext.pythonExec = executor_python(
+        session.sparkContext.master or "", config.spark_conf, os.environ
+    )
     return session
+
+
+def on_loopback(master: str) -> bool:
+    """Whether ``master`` runs in this process (``local``) or on this machine's loopback."""
+    if master.startswith("local"):
+        return True
+    host = master.partition("://")[2].split(",")[0].rsplit(":", 1)[0].strip("[]")
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+def executor_python(master: str, conf: Mapping[str, str], environ: Mapping[str, str]) -> str:
+    """The Python the Python tasks run: this interpreter for a ``local`` master; for a
+    cluster ``spark.pyspark.python`` (``--conf``), else ``PYSPARK_PYTHON``, else this
+    interpreter's path (right when the workers share this machine or its file layout).
+
+    The executors need the same Python minor version, this package and the store
+    drivers (``pip install 'saga-olep[spark]'``) at that path.
+    """
+    if master.startswith("local"):
+        return sys.executable
+    return conf.get("spark.pyspark.python") or environ.get("PYSPARK_PYTHON") or sys.executable
 
 
 def kafka_options(settings: KafkaSettings) -> dict[str, str]:

@@ -42,12 +42,16 @@ Examples:
     --ledger 'redis:redis://127.0.0.1:16379/0#prefix=saga' \\
     --table 'accounts=sql:postgresql://saga:saga@127.0.0.1:15432/saga#schema=bank' \\
     --check 'money=SELECT sum(balance) = 200000 AS ok, sum(balance) AS total FROM accounts'
+  saga reconcile --master spark://127.0.0.1:17077 \\
+    --ledger 'sql:$SAGA_POSTGRES_URL#schema=bank'  # the job reads the URL (and password)
 
 \b
 Store specs: KIND:URL#key=value&... with KIND sql (schema, table), mongo
 (database, collection) or redis (prefix, target); ledgers also take
-participants=a,b. A check holds when its query returns no row, or, if it has
-a boolean column ok, when ok is true in every row it returns.
+participants=a,b. URL may be $NAME, an environment variable the job reads
+(single-quote the spec: no password then reaches the process list). A check
+holds when its query returns no row, or, if it has a boolean column ok, when
+ok is true in every row it returns.
 
 \b
 Exit status: 0 clean; 1 violations, stuck sagas or a failed check;
@@ -77,7 +81,14 @@ Exit status: 0 clean; 1 violations, stuck sagas or a failed check;
     show_default=True,
     help="Folder for findings/ (Parquet), summary.json and replay.jsonl.",
 )
-@click.option("--master", default=None, metavar="URL", help="Spark master URL [default: local[*]].")
+@click.option(
+    "--master",
+    envvar="SAGA_SPARK_MASTER",
+    default=None,
+    metavar="URL",
+    help="Spark master URL, e.g. spark://127.0.0.1:17077 for infra/spark-cluster.sh's cluster "
+    "[env SAGA_SPARK_MASTER; default: local[*]].",
+)
 @click.option(
     "--jars-dir",
     type=click.Path(path_type=Path),
@@ -172,6 +183,12 @@ Exit status: 0 clean; 1 violations, stuck sagas or a failed check;
 )
 @click.option("--driver-memory", default="2g", show_default=True, help="Spark driver memory.")
 @click.option(
+    "--executor-memory",
+    default=None,
+    metavar="SIZE",
+    help="Memory per executor on a cluster, e.g. 1g [default: Spark's, 1g].",
+)
+@click.option(
     "--shuffle-partitions",
     type=click.IntRange(1, 100_000),
     default=8,
@@ -180,7 +197,11 @@ Exit status: 0 clean; 1 violations, stuck sagas or a failed check;
     help="Spark SQL shuffle partitions (a few per core).",
 )
 @click.option(
-    "--conf", "conf", multiple=True, metavar="KEY=VALUE", help="key=value: any Spark setting."
+    "--conf",
+    "conf",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="key=value: any Spark setting (never a secret: Spark settings show in process lists).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print summary.json instead of the tables.")
 @click.option("-v", "--verbose", count=True, help="Spark warnings and more log lines.")
@@ -205,6 +226,7 @@ def reconcile(
     write_all: bool,
     show: int,
     driver_memory: str,
+    executor_memory: str | None,
     shuffle_partitions: int,
     conf: tuple[str, ...],
     as_json: bool,
@@ -246,6 +268,7 @@ def reconcile(
             write_all=write_all,
             show=show,
             driver_memory=driver_memory,
+            executor_memory=executor_memory,
             shuffle_partitions=shuffle_partitions,
             spark_conf=spark_conf_pairs(conf),
             verbose=verbose,
