@@ -196,7 +196,9 @@ def reconcile_command(cfg: DemoConfig, environ: Mapping[str, str]) -> str:
     """The ``saga reconcile`` command that audits this run again, to copy into a shell.
 
     The stores' URLs appear as the variables the demo reads (``$SAGA_POSTGRES_URL``,
-    ...), never as text: they hold passwords. ``--bootstrap`` is given only when the
+    ...) in single quotes, never as text: they hold passwords, and the job reads the
+    variables itself, so no password reaches a command line (``ps``) either.
+    ``--bootstrap`` is given only when the
     environment's ``SAGA_KAFKA_BOOTSTRAP`` would not name the same broker.
     """
     parts = ["saga reconcile"]
@@ -204,9 +206,9 @@ def reconcile_command(cfg: DemoConfig, environ: Mapping[str, str]) -> str:
         parts.append(f"--bootstrap {cfg.kafka.bootstrap}")
     parts += [
         f"--prefix {cfg.kafka.prefix}",
-        f'--ledger "sql:$SAGA_POSTGRES_URL#schema={SCHEMA}"',
-        f'--ledger "mongo:$SAGA_MONGO_URL#database={SCHEMA}"',
-        f'--ledger "redis:$SAGA_REDIS_URL#prefix={SCHEMA}"',
+        f"--ledger 'sql:$SAGA_POSTGRES_URL#schema={SCHEMA}'",
+        f"--ledger 'mongo:$SAGA_MONGO_URL#database={SCHEMA}'",
+        f"--ledger 'redis:$SAGA_REDIS_URL#prefix={SCHEMA}'",
     ]
     return " \\\n    ".join(parts)
 
@@ -415,15 +417,22 @@ def reconcile_demo(cfg: DemoConfig, console: Console) -> int:
     """Audit the demo's log and the three ledgers with the Spark job; print its summary."""
     console.rule("[bold]saga reconcile over the demo's log")
     assert cfg.mongo_url is not None and cfg.redis_url is not None
+    # The URLs hold passwords: they go by environment, which the job reads itself, so
+    # no password is on a command line (`ps`).
+    stores = {
+        "SAGA_DEMO_POSTGRES_URL": cfg.postgres_url,
+        "SAGA_DEMO_MONGO_URL": cfg.mongo_url,
+        "SAGA_DEMO_REDIS_URL": cfg.redis_url,
+    }
     command = [
         sys.executable, "-m", "coordinator", "reconcile",
         "--bootstrap", cfg.kafka.bootstrap, "--prefix", cfg.kafka.prefix,
-        "--ledger", f"sql:{cfg.postgres_url}#schema={SCHEMA}",
-        "--ledger", f"mongo:{cfg.mongo_url}#database={SCHEMA}",
-        "--ledger", f"redis:{cfg.redis_url}#prefix={SCHEMA}",
+        "--ledger", f"sql:$SAGA_DEMO_POSTGRES_URL#schema={SCHEMA}",
+        "--ledger", f"mongo:$SAGA_DEMO_MONGO_URL#database={SCHEMA}",
+        "--ledger", f"redis:$SAGA_DEMO_REDIS_URL#prefix={SCHEMA}",
         "--out", str(cfg.logs / "reconcile"),
     ]  # fmt: skip
-    code = subprocess.call(command)
+    code = subprocess.call(command, env={**os.environ, **stores})
     if code == 0:
         console.print("[bold green]reconciliation: the log and the stores agree[/]")
     else:

@@ -169,7 +169,7 @@ def test_the_demo_prints_a_reconcile_command_for_its_prefix_without_passwords() 
     assert "--prefix demo-1764000000" in same
     assert "--bootstrap" not in same
     assert "Sekr3t" not in same
-    assert '"sql:$SAGA_POSTGRES_URL#schema=saga_demo"' in same
+    assert "'sql:$SAGA_POSTGRES_URL#schema=saga_demo'" in same
     other = reconcile_command(cfg, {})
     assert "--bootstrap 127.0.0.1:19092" in other
 
