@@ -65,7 +65,7 @@ def holder(brokers: BrokerCluster, main: System, rnd: random.Random, role: str) 
         tid = f"{main.prefix}.coordinator.{slot.instance_id}"
         return brokers.txn_coordinator(tid), f"transaction coordinator of {tid}"
     group = rnd.choice(_groups(main))
-    return brokers.group_coordinator(group), f"group coordinator of {group}"
+    return brokers.group_partition_leader(group), f"group coordinator of {group}"
 
 
 def _also(brokers: BrokerCluster, main: System, node: int, role: str) -> str:
@@ -78,7 +78,7 @@ def _also(brokers: BrokerCluster, main: System, node: int, role: str) -> str:
             if led:
                 held.append(f"led requests{led}")
         if role != "group_coordinator":
-            mine = [g for g in _groups(main) if brokers.group_coordinator(g) == node]
+            mine = [g for g in _groups(main) if brokers.group_partition_leader(g) == node]
             if mine:
                 held.append(f"coordinated {len(mine)} group(s)")
     return f"; also {', '.join(held)}" if held else ""
