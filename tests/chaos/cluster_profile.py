@@ -157,6 +157,11 @@ class ClusterRunner(Runner):
             kind: {"p50": percentile(v, 0.5), "p99": percentile(v, 0.99), "n": len(v)}
             for kind, v in sorted(by_kind.items())
         }
+        # Each fault's own figure, beside the percentiles: which kind of strike is slow.
+        report["quiesce_log"] = [
+            {"fault": q.label, "seconds": None if q.seconds is None else round(q.seconds, 2)}
+            for q in main.quiesce
+        ]
         report["cluster"] = {
             "bootstrap": self.brokers.bootstrap,
             "replication_factor": self.profile.replication_factor,

@@ -10,14 +10,16 @@ Nothing here asserts on timing.
 from __future__ import annotations
 
 import os
+import random
 import uuid
+from collections import Counter
 from pathlib import Path
 
 import pytest
 
 from streams.kafka import Consumer, KafkaSettings, create_topics, delete_topics
 from tests._infra import Services
-from tests.chaos.cluster_profile import CLUSTER_PROFILE, ClusterRunner
+from tests.chaos.cluster_profile import CLUSTER_PROFILE, KILLS_PER_ROLE, PAUSES, ClusterRunner
 from tests.chaos.kafka_cluster import BrokerCluster, coordinator_partition, java_hash
 from tests.chaos.runner import DEFAULT_REPORT, run_profile
 
@@ -41,6 +43,27 @@ def test_java_hash_matches_java() -> None:
         java_hash("kcl.g0") < 0 and coordinator_partition("kcl.g0", 7) == -java_hash("kcl.g0") % 7
     )
     assert all(0 <= coordinator_partition(f"g{i}", 50) < 50 for i in range(200))
+
+
+@pytest.mark.unit
+def test_cluster_fault_plan_has_every_count() -> None:
+    """One round holds 10 kills per role, 5 pauses, one node down and one rolling restart,
+    the two long faults away from the very start."""
+    runner = ClusterRunner.__new__(ClusterRunner)  # the plan needs only the seeded random
+    runner.rnd = random.Random(7)
+    plan = runner._round_faults(0)
+    kinds = Counter(spec[2] if spec[1] == "kill" else spec[1] for spec in plan)
+    assert kinds == {
+        "leader": KILLS_PER_ROLE,
+        "txn_coordinator": KILLS_PER_ROLE,
+        "group_coordinator": KILLS_PER_ROLE,
+        "pause": PAUSES,
+        "down": 1,
+        "rolling": 1,
+    }
+    assert KILLS_PER_ROLE >= 10 and PAUSES >= 5
+    assert plan.index(("broker", "down")) >= len(plan) // 4
+    assert CLUSTER_PROFILE.min_sagas >= 5000 and CLUSTER_PROFILE.replication_factor == 3
 
 
 @pytest.mark.chaos
