@@ -127,7 +127,12 @@ log.retention.check.interval.ms=30000
 EOF
 }
 
-node_started() { port_open "$(client_port "$1")" && grep -q "Kafka Server started" "$LOGS/kafka-cluster-$1.log"; }
+# The log keeps every start of the node (appended, each after a "--- start" line); a
+# start is done once its own part of the log says so.
+node_started() {
+  port_open "$(client_port "$1")" &&
+    awk '/^--- start /{n=0} /Kafka Server started/{n=1} END{exit !n}' "$LOGS/kafka-cluster-$1.log"
+}
 
 wait_node() { # node
   local n=$1 deadline=$((SECONDS + READY_TIMEOUT))
@@ -157,9 +162,10 @@ launch_node() { # node: start it in the background (no wait)
       die "formatting node $n's log folder failed; see $LOGS/kafka-cluster-format.log"
   fi
   say "starting node $n ($SAGA_HOST:$(client_port "$n"))"
+  echo "--- start $(date -u '+%F %T') ---" >>"$LOGS/kafka-cluster-$n.log"
   # setsid: a test that SIGKILLs a node kills that JVM only, never this script's group.
   setsid bash -c "$(declare -f kafka_java); D='$D'; ROOT='$ROOT'; kafka_java kafka.Kafka '$dir/server.properties'" \
-    </dev/null >"$LOGS/kafka-cluster-$n.log" 2>&1 &
+    </dev/null >>"$LOGS/kafka-cluster-$n.log" 2>&1 &
   echo $! >"$PIDS/kafka-cluster-$n.pid"
 }
 

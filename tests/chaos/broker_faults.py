@@ -84,6 +84,10 @@ def _also(brokers: BrokerCluster, main: System, node: int, role: str) -> str:
     return f"; also {', '.join(held)}" if held else ""
 
 
+def _retries(failed: list[str]) -> str:
+    return f"; start repeated after: {' | '.join(failed)}" if failed else ""
+
+
 def kill_by_role(
     brokers: BrokerCluster, book: FaultBook, rnd: random.Random, main: System, role: str
 ) -> FaultRecord:
@@ -94,7 +98,7 @@ def kill_by_role(
     brokers.kill(node)
     book.kill(f"broker.{role}")
     time.sleep(rnd.uniform(0.5, 3.0))
-    brokers.start(node)
+    retried = _retries(brokers.start(node))
     healed = brokers.wait_healthy()
     kind = f"broker.kill.{role}"
     book.fault(kind)
@@ -103,7 +107,7 @@ def kill_by_role(
         f"node-{node}",
         started,
         book.now(),
-        f"{what}{also}; ISR full {healed:.1f}s after start",
+        f"{what}{also}; ISR full {healed:.1f}s after start{retried}",
     )
     book.record(rec)
     return rec
@@ -148,7 +152,7 @@ def down_for_minutes(
     brokers.kill(node)
     book.kill("broker.down")
     time.sleep(DOWN_S)
-    brokers.start(node)
+    retried = _retries(brokers.start(node))
     healed = brokers.wait_healthy()
     book.fault("broker.down")
     rec = FaultRecord(
@@ -156,7 +160,8 @@ def down_for_minutes(
         f"node-{node}",
         started,
         book.now(),
-        f"leader of {topic}[{partition}], down {DOWN_S:.0f}s; ISR full {healed:.1f}s after start",
+        f"leader of {topic}[{partition}], down {DOWN_S:.0f}s; ISR full {healed:.1f}s after start"
+        + retried,
     )
     book.record(rec)
     return rec

@@ -142,11 +142,15 @@ class BrokerCluster:
     def resume(self, node: int) -> None:
         os.kill(self.pid(node), signal.SIGCONT)
 
-    def start(self, node: int, attempts: int = 4) -> None:
-        """``infra/kafka-cluster.sh start N``: start the node and wait until it serves."""
+    def start(self, node: int, attempts: int = 4) -> list[str]:
+        """``infra/kafka-cluster.sh start N``: start the node and wait until it serves.
+
+        Returns what the failed attempts said (empty when the first one worked), so a
+        slow recovery can be told apart from a start that had to be repeated."""
         env = dict(self.environ)
         env["SAGA_INFRA_DIR"] = str(self.dir)
         last = ""
+        failed: list[str] = []
         for attempt in range(attempts):
             done = subprocess.run(
                 [str(CLUSTER_SH), "start", str(node)],
@@ -158,8 +162,9 @@ class BrokerCluster:
                 check=False,
             )
             if done.returncode == 0:
-                return
+                return failed
             last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+            failed.append(last)
             time.sleep(1 + attempt)
         raise ServiceControlError(f"Kafka node {node} would not start {attempts} times: {last}")
 
