@@ -32,7 +32,7 @@ help:
 	@echo "make cluster-up    start a local three-broker Kafka cluster (infra/kafka-cluster.sh) next to the single node"
 	@echo "make cluster-down  stop it; make cluster-status: its nodes and addresses"
 	@echo "make chaos-cluster fault injection on the three-broker cluster: 5,000+ sagas, brokers killed by role"
-	@echo "                   (leader, transaction and group coordinator), paused, down for minutes, rolled (about 30 min)"
+	@echo "                   (leader, transaction and group coordinator), paused, down for minutes, rolled (about 25 min)"
 
 $(VENV)/.installed: pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
