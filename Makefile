@@ -12,7 +12,7 @@ INFRA  := infra/services.sh
 # Exports the running services' addresses (SAGA_KAFKA_BOOTSTRAP, ...) into a recipe.
 WITH_ENV := eval "$$($(INFRA) env)" &&
 
-.PHONY: help venv lint unit test demo bench bench-short reconcile-bench state-bench chaos chaos-short console-screenshots infra-up infra-down infra-status spark-cluster-up spark-cluster-down clean
+.PHONY: help venv lint unit test demo bench bench-short reconcile-bench state-bench chaos chaos-short chaos-cluster console-screenshots infra-up infra-down infra-status cluster-up cluster-down cluster-status spark-cluster-up spark-cluster-down clean
 
 help:
 	@echo "make test          install everything, start the local services, lint, run the test suite"
@@ -33,6 +33,10 @@ help:
 	@echo "                   then 1,000+ hostile records of 29 kinds in 1,000+ valid sagas"
 	@echo "make chaos         fault injection, long profile: 20,000 sagas, 20 kills of each component"
 	@echo "make console-screenshots  the web console's browser test, saving docs/img/console-*.png"
+	@echo "make cluster-up    start a local three-broker Kafka cluster (infra/kafka-cluster.sh) next to the single node"
+	@echo "make cluster-down  stop it; make cluster-status: its nodes and addresses"
+	@echo "make chaos-cluster fault injection on the three-broker cluster: 5,000+ sagas, brokers killed by role"
+	@echo "                   (leader, transaction and group coordinator), paused, down for minutes, rolled (about 25 min)"
 
 $(VENV)/.installed: pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -111,6 +115,25 @@ chaos: venv infra-up
 console-screenshots: venv infra-up
 	@$(WITH_ENV) SAGA_CONSOLE_SCREENSHOTS=docs/img $(VENV)/bin/pytest -q \
 		tests/e2e/test_console_browser.py
+
+# A three-broker KRaft cluster on loopback (other ports and folders than the single node,
+# which keeps running): `eval "$$(infra/kafka-cluster.sh env)"` points saga at it.
+CLUSTER := infra/kafka-cluster.sh
+
+cluster-up:
+	@$(CLUSTER) up
+
+cluster-down:
+	@$(CLUSTER) down
+
+cluster-status:
+	@$(CLUSTER) status
+
+# The cluster profile: the databases of infra-up, Kafka from the three-broker cluster; kills,
+# pauses and restarts the cluster's nodes only. Report: CHAOS_REPORT (reports/chaos-cluster.json).
+chaos-cluster: venv infra-up cluster-up
+	@$(WITH_ENV) eval "$$($(CLUSTER) env)" && $(VENV)/bin/pytest -m chaos -q -s \
+		tests/chaos/test_chaos_cluster.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -88,6 +88,8 @@ class Profile:
     poison_gap_s: tuple[float, float] = (3.0, 15.0)
     min_poison: int = 0
     forged: bool = False  # forged records join the poison (signed runs only)
+    replication_factor: int = 1  # of the systems' topics (3 on the three-broker cluster)
+    replays: bool = True  # False: no ``saga reconcile --replay`` during the rounds
 
 
 def signing_on(environ: Mapping[str, str] = os.environ) -> bool:
@@ -236,6 +238,7 @@ class Runner:
             book=self.book,
             signing=self.signing,
             forged=p.forged,
+            replication_factor=p.replication_factor,
         )
         self.log(
             "signed records: "
@@ -403,7 +406,7 @@ class Runner:
             target=self._replays, args=(main, r), kwargs={"pair": r % p.replay_every == 0},
             daemon=True,
         )  # fmt: skip
-        if p.faults:
+        if p.faults and p.replays:
             threads.append(replay)
         for t in threads:
             t.start()
@@ -583,6 +586,7 @@ class Runner:
             workers={"sql": 1, "redis": 1},
             unsafe=switch,
             signing=self.signing,
+            replication_factor=p.replication_factor,
         )
         transfers = plan(p.nc_sagas, seed=self.seed, tag=f"nc{switch[:2]}", stores=stores)
         trio = [
@@ -910,8 +914,11 @@ def run_profile(
     workdir: Path | None = None,
     keep: bool = False,
     console: Console | None = None,
+    runner_class: type[Runner] = Runner,
 ) -> dict[str, Any]:
-    """Run ``profile`` end to end; write the JSON report and print the tables."""
+    """Run ``profile`` end to end (with ``runner_class``, e.g. the cluster profile's
+    :class:`tests.chaos.cluster_profile.ClusterRunner`); write the JSON report and print
+    the tables."""
     if console is None:
         console = Console()
         if not console.is_terminal:
@@ -924,7 +931,7 @@ def run_profile(
     def say(line: str) -> None:
         console.print(line, soft_wrap=True, highlight=False)
 
-    runner = Runner(services, profile, seed=seed, workdir=workdir, say=say, keep=keep)
+    runner = runner_class(services, profile, seed=seed, workdir=workdir, say=say, keep=keep)
     report = runner.run()
     report["workdir"] = str(workdir)
     report_path.parent.mkdir(parents=True, exist_ok=True)

@@ -111,6 +111,7 @@ class System:
         unsafe: str | None = None,
         signing: bool = True,
         forged: bool = False,
+        replication_factor: int = 1,
     ) -> None:
         self.services = services
         self.label = label
@@ -120,6 +121,7 @@ class System:
         self.settings = KafkaSettings(bootstrap=services.kafka_bootstrap, prefix=self.prefix)
         self.topics = self.settings.topics
         self.partitions = partitions
+        self.replication_factor = replication_factor
         self.stores_used = stores
         self.stores = Stores(services, self.token)
         self.workdir = workdir / label
@@ -166,7 +168,7 @@ class System:
         """Topics and stores with every account the planned transfers use."""
         self.openings = openings(transfers, self.stores_used)
         self.stores.create(self.openings)
-        create_topics(self.settings, self.partitions)
+        create_topics(self.settings, self.partitions, self.replication_factor)
 
     def start(self) -> None:
         self._sender = Sender(self.settings, self.keys)
