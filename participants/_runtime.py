@@ -112,6 +112,14 @@ class ParticipantRuntime(Stoppable):
     checked when a work item is made of it (not every event read). A record that
     fails is skipped (the coordinator moves it to the DLQ). Without ``keys`` nothing
     is signed or verified, and :meth:`run` says so.
+
+    ``worker_id`` makes the worker a static member of its group (Kafka's
+    ``group.instance.id`` ``<prefix>.participant.<name>.<worker_id>``): restarted with
+    the same id, it takes back its partitions at once, without a rebalance; gone for
+    good, it loses them after the session timeout (6 s by default). It must be stable
+    across restarts of one worker and unique among the live workers of a participant.
+    Without one the worker is a dynamic member: its restart waits for the session
+    timeout of its previous self before the group hands out partitions again.
     """
 
     def __init__(
@@ -131,8 +139,10 @@ class ParticipantRuntime(Stoppable):
         log: Log | None = None,
         faults: Faults = NO_FAULTS,
         keys: Keyring | None = None,
+        worker_id: str | None = None,
     ) -> None:
         self.name = name
+        self.worker_id = worker_id
         self._keys = keys
         self._log: Log = signing(log if log is not None else KafkaLog(settings), keys)
         self._faults = faults
@@ -172,6 +182,11 @@ class ParticipantRuntime(Stoppable):
         self._consumer = self._log.consumer(
             f"{self.topics.prefix}.participant.{name}",
             client_id=f"{self.topics.prefix}.participant.{name}",
+            group_instance_id=(
+                None
+                if worker_id is None
+                else f"{self.topics.prefix}.participant.{name}.{worker_id}"
+            ),
             # One worker must see a transaction's request and its events (sequential
             # sagas: step i waits for step i-1's `applied`): the range assignor gives
             # each worker the same partition numbers of every topic; cooperative-sticky
