@@ -156,6 +156,7 @@ def test_a_restarted_worker_and_coordinator_take_back_their_own_partitions(
         took, seen = watch_restart(system, bank_group, banks_before, w1, restarted)
         # No rebalance: the survivor's partitions never moved, nobody else got w1's.
         assert all(o.get(w2, banks_before[w2]) == banks_before[w2] for o in seen), seen
+        print(f"worker w1 restarted: its partitions back {took:.1f}s after the restart")
         assert took < RESTART_S, f"worker w1 owned its partitions again after {took:.1f}s"
 
         coordinators["a"].kill()
@@ -164,6 +165,7 @@ def test_a_restarted_worker_and_coordinator_take_back_their_own_partitions(
             system, coordinator_group, coordinators_before, ca, restarted_a
         )
         assert all(o.get(cb, coordinators_before[cb]) == coordinators_before[cb] for o in seen_c)
+        print(f"coordinator a restarted: its partitions back {took_c:.1f}s after the restart")
         assert took_c < RESTART_S, f"coordinator a owned its partitions again after {took_c:.1f}s"
 
         submit_all(client, transfers[40:])
@@ -201,6 +203,7 @@ def test_a_worker_gone_for_good_loses_its_partitions_within_the_session_timeout(
         interval=0.2,
         message=f"w2 did not own every partition within {SESSION_S + TAKEOVER_MARGIN_S:.0f}s",
     )
+    print(f"worker w1 gone for good: w2 owned its partitions {took[-1]:.1f}s after the kill")
     assert took[-1] >= SESSION_S - 1, f"taken over after {took[-1]:.1f}s: before the session?"
 
     transfers = make_transfers(20, tag="gone", fail_every=5, sequential_every=6)
