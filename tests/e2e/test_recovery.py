@@ -46,6 +46,7 @@ RESTART_S = 20.0
 TAKEOVER_MARGIN_S = 6.0
 
 Owned = dict[str, frozenset[tuple[str, int]]]
+Members = dict[str, str]  # group.instance.id -> the member id the broker gave it
 
 
 @pytest.fixture
@@ -73,16 +74,27 @@ def worker(system: SagaSystem, name: str, worker_id: str) -> Proc:
     )  # fmt: skip
 
 
-def owned(system: SagaSystem, group: str) -> Owned:
-    """``group.instance.id`` -> the partitions it owns, for every member of ``group``."""
+def members(system: SagaSystem, group: str) -> tuple[Owned, Members]:
+    """Per ``group.instance.id`` of ``group``: the partitions it owns, and its member id.
+
+    A killed static member stays in the group (with its partitions) until its session
+    expires; the process that takes its place gets a new member id.
+    """
     admin = AdminClient({"bootstrap.servers": system.services.kafka_bootstrap})
     description = admin.describe_consumer_groups([group])[group].result(timeout=10)
-    return {
-        str(m.group_instance_id): frozenset(
-            (tp.topic, tp.partition) for tp in m.assignment.topic_partitions
+    found = {
+        str(m.group_instance_id): (
+            frozenset((tp.topic, tp.partition) for tp in m.assignment.topic_partitions),
+            str(m.member_id),
         )
         for m in description.members
     }
+    return {k: v[0] for k, v in found.items()}, {k: v[1] for k, v in found.items()}
+
+
+def owned(system: SagaSystem, group: str) -> Owned:
+    """``group.instance.id`` -> the partitions it owns, for every member of ``group``."""
+    return members(system, group)[0]
 
 
 def spread(system: SagaSystem, group: str, members: int) -> Owned | None:
@@ -111,9 +123,10 @@ def started(system: SagaSystem, group: str, members: int) -> Owned:
 
 
 def watch_restart(
-    system: SagaSystem, group: str, before: Owned, member: str, restart: Proc
+    system: SagaSystem, group: str, before: Owned, member: str, killed_id: str, restart: Proc
 ) -> tuple[float, list[Owned]]:
-    """Poll ``group`` until ``member`` owns its partitions of ``before`` again.
+    """Poll ``group`` until ``member``, as a new member id (the restarted process, not
+    ``killed_id``), owns its partitions of ``before`` again.
 
     Returns the seconds from the restart to then, and every ownership seen meanwhile.
     """
@@ -122,12 +135,12 @@ def watch_restart(
     while time.monotonic() - t0 < RESTART_S + 30:
         assert restart.alive, restart.log()[-2000:]
         try:
-            now = owned(system, group)
+            now, ids = members(system, group)
         except Exception:  # a describe can time out on a busy broker: poll again
-            now = {}
+            now, ids = {}, {}
         if now:
             seen.append(now)
-        if now.get(member) == before[member]:
+        if now.get(member) == before[member] and ids.get(member) not in (None, killed_id):
             return time.monotonic() - t0, seen
         time.sleep(0.2)
     raise AssertionError(f"{member} did not get its partitions back: {seen[-3:]}")
@@ -151,18 +164,20 @@ def test_a_restarted_worker_and_coordinator_take_back_their_own_partitions(
     ids = [t.tx_id for t in transfers]
     with system.client() as client:
         submit_all(client, transfers[:40])
+        killed_id = members(system, bank_group)[1][w1]
         banks["w1"].kill()  # SIGKILL: no LeaveGroup, as in a crash
         restarted = worker(system, "bank", "w1")
-        took, seen = watch_restart(system, bank_group, banks_before, w1, restarted)
+        took, seen = watch_restart(system, bank_group, banks_before, w1, killed_id, restarted)
         # No rebalance: the survivor's partitions never moved, nobody else got w1's.
         assert all(o.get(w2, banks_before[w2]) == banks_before[w2] for o in seen), seen
         print(f"worker w1 restarted: its partitions back {took:.1f}s after the restart")
         assert took < RESTART_S, f"worker w1 owned its partitions again after {took:.1f}s"
 
+        killed_id = members(system, coordinator_group)[1][ca]
         coordinators["a"].kill()
         restarted_a = system.coordinator("a")
         took_c, seen_c = watch_restart(
-            system, coordinator_group, coordinators_before, ca, restarted_a
+            system, coordinator_group, coordinators_before, ca, killed_id, restarted_a
         )
         assert all(o.get(cb, coordinators_before[cb]) == coordinators_before[cb] for o in seen_c)
         print(f"coordinator a restarted: its partitions back {took_c:.1f}s after the restart")
