@@ -91,15 +91,16 @@ class CoordinatorStats:
 class CoordinatorService(Stoppable):
     """Runs one coordinator instance until :meth:`stop` (or SIGTERM/SIGINT).
 
-    Several instances share the partitions through one consumer group
-    (``<prefix>.coordinator``). ``instance_id`` must be stable for an instance
-    across restarts and unique among live instances: it names the
-    transactional producer, so a restarted instance fences its predecessor and
-    aborts what that one left open. Which participants exist (a request naming
-    another rolls back at once; :mod:`coordinator._known`): ``participants``, when
-    given; else, with ``unknown_participants="reject"``, those that announced
-    themselves on the participant registry (read to its end before any decision);
-    else (``"accept"``, the default here) any name.
+    Instances share the partitions through one consumer group (``<prefix>.coordinator``).
+    ``instance_id`` must be stable for an instance across restarts and unique among live
+    instances: it names the transactional producer and the static group member, so a
+    restarted instance fences its predecessor, aborts what that one left open and takes
+    back its partitions at once (one gone for good loses them after the session timeout,
+    6 s by default). ``participants``, when given, is the set of participant names that
+    exist: a request naming another rolls back at once; else, with
+    ``unknown_participants="reject"``, those that announced themselves on the participant
+    registry (read to its end before any decision; :mod:`coordinator._known`); else
+    (``"accept"``, the default here) any name.
 
     Retention (``retention_ms``): a saga that ended ``committed`` or
     ``rolled_back`` is forgotten once ``retention_ms`` have passed since both its
@@ -177,11 +178,10 @@ class CoordinatorService(Stoppable):
         self._consumer = self._log.consumer(
             f"{self.topics.prefix}.coordinator",
             client_id=f"{self.topics.prefix}.coordinator.{instance_id}",
-            # A transaction's request, events and decisions share one partition number,
-            # and only the owner of its requests partition keeps its state: the range
-            # assignor hands each instance the same partition numbers of every topic
-            # (cooperative-sticky does not, and events owned apart from their requests
-            # were skipped, their offsets committed: those sagas never decided).
+            group_instance_id=f"{self.topics.prefix}.coordinator.{instance_id}",
+            # The range assignor gives each instance the same partition numbers of every
+            # topic: a transaction's request, events and decisions must be owned together
+            # (with cooperative-sticky, events owned apart from their requests were skipped).
             assignment_strategy="range",
             on_assign=self._on_assign,
             on_revoke=self._on_revoke,

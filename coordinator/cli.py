@@ -287,9 +287,10 @@ def coordinator() -> None:
     "--instance-id",
     envvar="SAGA_INSTANCE_ID",
     default=None,
-    help="Stable and unique per coordinator process; names its transactional producer, so "
-    "a restart with the same id fences its predecessor [env SAGA_INSTANCE_ID; default: "
-    "the host name, distinct per container of a scaled service].",
+    help="Stable and unique per coordinator process; names its transactional producer and "
+    "group membership, so a restart with the same id fences its predecessor and takes back "
+    "its partitions at once [env SAGA_INSTANCE_ID; default: the host name, distinct per "
+    "container of a scaled service].",
 )
 @click.option(
     "--participants",
@@ -414,6 +415,14 @@ def participant() -> None:
 )
 @click.option("--handlers", default=None, help="Dotted path of a module with custom HANDLERS.")
 @click.option("--schema", "db_schema", default=None, help="SQL schema of the tables and ledger.")
+@click.option(
+    "--worker-id",
+    envvar="SAGA_WORKER_ID",
+    default=None,
+    help="Stable across restarts and unique among this participant's live workers (e.g. "
+    "sql-0): a restarted worker takes back its partitions at once instead of after the "
+    "Kafka session timeout [env SAGA_WORKER_ID; default: none, a dynamic group member].",
+)
 @retention_option("Remove ledger entries of transactions finished longer ago than this")
 @click.option(
     "--heartbeat",
@@ -440,6 +449,7 @@ def participant_run(
     targets: str,
     handlers: str | None,
     db_schema: str | None,
+    worker_id: str | None,
     retention_ms: int,
     heartbeat_ms: int,
     connect_timeout: float,
@@ -495,6 +505,7 @@ def participant_run(
         heartbeat_interval_ms=heartbeat_ms,
         kind=StorageKind(storage),
         targets=target_list,
+        worker_id=worker_id or None,
     )
     runtime.observer.description = f"{storage}, targets {','.join(target_list)}"
     runtime.install_signal_handlers()

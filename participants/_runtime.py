@@ -125,6 +125,14 @@ class ParticipantRuntime(Stoppable):
     storage adapter's; ``targets``, default: the storage's allow-list) before it
     consumes, beats every ``heartbeat_interval_ms`` from its poll loop, and says
     ``stopping`` when stopped on purpose.
+
+    ``worker_id`` makes the worker a static member of its group (Kafka's
+    ``group.instance.id`` ``<prefix>.participant.<name>.<worker_id>``): restarted with
+    the same id, it takes back its partitions at once, without a rebalance; gone for
+    good, it loses them after the session timeout (6 s by default). It must be stable
+    across restarts of one worker and unique among the live workers of a participant.
+    Without one the worker is a dynamic member: its restart waits for the session
+    timeout of its previous self before the group hands out partitions again.
     """
 
     def __init__(
@@ -148,8 +156,10 @@ class ParticipantRuntime(Stoppable):
         heartbeat_interval_ms: int = DEFAULT_HEARTBEAT_MS,
         kind: StorageKind | None = None,
         targets: Sequence[str] | None = None,
+        worker_id: str | None = None,
     ) -> None:
         self.name = name
+        self.worker_id = worker_id
         self._keys = keys
         self._log: Log = signing(log if log is not None else KafkaLog(settings), keys)
         self.announcer: Announcer | None = None
@@ -200,6 +210,11 @@ class ParticipantRuntime(Stoppable):
         self._consumer = self._log.consumer(
             f"{self.topics.prefix}.participant.{name}",
             client_id=f"{self.topics.prefix}.participant.{name}",
+            group_instance_id=(
+                None
+                if worker_id is None
+                else f"{self.topics.prefix}.participant.{name}.{worker_id}"
+            ),
             # One worker must see a transaction's request and its events (sequential
             # sagas: step i waits for step i-1's `applied`): the range assignor gives
             # each worker the same partition numbers of every topic; cooperative-sticky

@@ -123,6 +123,7 @@ class SignedLog:
         on_assign: RebalanceCallback | None = None,
         on_revoke: RebalanceCallback | None = None,
         on_lost: RebalanceCallback | None = None,
+        group_instance_id: str | None = None,
     ) -> LogConsumer:
         return self._log.consumer(
             group_id,
@@ -132,6 +133,7 @@ class SignedLog:
             on_assign=on_assign,
             on_revoke=on_revoke,
             on_lost=on_lost,
+            group_instance_id=group_instance_id,
         )
 
     def producer(self, *, client_id: str = "saga") -> LogProducer:

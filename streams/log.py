@@ -128,6 +128,7 @@ class Log(Protocol):
         on_assign: RebalanceCallback | None = None,
         on_revoke: RebalanceCallback | None = None,
         on_lost: RebalanceCallback | None = None,
+        group_instance_id: str | None = None,
     ) -> LogConsumer: ...
 
     def producer(self, *, client_id: str = "saga") -> LogProducer: ...

@@ -20,7 +20,7 @@ from ._message import (
     _tps,
     _tps_at,
 )
-from ._settings import KafkaSettings, _client_config
+from ._settings import KafkaSettings, _checked_instance_id, _client_config, _group_timeouts
 from ._translate import (
     _E,
     _UNKNOWN_TOPIC_CODES,
@@ -45,6 +45,16 @@ class Consumer:
     ``(topic, partition)`` lists and run inside :meth:`poll_batch`; with the
     default cooperative-sticky strategy they receive only the partitions that
     change. ``on_lost`` defaults to ``on_revoke``.
+
+    Group membership (see :func:`~streams.kafka._settings._group_timeouts`): a
+    ``group_instance_id`` makes the consumer a *static* member (KIP-345): a
+    restarted process with the same id takes back its partitions at once, without
+    a rebalance, while a process gone for good loses them after the session
+    timeout, 6 s by default here (librdkafka's is 45 s). The id must be stable
+    across restarts of one process and unique among the live ones: a second
+    consumer with the same id fences the first, which then fails with
+    :class:`FatalKafkaError`. A static member does not leave the group when it
+    closes: its partitions wait for its restart, or the session timeout.
     """
 
     def __init__(
@@ -61,14 +71,22 @@ class Consumer:
         client_id: str = "saga",
         session_timeout_ms: int | None = None,
         max_poll_interval_ms: int | None = None,
+        group_instance_id: str | None = None,
     ) -> None:
         self._settings = settings
         self._has_group = group_id is not None
+        self._instance_id = group_instance_id
         self._on_assign = on_assign
         self._on_revoke = on_revoke
         self._on_lost = on_lost
         self._closed = False
         options: dict[str, Any] = {}
+        if group_id is not None:
+            options.update(_group_timeouts(settings.extra, session_timeout_ms))
+            if group_instance_id is not None:
+                options["group.instance.id"] = _checked_instance_id(group_instance_id)
+        elif group_instance_id is not None:
+            raise ConfigurationError("a group_instance_id needs a group_id")
         if session_timeout_ms is not None:
             options["session.timeout.ms"] = session_timeout_ms
         if max_poll_interval_ms is not None:
@@ -175,8 +193,8 @@ class Consumer:
                 raise ConfigurationError(
                     f"topic {topic} does not exist: create the topics with `saga topics create`"
                 )
-            if err.fatal():
-                raise FatalKafkaError(f"the Kafka consumer hit a fatal error: {err.str()}; exiting")
+            if err.fatal() or code == _E._FATAL:
+                raise FatalKafkaError(self._fatal_sentence(err.str()))
             _log.warning(
                 "Kafka consumer: %s (topic %s, partition %s); retrying",
                 err.str(),
@@ -184,6 +202,17 @@ class Consumer:
                 item.partition(),
             )
         return messages
+
+    def _fatal_sentence(self, text: str) -> str:
+        if self._instance_id is None:
+            return f"the Kafka consumer hit a fatal error: {text}; exiting"
+        # A static member's usual fatal error: another process joined with its id
+        # (librdkafka reports it as a generic fatal error; the text names the cause).
+        return (
+            f"the Kafka consumer hit a fatal error: {text}; if another live process runs "
+            f"with the same instance id ({self._instance_id}), give each process its own "
+            "id; exiting"
+        )
 
     def _topic_exists(self, topic: str) -> bool:
         # An unknown-topic event can precede metadata propagation of a topic

@@ -39,6 +39,7 @@ class KafkaLog:
         on_assign: RebalanceCallback | None = None,
         on_revoke: RebalanceCallback | None = None,
         on_lost: RebalanceCallback | None = None,
+        group_instance_id: str | None = None,
     ) -> Consumer:
         return Consumer(
             self._settings,
@@ -49,6 +50,7 @@ class KafkaLog:
             on_assign=on_assign,
             on_revoke=on_revoke,
             on_lost=on_lost,
+            group_instance_id=group_instance_id,
         )
 
     def producer(self, *, client_id: str = "saga") -> Producer:

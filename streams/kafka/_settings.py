@@ -164,3 +164,52 @@ def _client_config(settings: KafkaSettings, **fixed: Any) -> dict[str, Any]:
     config.update(settings.extra)
     config.update({key.replace("_", "."): value for key, value in fixed.items()})
     return config
+
+
+# Group membership: librdkafka's session timeout (45 s) is how long the partitions of a
+# process that died sit idle. 6 s is the broker's smallest (group.min.session.timeout.ms);
+# a restarted static member takes its partitions back without waiting for it at all.
+GROUP_SESSION_TIMEOUT_MS: Final = 6000
+_MAX_HEARTBEAT_MS: Final = 3000  # librdkafka's default heartbeat.interval.ms
+_INSTANCE_ID_CHARS: Final = frozenset(
+    "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-"
+)
+_MAX_INSTANCE_ID: Final = 249  # Kafka's limit, as for topic names
+
+
+def _group_timeouts(extra: Mapping[str, str], session_timeout_ms: int | None) -> dict[str, Any]:
+    """The session and heartbeat settings of a group consumer, where nobody set them.
+
+    ``session.timeout.ms`` defaults to :data:`GROUP_SESSION_TIMEOUT_MS` unless the
+    caller (``session_timeout_ms``) or the user's extra settings set it;
+    ``heartbeat.interval.ms`` to a sixth of the session timeout (at most 3 s, at
+    least 100 ms) unless the user set it: a member learns of a rebalance at its
+    next heartbeat, and the broker drops one that missed the whole session.
+    """
+    out: dict[str, Any] = {}
+    session: Any = session_timeout_ms
+    if session is None:
+        session = extra.get("session.timeout.ms", GROUP_SESSION_TIMEOUT_MS)
+        if "session.timeout.ms" not in extra:
+            out["session.timeout.ms"] = session
+    if "heartbeat.interval.ms" not in extra:
+        try:
+            ms = int(session)
+        except (TypeError, ValueError):
+            ms = GROUP_SESSION_TIMEOUT_MS  # librdkafka refuses the bad value itself
+        out["heartbeat.interval.ms"] = max(100, min(_MAX_HEARTBEAT_MS, ms // 6))
+    return out
+
+
+def _checked_instance_id(instance_id: str) -> str:
+    """``instance_id`` as a ``group.instance.id``, or a ConfigurationError saying why not."""
+    if (
+        not instance_id
+        or len(instance_id) > _MAX_INSTANCE_ID
+        or not set(instance_id) <= _INSTANCE_ID_CHARS
+    ):
+        raise ConfigurationError(
+            f"the Kafka group instance id {instance_id[:80]!r} must be 1-{_MAX_INSTANCE_ID} "
+            "letters, digits, '.', '_' or '-': choose another instance or worker id"
+        )
+    return instance_id

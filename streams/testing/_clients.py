@@ -40,6 +40,7 @@ class InMemoryConsumer(_Client):
     ) -> None:
         super().__init__(log, client_id)
         self.group_id = group_id
+        self.group_instance_id: str | None = None  # recorded only (see InMemoryLog.consumer)
         self.read_committed = read_committed
         self._on_assign = on_assign
         self._on_revoke = on_revoke

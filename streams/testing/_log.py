@@ -98,8 +98,13 @@ class InMemoryLog:
         on_assign: RebalanceCallback | None = None,
         on_revoke: RebalanceCallback | None = None,
         on_lost: RebalanceCallback | None = None,
+        group_instance_id: str | None = None,
     ) -> InMemoryConsumer:
-        """A consumer; ``assignment_strategy`` is accepted, but every group assigns by range."""
+        """A consumer; every group assigns by range, whatever ``assignment_strategy`` says.
+
+        ``group_instance_id`` is kept on the consumer (for tests to read) but static
+        membership is not modelled: there are no sessions to outlive.
+        """
         made = InMemoryConsumer(
             self,
             group_id,
@@ -109,6 +114,7 @@ class InMemoryLog:
             on_revoke=on_revoke,
             on_lost=on_lost,
         )
+        made.group_instance_id = group_instance_id
         with self._lock:
             self._clients.append(made)
         return made

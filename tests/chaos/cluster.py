@@ -12,6 +12,11 @@ On FerretDB one participant process per Mongo database is the supported layout
 (the Mongo adapter serialises writes per document within a process), so the
 Mongo participant has one slot; PostgreSQL and Redis get two workers each, so
 that kills and pauses move partitions between live workers.
+
+Every slot keeps its instance id across restarts (``--instance-id`` of a coordinator,
+``--worker-id`` of a participant worker), as a supervisor such as systemd or a
+Kubernetes StatefulSet would: the restarted process is the same static member of its
+consumer group and takes back its partitions at once.
 """
 
 from __future__ import annotations
@@ -31,7 +36,6 @@ from typing import Any
 from tests._infra import ROOT, Services
 from tests.chaos.workload import PARTICIPANTS, TARGET
 
-SESSION_TIMEOUT_MS = 6000  # the broker's group.min.session.timeout.ms
 MAX_POLL_INTERVAL_MS = 15_000  # participants: a pause longer than this moves their partitions
 COORDINATOR_TXN_TIMEOUT_S = 10  # CoordinatorService's transaction_timeout_ms
 
@@ -173,7 +177,7 @@ class Cluster:
             self.slots[f"c{i}"] = Slot(f"c{i}", "coordinator", instance_id=f"c{i}")
         for store in stores:
             for i in range(wanted[store]):
-                self.slots[f"{store}-{i}"] = Slot(f"{store}-{i}", store)
+                self.slots[f"{store}-{i}"] = Slot(f"{store}-{i}", store, instance_id=f"{store}-{i}")
         self.stores = stores
         self.exits: list[Exit] = []
         self.orphans: list[Proc] = []  # zombies and the like, stopped at the end
@@ -190,7 +194,6 @@ class Cluster:
         env.update(
             SAGA_KAFKA_BOOTSTRAP=self.services.kafka_bootstrap,
             SAGA_TOPIC_PREFIX=self.prefix,
-            SAGA_KAFKA_SESSION_TIMEOUT_MS=str(SESSION_TIMEOUT_MS),
         )
         if self.keys_dir is not None:
             env["SAGA_KEYS_DIR"] = str(self.keys_dir)
@@ -226,6 +229,10 @@ class Cluster:
             self.token,
             "--targets",
             TARGET,
+            # As a supervisor (systemd, a StatefulSet) would: the same id on every restart,
+            # so the restarted worker takes back its partitions at once.
+            "--worker-id",
+            slot.instance_id,
         ]
 
     def _store_url(self, store: str) -> str:

@@ -14,7 +14,11 @@ so the supervisor stays off while they kill, pause or replace its process:
   transaction timeout aborts its open transaction), then continued (SIGCONT):
   the zombie must be fenced, and the log must show nothing it decided twice;
 * ``participant.sigstop``: a PostgreSQL or Redis worker is stopped past
-  ``max.poll.interval.ms`` (its partitions move to the other worker), then continued.
+  ``max.poll.interval.ms`` (its partitions move to the other worker), then continued;
+* ``coordinator.gone`` / ``participant.gone``: a coordinator, or a PostgreSQL or Redis
+  worker, is killed with SIGKILL and stays away for :data:`GONE_FOR_S` (a process gone
+  for good: its partitions must move to the live ones after the session timeout), then
+  is started again.
 
 Service faults SIGKILL Kafka, PostgreSQL, Redis or the MongoDB-wire server and
 restart it (:mod:`tests.chaos.services`). Record faults (poison, duplicates,
@@ -28,6 +32,7 @@ import signal
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +41,13 @@ from tests.chaos.services import ServiceControl
 
 FAULT_POINT_TIMEOUT_S = 90.0
 ZOMBIE_WAIT_S = 45.0
+GONE_FOR_S = 25.0
+"""How long a process "gone for good" stays away: longer than its partitions' takeover
+(session timeout, the dead coordinator's transaction timeout, restore), so the figure
+measures the takeover, not the return."""
+GONE_LOAD_S = 3.0
+"""The sagas submitted up to this long after the kill are the ones timed (their partitions
+may be the dead process's)."""
 
 
 @dataclass
@@ -174,6 +186,32 @@ def participant_sigstop(
     note = "running after SIGCONT" if proc.alive else f"exited after SIGCONT: {proc.last_lines(1)}"
     book.fault("participant.sigstop")
     rec = FaultRecord("participant.sigstop", slot.name, started, recovered, note)
+    book.record(rec)
+    return rec
+
+
+def gone_for_good(
+    cluster: Cluster,
+    book: FaultBook,
+    slot: Slot,
+    kind: str,
+    measure: Callable[[float], None],
+) -> FaultRecord:
+    """SIGKILL the slot's process and keep it away for :data:`GONE_FOR_S`, then restart it.
+
+    ``measure(killed_at)`` is called :data:`GONE_LOAD_S` after the kill, with the kill's
+    ``time.monotonic()``: the caller times the sagas submitted until then from the kill.
+    """
+    started = book.now()
+    with cluster.holding(slot):
+        killed_at = time.monotonic()
+        kill_slot(cluster, book, slot)
+        time.sleep(GONE_LOAD_S)
+        measure(killed_at)
+        time.sleep(GONE_FOR_S - GONE_LOAD_S)
+        cluster.spawn(slot)
+    book.fault(kind)
+    rec = FaultRecord(kind, slot.name, started, book.now(), f"away for {GONE_FOR_S:.0f}s")
     book.record(rec)
     return rec
 

@@ -162,6 +162,8 @@ FAULT_TYPES = (
     "coordinator.before_commit",
     "coordinator.sigstop",
     "participant.sigstop",
+    "coordinator.gone",
+    "participant.gone",
     *(f"barrier.{what}.{store}" for what in ("null_compensation", "hanging") for store in STORES),
     *(
         f"barrier.{what}.{store}"
@@ -185,6 +187,10 @@ def _follow(proc: subprocess.Popen[str], sink: list[str]) -> None:
     assert proc.stderr is not None
     for line in proc.stderr:
         sink.append(line.rstrip())
+
+
+def _timed(label: str, seconds: float | None) -> dict[str, Any]:
+    return {"fault": label, "s": None if seconds is None else round(seconds, 2)}
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -419,7 +425,7 @@ class Runner:
             took = rec.recovered_s - rec.started_s
             note = f" ({rec.note})" if rec.note else ""
             self.log(f"{rec.kind} on {rec.target}: recovered after {took:.1f}s{note}")
-            main.after_fault(rec.kind)
+            main.after_fault(f"{rec.kind} on {rec.target}")
         faults_done.set()
         for t in threads:
             t.join(900)
@@ -441,6 +447,11 @@ class Runner:
             c = ("coordinator.after_read", "coordinator.before_commit")[r % 2]
             specs += [("point", "coordinator", c)]
         specs += [("coordinator.sigstop", r % 2 == 0), ("participant.sigstop",)]
+        # A process gone for good: each kind once in the short profile, by turns in the long.
+        if self.profile.rounds == 1:
+            specs += [("gone", "coordinator"), ("gone", "participant")]
+        else:
+            specs += [("gone", ("coordinator", "participant")[r % 2])]
         specs += [("kill", "postgres"), ("kill", "redis"), ("kill", "mongo")]
         self.rnd.shuffle(specs)
         # Kafka goes down in the second half: the replay job (which needs it) is done by then.
@@ -458,6 +469,17 @@ class Runner:
             return F.coordinator_sigstop(
                 cluster, book, rnd, self._pick(main, "coordinator"), same_id=spec[1]
             )
+        if spec[0] == "gone":
+            if spec[1] == "coordinator":
+                slot = self._pick(main, "coordinator")
+            else:  # a store with two workers: the other one takes over
+                slot = rnd.choice([s for s in cluster.slots.values() if s.kind in ("sql", "redis")])
+            kind = f"{spec[1]}.gone"
+
+            def measure(killed_at: float) -> None:
+                main.after_fault(f"{kind} on {slot.name}", since=killed_at, gone=True)
+
+            return F.gone_for_good(cluster, book, slot, kind, measure)
         if spec[0] == "participant.sigstop":
             slots = [s for s in cluster.slots.values() if s.kind in ("sql", "redis")]
             return F.participant_sigstop(cluster, book, rnd, rnd.choice(slots))
@@ -768,8 +790,11 @@ class Runner:
         counts["reconcile_disagrees"] = 0 if audits.get("main", {}).get("agrees") else 1
         faults = Counter(self.book.faults)
         faults.update(main.records.counts)
-        quiesce = [q.seconds for q in main.quiesce if q.seconds is not None]
-        never = sum(1 for q in main.quiesce if q.seconds is None)
+        restarts = [q for q in main.quiesce if not q.gone]
+        gone = [q for q in main.quiesce if q.gone]
+        quiesce = [q.seconds for q in restarts if q.seconds is not None]
+        never = sum(1 for q in restarts if q.seconds is None)
+        quiesce_gone = [q.seconds for q in gone if q.seconds is not None]
         for name, res in negative.items():
             res.pop("_system", None)
             audit = audits.get(name, {})
@@ -806,6 +831,15 @@ class Runner:
                 "max": max(quiesce, default=None),
                 "faults": len(quiesce),
                 "never": never,
+                "per_fault": [_timed(q.label, q.seconds) for q in restarts],
+            },
+            # Timed from the kill of a process that stays away (not from a recovery).
+            "quiesce_gone_for_good_s": {
+                "p50": percentile(quiesce_gone, 0.50),
+                "max": max(quiesce_gone, default=None),
+                "faults": len(quiesce_gone),
+                "never": sum(1 for q in gone if q.seconds is None),
+                "per_fault": [_timed(q.label, q.seconds) for q in gone],
             },
             "throughput_sagas_per_s": {
                 "without_faults": round(baseline_tp, 2),
@@ -882,6 +916,9 @@ def render(console: Console, report: dict[str, Any], path: Path) -> None:
     table.add_row("negative_controls_detected", str(report["negative_controls_detected"]))
     q = report["quiesce_after_fault_s"]
     table.add_row("quiesce after a fault p50 / p99", f"{q['p50']} s / {q['p99']} s")
+    g = report.get("quiesce_gone_for_good_s") or {}
+    if g.get("faults"):
+        table.add_row("quiesce after a process gone for good, max", f"{g['max']:.2f} s")
     tp = report["throughput_sagas_per_s"]
     table.add_row(
         "throughput without / with faults",

@@ -81,6 +81,7 @@ class Quiesce:
     waiting_for: frozenset[str]
     pending: set[str]
     seconds: float | None = None
+    gone: bool = False  # timed from the kill of a process gone for good, not a recovery
 
 
 @dataclass
@@ -367,11 +368,16 @@ class System:
 
     # ------------------------------------------------------------ quiescence
 
-    def after_fault(self, label: str) -> None:
-        """Start the clock: every saga submitted so far must become final."""
+    def after_fault(self, label: str, *, since: float | None = None, gone: bool = False) -> None:
+        """Start the clock: every saga submitted so far must become final.
+
+        ``since`` (a ``time.monotonic()``, default now) is when the clock started: the
+        kill of a process gone for good (``gone``), whose sagas are timed from then.
+        """
         finals = self.status.finals()
         pending = {tx for tx in self.submitted_ids() if tx not in finals}
-        q = Quiesce(label, time.monotonic(), frozenset(pending), set(pending))
+        at = time.monotonic() if since is None else since
+        q = Quiesce(label, at, frozenset(pending), set(pending), gone=gone)
         if not pending:
             q.seconds = 0.0
         with self._lock:

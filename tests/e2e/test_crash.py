@@ -7,9 +7,11 @@ coordinator with the same ``--instance-id``) and the transfer workload of
 ``tests/_workload.py`` must still finish with docs/architecture.md §6 intact: every saga
 final, one decision per transaction, each step applied at most once.
 
-The processes run with a 6 s Kafka session timeout (``SAGA_KAFKA_SESSION_TIMEOUT_MS``;
-the library default is librdkafka's 45 s): a restarted member can only take the
-partitions over once the group has given up on the killed one.
+The processes run with a 6 s Kafka session timeout (``SAGA_KAFKA_SESSION_TIMEOUT_MS``,
+also the processes' default): a participant restarted without ``--worker-id`` (a
+dynamic group member) can only take the partitions over once the group has given up on
+the killed one; a coordinator restarted with the same ``--instance-id`` is the same
+static member and takes back its own at once (tests/e2e/test_recovery.py).
 """
 
 from __future__ import annotations
