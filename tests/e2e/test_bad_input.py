@@ -67,7 +67,7 @@ REASONS = {
     "participant name with SQL": "participant must match pattern",
     "action name with a space": "action must match pattern",
     "a step event on the requests topic": (
-        "expected saga.request or saga.abort on this topic, got saga.step"
+        "expected saga.request, saga.abort or saga.resolve on this topic, got saga.step"
     ),
     "invalid JSON event": "is not valid JSON",
     "event with an unknown status": "status",
