@@ -341,3 +341,11 @@ def bank_schema(engine: sa.Engine, schema: str) -> None:
 
 def engine_for(services: Services) -> sa.Engine:
     return sa.create_engine(sqlalchemy_url(services.postgres_url), pool_pre_ping=True)
+
+
+def fresh_topics(services: Services, tag: str, partitions: int) -> Iterator[KafkaSettings]:
+    """Settings with a unique ``tag``-prefixed name, its topics created; deleted after."""
+    s = KafkaSettings(bootstrap=services.kafka_bootstrap, prefix=unique_name(tag))
+    create_topics(s, partitions)
+    yield s
+    delete_topics(s, list(s.topics.all))

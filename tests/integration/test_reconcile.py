@@ -43,13 +43,12 @@ from streams.kafka import (
     Consumer,
     KafkaSettings,
     Producer,
-    create_topics,
-    delete_topics,
     partition_for,
 )
 from streams.reconcile import ReconcileConfig, parse_check, parse_ledger, parse_table, run
 from streams.reconcile._spark import check_jars, start_spark
-from tests._infra import Services, unique_name
+from tests._infra import Services
+from tests._system import fresh_topics
 
 if TYPE_CHECKING:
     from pymongo.database import Database
@@ -459,10 +458,7 @@ def spark(services: Services, tmp_path_factory: pytest.TempPathFactory) -> Itera
 
 @pytest.fixture
 def settings(services: Services) -> Iterator[KafkaSettings]:
-    s = KafkaSettings(bootstrap=services.kafka_bootstrap, prefix=unique_name("rc"))
-    create_topics(s, PARTITIONS)
-    yield s
-    delete_topics(s, list(s.topics.all))
+    yield from fresh_topics(services, "rc", PARTITIONS)
 
 
 @dataclass
@@ -484,13 +480,13 @@ class Stores:
         ]
 
 
-@pytest.fixture
-def stores(
+def open_stores(
     services: Services,
     pg_schema: tuple[str, str],
     mongo_db: Database[dict[str, Any]],
     redis_prefix: str,
 ) -> Iterator[Stores]:
+    """The body of the ``stores`` fixture, shared with the modules that seed like this one."""
     url, schema = pg_schema
     engine = sa.create_engine(url)
     try:
@@ -499,6 +495,16 @@ def stores(
         )
     finally:
         engine.dispose()
+
+
+@pytest.fixture
+def stores(
+    services: Services,
+    pg_schema: tuple[str, str],
+    mongo_db: Database[dict[str, Any]],
+    redis_prefix: str,
+) -> Iterator[Stores]:
+    yield from open_stores(services, pg_schema, mongo_db, redis_prefix)
 
 
 def audit(

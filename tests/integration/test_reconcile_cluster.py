@@ -34,12 +34,12 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 import pytest
-import sqlalchemy as sa
 
-from streams.kafka import KafkaSettings, Producer, create_topics, delete_topics
+from streams.kafka import KafkaSettings, Producer
 from streams.reconcile import ReconcileConfig
 from streams.reconcile._spark import start_spark
-from tests._infra import ROOT, Services, unique_name
+from tests._infra import ROOT, Services
+from tests._system import fresh_topics
 from tests.integration.test_reconcile import (
     GRACE,
     NOW,
@@ -47,6 +47,7 @@ from tests.integration.test_reconcile import (
     Seeder,
     Stores,
     findings,
+    open_stores,
     seed_clean,
     seed_findings,
     seed_noise,
@@ -132,10 +133,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
 
 @pytest.fixture
 def settings(services: Services) -> Iterator[KafkaSettings]:
-    s = KafkaSettings(bootstrap=services.kafka_bootstrap, prefix=unique_name("rcl"))
-    create_topics(s, PARTITIONS)
-    yield s
-    delete_topics(s, list(s.topics.all))
+    yield from fresh_topics(services, "rcl", PARTITIONS)
 
 
 @pytest.fixture
@@ -145,14 +143,7 @@ def stores(
     mongo_db: Database[dict[str, Any]],
     redis_prefix: str,
 ) -> Iterator[Stores]:
-    url, schema = pg_schema
-    engine = sa.create_engine(url)
-    try:
-        yield Stores(
-            engine, schema, mongo_db, services.redis_url, redis_prefix.rstrip(":"), services
-        )
-    finally:
-        engine.dispose()
+    yield from open_stores(services, pg_schema, mongo_db, redis_prefix)
 
 
 # ---------------------------------------------------------------- helpers
