@@ -35,7 +35,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from streams.kafka import KafkaSettings, Producer
+from streams.kafka import KafkaSettings
 from streams.reconcile import ReconcileConfig
 from streams.reconcile._spark import start_spark
 from tests._infra import ROOT, Services
@@ -44,14 +44,10 @@ from tests.integration.test_reconcile import (
     GRACE,
     NOW,
     PARTITIONS,
-    Seeder,
     Stores,
     findings,
     open_stores,
-    seed_clean,
-    seed_findings,
-    seed_noise,
-    write_ledgers,
+    seed_every_class,
 )
 
 if TYPE_CHECKING:
@@ -257,20 +253,7 @@ def test_the_cluster_and_local_runs_agree(
     stores: Stores,
     tmp_path: Path,
 ) -> None:
-    with Producer(settings) as producer:
-        s = Seeder(settings, producer)
-        clean = seed_clean(s)
-        expected = seed_findings(s)
-        seed_noise(s)
-        producer.flush(30)
-    write_ledgers(
-        list(s.ledger.values()),
-        stores.engine,
-        stores.schema,
-        stores.mongo,
-        stores.redis_url,
-        stores.redis_prefix,
-    )
+    clean, expected = seed_every_class(settings, stores)
     assert cluster.status()["completedapps"] == []
 
     secrets = secrets_of(services)
