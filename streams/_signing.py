@@ -79,6 +79,7 @@ CLIENT: Final = "client"
 OPERATOR: Final = "operator"
 PARTICIPANT_PREFIX: Final = "participant-"
 
+
 def participant_principal(name: str) -> str:
     """The principal of participant ``name``: ``participant-<name>``."""
     return f"{PARTICIPANT_PREFIX}{name}"

@@ -95,12 +95,8 @@ def system(services: Services, pg_schema: tuple[str, str], tmp_path: Path) -> It
             conn.execute(sa.text(f"INSERT INTO \"{schema}\".x VALUES ('keep me')"))
     finally:
         engine.dispose()
-    s.create_topics()
-    try:
+    with s.opened():
         yield s
-    finally:
-        s.stop_all()
-        s.delete_topics()
 
 
 def running(system: SagaSystem) -> SagaSystem:
