@@ -21,7 +21,7 @@ help:
 	@echo "make bench-short   the same with 10 s phases, for a quick check"
 	@echo "make infra-up      provision and start Kafka, PostgreSQL, Redis, FerretDB"
 	@echo "make infra-status  which services are up, and their addresses as shell exports"
-	@echo "make infra-down    stop the services started by infra-up"
+	@echo "make infra-down    stop the services started by infra-up, and the Kafka and Spark clusters if up"
 	@echo "make spark-cluster-up    a Spark standalone master and two workers on loopback, for"
 	@echo "                         saga reconcile --master (addresses: infra/spark-cluster.sh env)"
 	@echo "make spark-cluster-down  stop them"
@@ -58,7 +58,10 @@ unit: venv
 infra-up:
 	@$(INFRA) up
 
+# Everything the local set-up may have started: the clusters first (each a no-op when down).
 infra-down:
+	@infra/kafka-cluster.sh down
+	@infra/spark-cluster.sh down
 	@$(INFRA) down
 
 infra-status:
