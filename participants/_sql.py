@@ -334,15 +334,15 @@ class SqlStorage(LedgerStorage[SqlSession, SqlBatch]):
                 if "finished_ms" in added:
                     c = self.ledger_table.c
                     final = [str(status) for status in FINAL_STATUSES]
-                    parallel_applied = and_(
+                    # as finished_ms(): an applied step not waiting to be compensated
+                    applied = and_(
                         c.status == str(LedgerStatus.APPLIED),
-                        c.mode == str(Mode.PARALLEL),
                         c.rollback_pending.is_(False),
                     )
                     latest = case((c.deadline_ms > c.updated_ms, c.deadline_ms), else_=c.updated_ms)
                     connection.execute(
                         update(self.ledger_table)
-                        .where(c.status.in_(final) | (c.step < 0) | parallel_applied)
+                        .where(c.status.in_(final) | (c.step < 0) | applied)
                         .values(finished_ms=latest)
                     )
                 index = next(i for i in self.ledger_table.indexes if i.name and "finish" in i.name)
