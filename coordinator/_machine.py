@@ -123,8 +123,8 @@ class Saga:
     early: tuple[StepEvent, ...] = ()
     """Step events seen before the request, checked and counted when it arrives."""
     confirms: tuple[bool, ...] = ()
-    """Per step: its ``applied`` event said ``confirm`` (a ``committed`` event will follow a
-    commit). Empty is read as all false."""
+    """Per step: the event that moved it said ``confirm`` (only ``applied`` events do: a
+    ``committed`` event will follow a commit). Empty is read as all false."""
 
     @property
     def decided(self) -> bool:
@@ -445,7 +445,7 @@ def _remember_early(saga: Saga, event: StepEvent, at_ms: int) -> Saga:
         steps[event.step] = event.status
         participants[event.step] = event.participant
         # The published placeholder carries the flag, so a restore keeps it with the event.
-        confirms[event.step] = event.status is StepStatus.APPLIED and event.confirm
+        confirms[event.step] = event.confirm
     return replace(
         saga,
         steps=tuple(steps),
@@ -457,10 +457,14 @@ def _remember_early(saga: Saga, event: StepEvent, at_ms: int) -> Saga:
 
 
 def _with_confirm(saga: Saga, event: StepEvent) -> tuple[bool, ...]:
-    """``saga.confirms`` after ``event`` moved its step (an ``applied`` event sets the flag)."""
+    """``saga.confirms`` after ``event`` moved its step: the flag is the moving event's.
+
+    Only an ``applied`` event says ``confirm``, so the flag is set while the step is
+    applied and cleared when it moves on; a restore, which sees only each step's
+    latest state, rebuilds the same flags.
+    """
     confirms = [saga.confirm_of(i) for i in range(len(saga.steps))]
-    if event.status is StepStatus.APPLIED:
-        confirms[event.step] = event.confirm
+    confirms[event.step] = event.confirm
     return tuple(confirms)
 
 
