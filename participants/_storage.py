@@ -543,12 +543,12 @@ def _run_signal(
         reason = None
     # `applied` says whether a commit will be confirmed; a repeat says it again, the same
     # way, from the recorded action (the answer is a property of the configured actions).
-    known = target if target is not None else entry
+    recorded = target if target is not None else entry
     confirm = (
         p.emit is StepStatus.APPLIED
-        and known is not None
-        and known.action is not None
-        and actions.has_confirm(known.action)
+        and recorded is not None
+        and recorded.action is not None
+        and actions.has_confirm(recorded.action)
     )
     return [Report(signal.tx_id, signal.step, p.emit, reason, confirm)]
 

@@ -338,7 +338,7 @@ def test_only_the_steps_that_said_confirm_are_waited_for() -> None:
 
 
 def test_the_confirm_flag_survives_a_restart_before_the_decision() -> None:
-    saga, out = feed(started(2), ev(1, StepStatus.APPLIED, confirm=True))
+    _, out = feed(started(2), ev(1, StepStatus.APPLIED, confirm=True))
     restored = Saga.from_status(statuses(out)[-1])
     assert restored.confirms == (False, True)
     _, out = feed(restored, ev(0, StepStatus.APPLIED))
