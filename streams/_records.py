@@ -173,10 +173,10 @@ class Decision:
 class StepProgress:
     """One entry of a status record's ``steps`` list.
 
-    ``confirm``: the step's ``applied`` event said it has something to confirm, so
-    the saga is ``committed`` only once this step reports ``committed`` (absent on the
-    wire when false). A step with nothing to confirm shows ``committed`` as soon as
-    the saga is decided ``commit``.
+    ``confirm`` (absent on the wire when false): set while the step is ``applied`` and
+    its ``applied`` event said it has something to confirm, so the saga is
+    ``committed`` only once this step reports ``committed``. An applied step without
+    it shows ``committed`` as soon as the saga is decided ``commit``.
     """
 
     participant: str
