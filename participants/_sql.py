@@ -255,7 +255,8 @@ class SqlStorage(LedgerStorage[SqlSession, SqlBatch]):
         neighbour's event: one waiting for its predecessor to be applied, or one applied
         or failed and not decided yet (its rollback may wait for its successor's
         compensation, and the predecessor's event, read again after a crash, reports it
-        again)."""
+        again). A commit leaves an applied step as it is (nothing to confirm), so a
+        committed sequential saga stays listed until its entries are pruned."""
         c = self.ledger_table.c
         waiting = c.status == str(LedgerStatus.WAITING)
         may_wait = c.status.in_((str(LedgerStatus.APPLIED), str(LedgerStatus.FAILED)))
