@@ -9,7 +9,11 @@ before decoding anything:
   signature first, as it would for a decoded request);
 * an abort or a resolve (``saga.type``): the coordinator's business;
 * a decision whose ``saga.parts`` does not name it: it has no step to confirm or to
-  compensate, and no request of that transaction holds a step for it;
+  compensate, and no request of that transaction holds a step for it; and, with
+  ``skip_commits``, every ``commit`` (``saga.outcome``): for a participant that has
+  nothing to confirm, once a commit leaves unconfirmed steps untouched (the
+  ``confirm`` flag of the step events; until then a commit confirms every step and
+  must be read);
 * a step event whose ``saga.for`` does not name it: parallel sagas' events, and
   sequential ones that are neither its predecessor's ``applied`` nor its
   successor's ``compensated``.
@@ -28,12 +32,13 @@ from dataclasses import dataclass
 from enum import Enum
 
 from participants._storage import RequestSeen
-from streams import Mode, SagaRequest, StepStatus, Topics
-from streams._routing import FOR, PARTS, TYPE, Headers, event_headers, names, seen_fields
+from streams import Mode, Outcome, SagaRequest, StepStatus, Topics
+from streams._routing import FOR, OUTCOME, PARTS, TYPE, Headers, event_headers, names, seen_fields
 from streams._signing import CLIENT, OPERATOR, Keyring
 from streams.kafka import Message, partition_for
 
 _REQUEST_TYPE = SagaRequest.TYPE.encode()
+_COMMIT = str(Outcome.COMMIT).encode()
 _REQUESTERS = frozenset({CLIENT, OPERATOR})  # who may sign a request (allowed_signers)
 DEFAULT_ROUTES_KEPT = 100_000
 
@@ -64,9 +69,12 @@ class Router:
         topics: Topics,
         keys: Keyring | None = None,
         limit: int = DEFAULT_ROUTES_KEPT,
+        *,
+        skip_commits: bool = False,
     ) -> None:
         self._name = name.encode()
         self._keys = keys
+        self._skip_commits = skip_commits
         self._topics = topics
         self._limit = max(1, limit)
         # tx_id -> (mode, the participants of its steps), for transactions with a step here
@@ -84,6 +92,8 @@ class Router:
                 return Verdict.DECODE
             return Verdict.SKIP
         if m.topic == self._topics.decisions:
+            if self._skip_commits and m.header(OUTCOME) == _COMMIT:
+                return Verdict.SKIP  # nothing here is ever confirmed
             acting = m.header(PARTS)
             if acting is None or self._name in names(acting):
                 return Verdict.DECODE

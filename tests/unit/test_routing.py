@@ -165,3 +165,15 @@ def test_a_decision_names_every_participant_with_a_step_when_the_request_was_see
     assert PARTS not in dict(decision_route(decision, None))
     voided = StepEvent("t", 1, "ghost", StepStatus.COMPENSATED, 0)
     assert dict(event_route(voided, saga(("bank", "ghost"))))[FOR] == b"bank"
+
+
+def test_a_participant_with_nothing_to_confirm_may_skip_every_commit() -> None:
+    topics = KafkaSettings(bootstrap="m:1", prefix="p").topics
+    router = Router("bank", topics, skip_commits=True)
+
+    def screen(*headers: tuple[str, bytes]) -> Verdict | Seen:
+        return router.screen(Message(topics.decisions, 0, 0, b"t", JUNK, tuple(headers)))
+
+    assert screen((OUTCOME, b"commit"), (PARTS, b"bank")) is Verdict.SKIP
+    assert screen((OUTCOME, b"rollback"), (PARTS, b"bank")) is Verdict.DECODE
+    assert screen((OUTCOME, b"rollback")) is Verdict.DECODE
