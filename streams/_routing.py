@@ -10,7 +10,7 @@ and a reader that ignores them loses nothing but speed.
 =================  ===================  ==================================================
 header             on                   value
 =================  ===================  ==================================================
-``saga.type``      every tx record      the record's ``type`` (``saga.request`` ...)
+``saga.type``      requests topic       the record's ``type`` (``saga.request`` ...)
 ``saga.parts``     request              the participants of its steps, in step order,
                                         comma-separated (a name may repeat)
 ``saga.parts``     decision             the participants that must act on it (every
@@ -23,7 +23,8 @@ header             on                   value
                                         empty: none (the coordinator reads every event)
 =================  ===================  ==================================================
 
-Participant names and transaction ids never hold a comma (the schemas' patterns),
+The events and decisions topics hold one record type each, so their records carry
+no ``saga.type``. Participant names and transaction ids never hold a comma (the schemas' patterns),
 so a comma-separated list is unambiguous. A header is written only when its
 producer knows its value for sure; absent, a reader decodes the record.
 
@@ -43,7 +44,7 @@ import re
 from collections.abc import Iterable, Sequence
 from typing import Final
 
-from ._records import Decision, SagaAbort, SagaRequest, SagaResolve, StepEvent
+from ._records import Decision, SagaAbort, SagaRequest, SagaResolve
 
 __all__ = [
     "DEADLINE",
@@ -97,7 +98,7 @@ def type_headers(record: SagaAbort | SagaResolve) -> Headers:
 
 def decision_headers(decision: Decision, acting: Sequence[str] | None) -> Headers:
     """The routing headers of ``decision``; ``acting``: who must act on it (None: unknown)."""
-    out = [(TYPE, Decision.TYPE.encode()), (OUTCOME, str(decision.outcome).encode())]
+    out = [(OUTCOME, str(decision.outcome).encode())]
     if acting is not None:
         out.append((PARTS, _joined(acting)))
     return out
@@ -105,10 +106,7 @@ def decision_headers(decision: Decision, acting: Sequence[str] | None) -> Header
 
 def event_headers(readers: Sequence[str] | None) -> Headers:
     """The routing headers of a step event; ``readers``: who acts on it (None: unknown)."""
-    out = [(TYPE, StepEvent.TYPE.encode())]
-    if readers is not None:
-        out.append((FOR, _joined(readers)))
-    return out
+    return [] if readers is None else [(FOR, _joined(readers))]
 
 
 def header(headers: Sequence[tuple[str, bytes]], name: str) -> bytes | None:

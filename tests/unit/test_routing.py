@@ -156,7 +156,6 @@ def saga(participants: tuple[str, ...], *, request_seen: bool = True) -> Saga:
 def test_a_decision_names_every_participant_with_a_step_when_the_request_was_seen() -> None:
     decision = Decision("t", Outcome.ROLLBACK, "r", 0)
     assert dict(decision_route(decision, saga(("bank", "shop", "bank")))) == {
-        TYPE: b"saga.decision",
         OUTCOME: b"rollback",
         PARTS: b"bank,shop",
     }
