@@ -5,8 +5,9 @@ before decoding anything:
 
 * a request whose ``saga.parts`` does not name it: it needs only the transaction's
   *seen* marker (one payload per transaction, :mod:`participants._barrier`), made of
-  the key and the ``saga.fp`` and ``saga.deadline`` headers (the runtime checks the
-  signature first, as it would for a decoded request);
+  the key and the ``saga.fp`` and ``saga.deadline`` headers, and, with keys, only
+  once the record's signature is checked (:meth:`Router.seen`), as for a decoded
+  request;
 * an abort or a resolve (``saga.type``): the coordinator's business;
 * a decision whose ``saga.parts`` does not name it: it has no step to confirm or to
   compensate, and no request of that transaction holds a step for it; and, with
