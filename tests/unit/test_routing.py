@@ -176,3 +176,20 @@ def test_a_participant_with_nothing_to_confirm_may_skip_every_commit() -> None:
     assert screen((OUTCOME, b"commit"), (PARTS, b"bank")) is Verdict.SKIP
     assert screen((OUTCOME, b"rollback"), (PARTS, b"bank")) is Verdict.DECODE
     assert screen((OUTCOME, b"rollback")) is Verdict.DECODE
+
+
+class ConfirmingSaga(Saga):
+    """A saga that knows which steps have something to confirm (the commit path's flag)."""
+
+    def confirm_of(self, step: int) -> bool:
+        return step == 1
+
+
+def test_a_commit_names_only_the_participants_with_something_to_confirm_when_known() -> None:
+    base = saga(("bank", "shop", "bank"))
+    known = ConfirmingSaga(**{f: getattr(base, f) for f in base.__dataclass_fields__})
+    commit = Decision("t", Outcome.COMMIT, "all steps applied", 0)
+    assert dict(decision_route(commit, base))[PARTS] == b"bank,shop"  # every step confirmed
+    assert dict(decision_route(commit, known))[PARTS] == b"shop"
+    rollback = Decision("t", Outcome.ROLLBACK, "r", 0)
+    assert dict(decision_route(rollback, known))[PARTS] == b"bank,shop"
