@@ -22,6 +22,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
+from coordinator import _route
 from coordinator._known import KnownParticipants
 from coordinator._machine import (
     Ignored,
@@ -36,7 +37,6 @@ from coordinator._machine import (
 from coordinator._observe import CoordinatorObserver
 from coordinator._restore import restore
 from coordinator._retention import PartitionState, due_to_forget, due_to_refresh
-from coordinator._route import changed_saga, decision_route, event_route
 from streams import (
     Decision,
     InvalidRecord,
@@ -512,7 +512,7 @@ class CoordinatorService(Stoppable):
             if isinstance(out, Decision):
                 decisions.append((out, value))
             elif isinstance(out, StepEvent):
-                route = event_route(out, changed_saga(changed, out.tx_id))
+                route = _route.event_route(out, _route.changed_saga(changed, out.tx_id))
                 events.append((out.tx_id, value, route))
             else:
                 last_status[out.tx_id] = value
@@ -523,7 +523,7 @@ class CoordinatorService(Stoppable):
         try:
             self._producer.begin()
             for d, value in decisions:
-                headers = decision_route(d, changed_saga(changed, d.tx_id))
+                headers = _route.decision_route(d, _route.changed_saga(changed, d.tx_id))
                 headers += self.observer.decision_headers(d) or ()
                 self._producer.produce(self.topics.decisions, d.tx_id, value, headers)
             for tx_id, value in last_status.items():
