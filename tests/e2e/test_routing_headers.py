@@ -3,7 +3,8 @@
 ``bank`` and ``shop`` (SQL, one schema) and the coordinator run as processes. One
 saga has steps for ``bank`` only, one for both. The records on Kafka carry the
 routing headers the producers wrote (the client's request, the participants' step
-events, the coordinator's decisions), and ``shop``, which skips the ``bank``-only
+events, the coordinator's decisions; a third saga is rejected, so its rollback
+decision names both), and ``shop``, which skips the ``bank``-only
 request undecoded, still leaves its seen marker (taken from the headers) in the ledger.
 """
 
@@ -17,7 +18,7 @@ import sqlalchemy as sa
 
 from participants._ledger import SEEN_STEP
 from streams import SagaRequest, SagaState, Step, decode
-from streams._routing import DEADLINE, FINGERPRINT, FOR, OUTCOME, PARTS, TYPE
+from streams._routing import DEADLINE, FINGERPRINT, FOR, OUTCOME, PARTS, TYPE, names
 from tests._infra import Services
 from tests._system import SagaSystem, bank_system, engine_for
 
@@ -53,8 +54,16 @@ def test_records_carry_routing_headers_and_a_skipped_request_leaves_its_seen_mar
     with system.client() as client:
         only_bank = client.submit([move("alice", -10), move("bob", 10)], saga="t", timeout=60)
         both = client.submit([move("alice", -5), order], saga="t", timeout=60)
+        overdraw = Step(
+            "bank",
+            "increment",
+            {"target": "accounts", "key": "bob", "field": "balance", "by": -1000, "min": 0},
+        )
+        order_2 = Step("shop", "insert", {"target": "orders", "key": "o-2", "value": {"qty": 1}})
+        rejected = client.submit([overdraw, order_2], saga="t", timeout=60)
         for tx in (only_bank, both):
             assert client.result(tx, timeout=90).state is SagaState.COMMITTED
+        assert client.result(rejected, timeout=90).state is SagaState.ROLLED_BACK
 
     topics = system.settings.topics
     requests = {
@@ -65,13 +74,19 @@ def test_records_carry_routing_headers_and_a_skipped_request_leaves_its_seen_mar
         assert request[TYPE] == b"saga.request" and request[PARTS] == parts
         assert request[FINGERPRINT] == requests[tx].fingerprint().encode()
         assert request[DEADLINE] == str(requests[tx].deadline_ms).encode()
-    (decision,) = headers_by_tx(system, topics.decisions)[only_bank]
-    assert decision[OUTCOME] == b"commit" and decision[PARTS] == b"bank"
-    (decision,) = headers_by_tx(system, topics.decisions)[both]
-    assert decision[PARTS] == b"bank,shop"
+    decisions = headers_by_tx(system, topics.decisions)
+    for tx in (only_bank, both):
+        (decision,) = decisions[tx]
+        # A commit names the participants with a step to confirm: none of the built-in
+        # steps has one once the coordinator knows it (the commit path), else all.
+        assert decision[OUTCOME] == b"commit" and PARTS in decision
+        assert set(names(decision[PARTS])) <= {b"bank", b"shop"}
+    (decision,) = decisions[rejected]
+    assert decision[OUTCOME] == b"rollback" and decision[PARTS] == b"bank,shop"
     # Parallel sagas: no participant acts on another's event.
     events = headers_by_tx(system, topics.events)
-    assert [h[FOR] for tx in (only_bank, both) for h in events[tx]] == [b""] * 8
+    readers = [h[FOR] for tx in (only_bank, both, rejected) for h in events[tx]]
+    assert len(readers) >= 5 and set(readers) == {b""}
     for m in system.read_messages(topics.events):
         decode(m.value)  # the bodies are the wire contract, unchanged
 

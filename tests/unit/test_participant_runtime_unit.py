@@ -504,10 +504,12 @@ def test_headerless_records_and_records_naming_this_participant_are_decoded(
     stepper.step()
     assert reported(log, old) == [(0, StepStatus.APPLIED)] == reported(log, new)
     assert balance(database) == 110
-    send_with(log, TOPICS.decisions, old, encode(Decision(old, Outcome.COMMIT, "d", clock())), None)
+    rollback = Decision(old, Outcome.ROLLBACK, "d", clock())
+    send_with(log, TOPICS.decisions, old, encode(rollback), None)
     send_with(log, TOPICS.decisions, new, JUNK, [(PARTS, b"shop,bank")])
     stepper.step()
-    assert reported(log, old)[-1] == (0, StepStatus.COMMITTED)
+    assert reported(log, old)[-1] == (0, StepStatus.COMPENSATED)
+    assert balance(database) == 105
     assert runtime.stats.skipped_invalid == 1  # it was read, not skipped by its headers
     # The participant's own events say who reads them: nobody but the coordinator here.
     assert [h[FOR] for h in headers_of(log, "bank")] == [b"", b"", b""]
