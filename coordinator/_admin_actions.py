@@ -32,6 +32,7 @@ from streams import (
     encode,
 )
 from streams._lifecycle import wall_clock_ms
+from streams._routing import type_headers
 from streams._signed_log import signing
 from streams._signing import Keyring
 from streams.log import Log
@@ -98,7 +99,8 @@ def _check_by(by: str) -> str:
 
 def _send(log: Log, keys: Keyring | None, tx_id: str, record: SagaAbort | SagaResolve) -> None:
     with signing(log, keys).producer(client_id="saga.admin") as producer:
-        producer.produce(log.settings.topics.requests, tx_id, encode(record))
+        topic = log.settings.topics.requests
+        producer.produce(topic, tx_id, encode(record), type_headers(record))
         producer.flush(30)  # raises (one sentence) when Kafka does not take it
 
 

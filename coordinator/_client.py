@@ -43,6 +43,7 @@ from streams import (
 )
 from streams._lifecycle import wall_clock_ms
 from streams._otel import Spans
+from streams._routing import request_headers, type_headers
 from streams._signed_log import signing
 from streams._signing import Keyring
 from streams.kafka import KafkaLog, KafkaSettings
@@ -240,6 +241,7 @@ class SagaClient:
             while len(self._submitted) > _SENT_KEPT:
                 self._submitted.popitem(last=False)
         headers = self._trace("saga.client.submit", request.tx_id, {"saga.name": request.saga})
+        headers += request_headers(request)  # lets a participant skip it undecoded
         self._producer.produce(self.topics.requests, request.tx_id, encode(request), headers)
         if wait_delivery:
             self._producer.flush(30)
@@ -274,7 +276,7 @@ class SagaClient:
     def abort(self, tx_id: str, reason: str = "") -> None:
         """Ask for a rollback; honoured only while the transaction has no decision."""
         record = SagaAbort(tx_id=tx_id, reason=reason, at_ms=wall_clock_ms())
-        headers = self._trace("saga.client.abort", tx_id, {})
+        headers = self._trace("saga.client.abort", tx_id, {}) + type_headers(record)
         self._producer.produce(self.topics.requests, tx_id, encode(record), headers)
         self._producer.flush(30)
 

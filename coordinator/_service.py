@@ -22,6 +22,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
+from coordinator import _route
 from coordinator._known import KnownParticipants
 from coordinator._machine import (
     Ignored,
@@ -52,6 +53,7 @@ from streams import (
 from streams._duration import DEFAULT_RETENTION_MS
 from streams._faults import NO_FAULTS, Faults
 from streams._lifecycle import Clock, Stoppable, wall_clock_ms
+from streams._routing import Headers
 from streams._signed_log import signing
 from streams._signing import CLIENT, COORDINATOR, OPERATOR, Keyring, allowed_signers
 from streams.kafka import (
@@ -505,12 +507,13 @@ class CoordinatorService(Stoppable):
         # Only the last status of a transaction in this batch matters (the topic is compacted).
         last_status: dict[str, bytes] = {}
         decisions: list[tuple[Decision, bytes]] = []
-        events: list[tuple[str, bytes]] = []  # steps of unknown participants (see _machine)
+        events: list[tuple[str, bytes, Headers]] = []  # of unknown participants (see _machine)
         for _, out, value in outputs:
             if isinstance(out, Decision):
                 decisions.append((out, value))
             elif isinstance(out, StepEvent):
-                events.append((out.tx_id, value))
+                route = _route.event_route(out, _route.changed_saga(changed, out.tx_id))
+                events.append((out.tx_id, value, route))
             else:
                 last_status[out.tx_id] = value
         offsets: dict[tuple[str, int], int] = {}
@@ -520,13 +523,14 @@ class CoordinatorService(Stoppable):
         try:
             self._producer.begin()
             for d, value in decisions:
-                trace = self.observer.decision_headers(d)
-                self._producer.produce(self.topics.decisions, d.tx_id, value, trace)
+                headers = _route.decision_route(d, _route.changed_saga(changed, d.tx_id))
+                headers += self.observer.decision_headers(d) or ()
+                self._producer.produce(self.topics.decisions, d.tx_id, value, headers)
             for tx_id, value in last_status.items():
                 trace = self.observer.status_headers(tx_id)
                 self._producer.produce(self.topics.status, tx_id, value, trace)
-            for tx_id, value in events:
-                self._producer.produce(self.topics.events, tx_id, value)
+            for tx_id, value, route in events:
+                self._producer.produce(self.topics.events, tx_id, value, route)
             for _, _, tx_id in forgotten:
                 self._producer.produce(self.topics.status, tx_id, None)  # a tombstone
             for m, reason in rejected:

@@ -162,6 +162,7 @@ class ParticipantObserver(LoopObserver):
                 ((name, "invalid"), stats.skipped_invalid),
                 ((name, "unauthenticated"), stats.unauthenticated),
                 ((name, "not_mine"), self.not_mine),
+                ((name, "routed"), stats.routed),  # skipped undecoded, by its headers
             ],
         )
         for metric, doc, value in (

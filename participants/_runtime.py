@@ -26,6 +26,10 @@ report a crash lost after a signal that is not read again (a sequential step
 compensated on its successor's event) is reported again when its decision is
 (found by the chaos suite).
 
+Routing headers (:mod:`participants._routing`): a record whose headers say it is
+not meant for this participant is skipped before it is decoded (its offset still
+moves on); a record without them is decoded as it always was.
+
 Requests carry their fingerprint to the storage (a request in which this
 participant has no step becomes a :class:`~participants._storage.RequestSeen`),
 and at most once per ``prune_interval_ms`` the runtime asks the storage to remove
@@ -51,6 +55,7 @@ from tenacity import (
 from participants._announce import DEFAULT_HEARTBEAT_MS, Announcer, storage_kind
 from participants._barrier import PredecessorApplied, Requested, SuccessorCompensated
 from participants._observe import ParticipantObserver
+from participants._routing import Router, Seen, Verdict
 from participants._storage import (
     DecisionArrived,
     Report,
@@ -101,6 +106,7 @@ class ParticipantStats:
     poisoned: int = 0
     pruned: int = 0  # ledger entries removed after the retention
     unauthenticated: int = 0  # records not acted on for their signature
+    routed: int = 0  # records skipped undecoded: their routing headers name others
 
 
 class ParticipantRuntime(Stoppable):
@@ -133,6 +139,9 @@ class ParticipantRuntime(Stoppable):
     across restarts of one worker and unique among the live workers of a participant.
     Without one the worker is a dynamic member: its restart waits for the session
     timeout of its previous self before the group hands out partitions again.
+
+    ``skip_commit_decisions``: commit decisions are skipped undecoded (for a storage with
+    nothing to confirm; see :mod:`participants._routing`).
     """
 
     def __init__(
@@ -157,6 +166,7 @@ class ParticipantRuntime(Stoppable):
         kind: StorageKind | None = None,
         targets: Sequence[str] | None = None,
         worker_id: str | None = None,
+        skip_commit_decisions: bool = False,
     ) -> None:
         self.name = name
         self.worker_id = worker_id
@@ -201,6 +211,7 @@ class ParticipantRuntime(Stoppable):
         # event is believed only from the participant of that step.
         self._owners: dict[str, tuple[str, ...]] = {}
         self._carry: list[Message] = []
+        self._router = Router(name, self.topics, keys, skip_commits=skip_commit_decisions)
         self._partition_count = 0  # of every saga topic; read at start
         # Partitions were assigned: sequential transactions another worker was
         # serving may have a step here that waits on a neighbour (see _handle).
@@ -317,8 +328,9 @@ class ParticipantRuntime(Stoppable):
                 reason=r.reason[:MAX_REASON_CHARS] if r.reason is not None else None,
                 confirm=r.confirm,
             )
-            trace = self.observer.event_headers(r)
-            self._producer.produce(self.topics.events, r.tx_id, encode(event), trace)
+            headers = self._router.event_route(r.tx_id, r.step, r.status)
+            headers += self.observer.event_headers(r) or ()
+            self._producer.produce(self.topics.events, r.tx_id, encode(event), headers)
         # The events must be in the log before the offsets say the inputs are done.
         self._producer.flush(30)
         offsets: dict[tuple[str, int], int] = {}
@@ -436,6 +448,19 @@ class ParticipantRuntime(Stoppable):
     def _work_items(self, messages: list[Message], now: int) -> list[WorkItem]:
         items: list[WorkItem] = []
         for m in messages:
+            verdict = self._router.screen(m)  # headers only: most records stop here
+            if verdict is not Verdict.DECODE:
+                self.stats.routed += 1
+                if isinstance(verdict, Seen):
+                    seen = self._router.seen(m, verdict, self._partition_count, now)
+                    if isinstance(seen, str):  # not signed by a client or an operator
+                        self.stats.unauthenticated += 1
+                        log.warning(
+                            "not acting on %s/%d@%d: %s", m.topic, m.partition, m.offset, seen
+                        )
+                    elif seen is not None:
+                        items.append(seen)
+                continue
             try:
                 if m.topic == self.topics.requests:
                     # Aborts and resolves are the coordinator's business: read, not acted on.
@@ -538,6 +563,8 @@ class ParticipantRuntime(Stoppable):
                 self._sequential.move_to_end(request.tx_id)
         if not out:  # no step here: remember the payload, so another one is recognised
             out.append(RequestSeen(request.tx_id, fingerprint, request.deadline_ms, now))
+        else:
+            self._router.remember(request)  # the readers of this step's events
         return out
 
     def _neighbour(self, event: StepEvent, m: Message, now: int) -> list[WorkItem]:

@@ -21,7 +21,10 @@ Each attack of the issue is refused:
   participant, or by a participant for a step that is not its own): the step keeps
   waiting;
 * a participant key signs no decision, status or other participant's event anyone
-  accepts.
+  accepts;
+* a lying routing header on a forged record makes the participant skip that record
+  only: a forged request leaves no seen marker, and a copy of a genuine decision
+  with changed headers is skipped while the genuine one acts.
 
 With keys, the commit and rollback paths still work, and every record on the
 topics is signed by the principal allowed to write it.
@@ -61,6 +64,7 @@ from streams import (
     decode_keyed,
     encode,
 )
+from streams._routing import PARTS, request_headers
 from streams._signing import (
     CLIENT,
     COORDINATOR,
@@ -840,3 +844,53 @@ def test_a_participant_key_signs_nothing_but_its_own_events(keys: Keys, record: 
     own = StepEvent("tx-1", 0, "bank", StepStatus.APPLIED, 1)
     headers = keys.bank.sign(topic, "tx-1", encode(own))
     assert keys.verifier.check(topic, b"tx-1", encode(own), headers, allowed_signers(own)) is None
+
+
+# ---------------------------------------------------------------- routing headers
+
+JUNK = b"\xff not json"
+
+
+def send_raw(
+    log: InMemoryLog, topic: str, key: str, value: bytes, headers: list[tuple[str, bytes]]
+) -> None:
+    """Write a record with exactly these headers (unsigned, or a copy of a signed one)."""
+    with log.producer() as producer:
+        producer.produce(topic, key, value, headers)
+
+
+def test_a_forged_request_with_lying_headers_leaves_no_seen_marker(
+    log: InMemoryLog, clock: ManualClock, keys: Keys, running: Running, database: str
+) -> None:
+    bank, stepper = running.bank()
+    tx = tx_on(0)
+    genuine = request(tx, clock)  # a bank step and a shop step
+    lie = request_headers(SagaRequest(tx, "x", Mode.PARALLEL, (shop_step(),), 1, 0))
+    send_raw(log, TOPICS.requests, tx, JUNK, lie)  # unsigned: an attacker's
+    with SignedLog(log, keys.client).producer() as producer:
+        producer.produce(TOPICS.requests, tx, encode(genuine), request_headers(genuine))
+    stepper.step(2)
+    assert bank.stats.unauthenticated == 1 and bank.stats.skipped_invalid == 0  # not parsed
+    assert balance(database) == 105  # the genuine request was not taken for a conflict
+
+
+def test_a_copy_of_a_genuine_decision_with_changed_headers_changes_nothing(
+    log: InMemoryLog, clock: ManualClock, keys: Keys, running: Running, database: str
+) -> None:
+    bank, stepper = running.bank()
+    tx = tx_on(1)
+    genuine = request(tx, clock)
+    with SignedLog(log, keys.client).producer() as producer:
+        producer.produce(TOPICS.requests, tx, encode(genuine), request_headers(genuine))
+    stepper.step()
+    assert balance(database) == 105
+    rollback = Decision(tx, Outcome.ROLLBACK, "r", clock())
+    signed = keys.coordinator.sign(TOPICS.decisions, tx, encode(rollback), [(PARTS, b"bank,shop")])
+    # The attacker copies it with a header naming no one but shop: that copy is skipped
+    # (its signature no longer holds anyway); the genuine one, written after, still acts.
+    lying = [(n, b"shop" if n == PARTS else v) for n, v in signed]
+    for headers in (lying, signed):
+        send_raw(log, TOPICS.decisions, tx, encode(rollback), headers)
+    stepper.step(2)
+    assert bank.stats.unauthenticated == 0  # the copy was skipped before any check
+    assert balance(database) == 100  # compensated on the genuine decision
