@@ -17,20 +17,16 @@ def decision_route(decision: Decision, saga: Saga | None) -> Headers:
     """The routing headers of ``decision`` of ``saga`` (its state after the decision).
 
     Every participant with a step acts on a rollback (compensation, or the marker that
-    closes a step whose request comes late). On a commit, every participant with a step
-    acts while every applied step is confirmed; once the sagas know which steps have
-    something to confirm (``Saga.confirm_of``, the commit path of #14: only an
-    ``applied`` event that said ``confirm`` is answered by a ``committed`` one), only
-    the participants of those steps do, and a saga with none names nobody. When the
+    closes a step whose request comes late). On a commit only the participants of steps
+    with something to confirm act (``Saga.confirm_of``: an ``applied`` event that said
+    ``confirm`` is answered by a ``committed`` one), and a saga with none names nobody. When the
     request was not seen, the steps are not known: no list.
     """
     if saga is None or not saga.request_seen or UNKNOWN_PARTICIPANT in saga.participants:
         return decision_headers(decision, None)
     acting = saga.participants
-    # Read by name so this works with and without the per-step confirm flags.
-    confirm_of = getattr(saga, "confirm_of", None)
-    if decision.outcome is Outcome.COMMIT and confirm_of is not None:
-        acting = tuple(p for i, p in enumerate(acting) if confirm_of(i))
+    if decision.outcome is Outcome.COMMIT:
+        acting = tuple(p for i, p in enumerate(acting) if saga.confirm_of(i))
     return decision_headers(decision, tuple(dict.fromkeys(acting)))
 
 

@@ -71,6 +71,7 @@ from streams import (
     FatalKafkaError,
     InvalidRecord,
     Mode,
+    Outcome,
     SagaAbort,
     SagaRequest,
     SagaResolve,
@@ -140,8 +141,8 @@ class ParticipantRuntime(Stoppable):
     Without one the worker is a dynamic member: its restart waits for the session
     timeout of its previous self before the group hands out partitions again.
 
-    ``skip_commit_decisions``: commit decisions are skipped undecoded (for a storage with
-    nothing to confirm; see :mod:`participants._routing`).
+    Commit decisions are skipped undecoded when the storage has nothing to confirm
+    (:meth:`~participants._storage.Storage.needs_decision`; see :mod:`participants._routing`).
     """
 
     def __init__(
@@ -166,7 +167,6 @@ class ParticipantRuntime(Stoppable):
         kind: StorageKind | None = None,
         targets: Sequence[str] | None = None,
         worker_id: str | None = None,
-        skip_commit_decisions: bool = False,
     ) -> None:
         self.name = name
         self.worker_id = worker_id
@@ -211,7 +211,9 @@ class ParticipantRuntime(Stoppable):
         # event is believed only from the participant of that step.
         self._owners: dict[str, tuple[str, ...]] = {}
         self._carry: list[Message] = []
-        self._router = Router(name, self.topics, keys, skip_commits=skip_commit_decisions)
+        self._router = Router(
+            name, self.topics, keys, skip_commits=not storage.needs_decision(Outcome.COMMIT)
+        )
         self._partition_count = 0  # of every saga topic; read at start
         # Partitions were assigned: sequential transactions another worker was
         # serving may have a step here that waits on a neighbour (see _handle).
