@@ -30,8 +30,11 @@ from typing import Any, Final
 
 from streams import ConfigurationError
 
-RATE: Final = 100
-"""Samples per second per process."""
+RATE: Final = 50
+"""Samples per second per process: on the 2-core machine, five recorders at 100 Hz fell
+behind and cut the profiled phase's throughput by about two thirds; at 25-50 Hz about
+a half. A profiled phase's throughput is therefore not the bench's figure (``make
+profile`` writes its own report); what it shows is where the time goes."""
 TOP: Final = 15
 """Functions listed per process in the summary."""
 _OURS: Final = ("coordinator/", "participants/", "streams/", "sagatools/")
