@@ -8,7 +8,7 @@ import subprocess
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 from rich.console import Console
 from rich.table import Table
@@ -142,6 +142,43 @@ def layout_figures(
     }
 
 
+TARGETS: Final = (
+    # (layout, figure, bound, at least?, what the issue asks)
+    ("pg-wallet", "sagas_per_s", 800.0, True, "wallet on PostgreSQL: sagas/s, main"),
+    ("pg-wallet", "cpu_ms_per_saga_total", 2.5, False, "wallet on PostgreSQL: CPU ms/saga"),
+    ("default", "sagas_per_s", 400.0, True, "default layout: sagas/s, main"),
+    ("pg-wallet", "latency_p99", 100.0, False, "open loop, wallet on PostgreSQL: p99 ms"),
+    ("pg-wallet", "latency_shed", 0.0, False, "open loop, wallet on PostgreSQL: shed"),
+    ("default", "rollback_ratio", 0.5, True, "default layout: rollback / main"),
+    ("pg-wallet", "rollback_ratio", 0.5, True, "wallet on PostgreSQL: rollback / main"),
+)
+"""Issue #14's must-holds 1-4, checked against the layouts of the same name."""
+
+
+def targets(layouts: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Each must-hold of :data:`TARGETS` whose layout ran: its value and whether it holds
+    (``None``: the figure is missing, e.g. its phase did not run)."""
+    out: list[dict[str, Any]] = []
+    for layout, figure, bound, at_least, what in TARGETS:
+        figures = layouts.get(layout)
+        if figures is None:
+            continue
+        if figure == "latency_p99":
+            value = (figures.get("decision_latency_ms") or {}).get("p99")
+            if figures.get("latency_phase") != "latency":
+                value = None  # the open-loop phase did not run
+        elif figure == "latency_shed":
+            value = figures.get(figure) if figures.get("latency_phase") == "latency" else None
+        else:
+            value = figures.get(figure)
+        ok = None if value is None else (value >= bound if at_least else value <= bound)
+        out.append(
+            {"target": what, "layout": layout, "value": value, "bound": bound,
+             "at_least": at_least, "ok": ok}
+        )  # fmt: skip
+    return out
+
+
 def build_report(
     cfg: BenchConfig,
     by_layout: Mapping[str, Mapping[str, SagaPhaseResult]],
@@ -160,6 +197,7 @@ def build_report(
     return {
         **first,
         "layouts": layouts,
+        "targets": targets(layouts),
         "log_bound": log_bound.as_json() if log_bound else None,
         "parameters": {
             "phases": list(cfg.phases),
@@ -259,6 +297,28 @@ def print_summary(console: Console, report: Mapping[str, Any]) -> None:
     if len(layouts) > 1:
         _print_side_by_side(console, layouts)
     _print_baselines(console, report, layouts)
+    _print_targets(console, report.get("targets") or [])
+
+
+def _print_targets(console: Console, checks: list[Mapping[str, Any]]) -> None:
+    """Issue #14's must-holds that this run measured, each with ok / NO."""
+    if not checks:
+        return
+    table = Table(title="issue #14 must-holds (this run)")
+    table.add_column("target")
+    table.add_column("value", justify="right")
+    table.add_column("bound", justify="right")
+    table.add_column("", justify="center")
+    for c in checks:
+        value, bound = c["value"], c["bound"]
+        verdict = "n/a" if c["ok"] is None else ("ok" if c["ok"] else "[red]NO[/]")
+        table.add_row(
+            c["target"],
+            "n/a" if value is None else f"{value:,.3g}" if value < 10 else f"{value:,.0f}",
+            f"{'>=' if c['at_least'] else '<='} {bound:g}",
+            verdict,
+        )
+    console.print(table)
 
 
 def _print_phases(console: Console, title: str, figures: Mapping[str, Any]) -> None:

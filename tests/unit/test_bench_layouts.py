@@ -95,11 +95,18 @@ def test_report_keeps_every_layout_and_the_first_at_the_top() -> None:
     }  # fmt: skip
     assert report["layouts"]["default"]["cpu_ms_per_saga_total"] == 4.5
     assert report["parameters"]["layouts"]["pg-wallet"] == pg.spec
+    checks = {(c["layout"], c["target"]): c for c in report["targets"]}
+    main_pg = checks[("pg-wallet", "wallet on PostgreSQL: sagas/s, main")]
+    assert main_pg["value"] == 800 and main_pg["ok"] is True  # at least 800
+    assert checks[("default", "default layout: sagas/s, main")]["ok"] is False  # 200 < 400
+    assert checks[("default", "default layout: rollback / main")]["ok"] is True  # 0.5
+    shed = checks[("pg-wallet", "open loop, wallet on PostgreSQL: shed")]
+    assert shed["value"] is None and shed["ok"] is None  # no open-loop phase ran
 
     out = io.StringIO()
     print_summary(Console(file=out, width=80), report)
     text = out.getvalue()
-    assert "layouts side by side" in text and "pg-wallet" in text
+    assert "layouts side by side" in text and "pg-wallet" in text and "must-holds" in text
     assert max(len(line) for line in text.splitlines()) <= 80
 
 
