@@ -12,13 +12,15 @@ INFRA  := infra/services.sh
 # Exports the running services' addresses (SAGA_KAFKA_BOOTSTRAP, ...) into a recipe.
 WITH_ENV := eval "$$($(INFRA) env)" &&
 
-.PHONY: help venv lint unit test demo bench bench-short reconcile-bench state-bench chaos chaos-short chaos-cluster console-screenshots infra-up infra-down infra-status cluster-up cluster-down cluster-status spark-cluster-up spark-cluster-down clean
+.PHONY: help venv lint unit test demo bench bench-short profile reconcile-bench state-bench chaos chaos-short chaos-cluster console-screenshots infra-up infra-down infra-status cluster-up cluster-down cluster-status spark-cluster-up spark-cluster-down clean
 
 help:
 	@echo "make test          install everything, start the local services, lint, run the test suite"
 	@echo "make demo          install everything, start the local services, run the demo workload"
-	@echo "make bench         throughput, latency and CPU per saga against the direct-write and log baselines (about 5 min; BENCH_ARGS=...)"
+	@echo "make bench         throughput, latency and CPU per saga, wallet on FerretDB and on PostgreSQL,"
+	@echo "                   against the direct-write and log baselines (about 10 min; BENCH_ARGS=...)"
 	@echo "make bench-short   the same with 10 s phases, for a quick check"
+	@echo "make profile       py-spy flame graphs and top functions of every process in a main phase"
 	@echo "make infra-up      provision and start Kafka, PostgreSQL, Redis, FerretDB"
 	@echo "make infra-status  which services are up, and their addresses as shell exports"
 	@echo "make infra-down    stop the services started by infra-up, and the Kafka and Spark clusters if up"
@@ -83,14 +85,24 @@ demo: venv infra-up
 # End-to-end sagas/s, latencies and CPU per saga, with the direct-write and log-bound
 # baselines measured in the same run; writes reports/bench.json. Options: BENCH_ARGS
 # (see `saga bench --help`), e.g. BENCH_ARGS="--phases main,direct --duration 30".
+# Both layouts (wallet on FerretDB, wallet on PostgreSQL), each: main 60 s, open loop at
+# 400 sagas/s, rollback with 20 % rejected, direct writes; then the log bound.
 BENCH_ARGS ?=
+BENCH_LAYOUTS := --layout default --layout pg-wallet
 BENCH_SHORT := --warmup 3 --duration 10 --latency-duration 10 --rollback-duration 10 \
 	--baseline-duration 10 --report reports/bench-short.json
 bench: venv infra-up
-	@$(WITH_ENV) $(VENV)/bin/saga bench $(BENCH_ARGS)
+	@$(WITH_ENV) $(VENV)/bin/saga bench $(BENCH_LAYOUTS) $(BENCH_ARGS)
 
 bench-short: venv infra-up
-	@$(WITH_ENV) $(VENV)/bin/saga bench $(BENCH_SHORT) $(BENCH_ARGS)
+	@$(WITH_ENV) $(VENV)/bin/saga bench $(BENCH_LAYOUTS) $(BENCH_SHORT) $(BENCH_ARGS)
+
+# py-spy records every product process during a 30 s main phase of each layout:
+# reports/profile/<layout>.main/*.raw (collapsed stacks) and summary.txt.
+PROFILE_ARGS ?=
+profile: venv infra-up
+	@$(WITH_ENV) $(VENV)/bin/saga bench $(BENCH_LAYOUTS) --phases main --warmup 5 \
+		--duration 30 --profile reports/profile --report reports/bench-profile.json $(PROFILE_ARGS)
 
 # The reconciliation job's throughput on a generated log (SAGAS=1000000 by default).
 SAGAS ?= 1000000

@@ -34,7 +34,10 @@ in-flight set update, ``EXEC``. When another client changed a watched key in
 between, ``EXEC`` does nothing and the item is run again from the start (up to
 ``max_attempts`` times, then a :class:`~streams.TransientError`). Each ledger
 write ends one such round; a decision covering several steps runs one round per
-step, and the next round checks that the ledger it read is unchanged.
+step, and the next round checks that the ledger it read is unchanged. Each WATCH and
+the read it guards go out together
+(:func:`participants._redis_session.watch_hgetall`), so a new step costs three
+round trips: the ledger, the record, ``MULTI``...``EXEC``.
 
 Why not one Lua script per action: the barrier (:func:`participants._barrier.plan`)
 and the custom handlers are Python; rewriting the barrier in Lua would give the

@@ -62,11 +62,10 @@ class RedisSession:
         watch(self._pipe, keys)
 
     def read(self, target: str, key: Key) -> dict[str, str] | None:
-        """The record ``target/key`` (``None``: absent), watched."""
+        """The record ``target/key`` (``None``: absent), watched (one round trip)."""
         name = self.key(target, key)
-        self.watch(name)
         try:
-            record = strings(self._pipe.hgetall(name))
+            record = watch_hgetall(self._pipe, name)
         except redis_errors.ResponseError as exc:
             if "WRONGTYPE" not in str(exc):
                 raise
@@ -110,6 +109,37 @@ def key_text(key: Any) -> str:
 
 def watch(pipe: Pipeline, keys: Iterable[str]) -> None:
     cast(Any, pipe).watch(*keys)  # redis-py leaves Pipeline.watch unannotated
+
+
+def watch_hgetall(pipe: Pipeline, name: str) -> dict[str, str]:
+    """``WATCH name`` then ``HGETALL name``, sent together: one round trip, not two.
+
+    The same as ``pipe.watch(name)`` followed by ``pipe.hgetall(name)``: the pipeline
+    is left watching on its connection (its ``EXEC`` or ``reset`` ends the watch), and
+    ``WATCH`` is processed before ``HGETALL`` reads, so the value read is the one the
+    watch guards. A hash of the wrong type raises redis-py's ``ResponseError``
+    (``WRONGTYPE``) with the connection in step; any other failure between the two
+    replies drops the connection (dropping it also ends the watch), so no reply is
+    left unread for the next command. The replies are parsed by hand: a ``HGETALL``
+    reply is a flat list of field, value (RESP2) or a map (RESP3).
+    """
+    p = cast(Any, pipe)  # redis-py leaves the pipeline's connection state unannotated
+    if p.explicit_transaction:
+        raise redis_errors.RedisError("Cannot issue a WATCH after a MULTI")
+    conn = p.connection
+    if conn is None:
+        conn = p.connection = p.connection_pool.get_connection()
+    p.watching = True
+    try:
+        conn.send_packed_command(conn.pack_commands([("WATCH", name), ("HGETALL", name)]))
+        conn.read_response()
+    except BaseException:
+        conn.disconnect()
+        raise
+    raw = conn.read_response()  # WRONGTYPE raises here, with both replies read
+    if isinstance(raw, list):
+        return {string(k): string(v) for k, v in zip(raw[::2], raw[1::2], strict=True)}
+    return strings(raw)
 
 
 def string(value: bytes | str) -> str:

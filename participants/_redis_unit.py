@@ -24,7 +24,7 @@ from participants._ledger import (
     field_of_step,
     step_of_field,
 )
-from participants._redis_session import RedisSession, strings, watch
+from participants._redis_session import RedisSession, watch_hgetall
 from participants._storage import Unit
 from streams import TX_ID_PATTERN, InvalidRecord, Mode
 
@@ -94,9 +94,7 @@ class RedisUnit(Unit[RedisSession]):
         if not isinstance(tx_id, str) or not TX_ID.fullmatch(tx_id):
             raise InvalidRecord(f"transaction id {tx_id!r} breaks the wire contract")
         if tx_id not in self._watched:
-            name = self.keys.tx(tx_id)
-            watch(self.pipe, (name,))
-            fresh = strings(self.pipe.hgetall(name))
+            fresh = watch_hgetall(self.pipe, self.keys.tx(tx_id))
             if tx_id in self._ledgers and fresh != self._ledgers[tx_id]:
                 raise redis_errors.WatchError(f"the ledger of {tx_id} changed between two steps")
             self._ledgers[tx_id] = fresh

@@ -170,7 +170,7 @@ def demo(
 @click.option(
     "--rate",
     type=click.FloatRange(0, 1_000_000, min_open=True),
-    default=500.0,
+    default=400.0,
     show_default=True,
     help="Sagas per second offered in the open-loop latency phase.",
 )
@@ -273,22 +273,42 @@ def demo(
     "(NAME: kafka, postgres, redis or ferretdb); repeatable.",
 )
 @click.option(
+    "--layout",
+    "layouts",
+    multiple=True,
+    metavar="LAYOUT",
+    help="Which store each participant runs on: default (bank=postgres,wallet=ferretdb,"
+    "rewards=redis), pg-wallet (the wallet on PostgreSQL too), or bank=STORE,wallet=STORE,"
+    "rewards=STORE (STORE: postgres, ferretdb, redis). Repeat it to run every phase on "
+    "each layout in turn and compare them side by side [default: default].",
+)
+@click.option(
+    "--profile",
+    "profile_dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Record every product process (coordinator, participants, the bench's client) "
+    "with py-spy during each main phase into this folder: raw collapsed stacks (open them "
+    "in speedscope or flamegraph.pl) and summary.txt, the top functions per process.",
+)
+@click.option(
     "--postgres-url",
     envvar="SAGA_POSTGRES_URL",
     required=True,
-    help="PostgreSQL for the bank participant [env SAGA_POSTGRES_URL].",
+    help="PostgreSQL for the participants the layout puts there [env SAGA_POSTGRES_URL].",
 )
 @click.option(
     "--mongo-url",
     envvar="SAGA_MONGO_URL",
     required=True,
-    help="MongoDB-wire server for the wallet participant [env SAGA_MONGO_URL].",
+    help="MongoDB-wire server (FerretDB) for the participants the layout puts there "
+    "[env SAGA_MONGO_URL].",
 )
 @click.option(
     "--redis-url",
     envvar="SAGA_REDIS_URL",
     required=True,
-    help="Redis for the rewards participant [env SAGA_REDIS_URL].",
+    help="Redis for the participants the layout puts there [env SAGA_REDIS_URL].",
 )
 def bench(
     bootstrap: str | None,
@@ -316,16 +336,19 @@ def bench(
     keep_topics: bool,
     signing: str,
     service_pid: tuple[str, ...],
+    layouts: tuple[str, ...],
+    profile_dir: str | None,
     postgres_url: str,
     mongo_url: str,
     redis_url: str,
 ) -> None:
     """Measure sustained sagas/s and latencies against baselines measured in the same run.
 
-    Starts a coordinator and three participants (PostgreSQL, MongoDB wire,
-    Redis) per saga phase on fresh topics (prefix bench-<time> unless --prefix
+    Starts a coordinator and three participants (each on the store --layout
+    gives it) per saga phase on fresh topics (prefix bench-<time> unless --prefix
     is given), drives three-step transfer sagas, then measures the direct-write
-    and log-bound baselines. Prints a table and writes a JSON report.
+    and log-bound baselines. With several --layout, every phase runs on each in
+    turn. Prints tables and writes a JSON report.
     """
     from pathlib import Path
 
@@ -336,6 +359,7 @@ def bench(
 
         require_drivers()
         from sagatools.bench import BenchConfig, run_bench
+        from sagatools.bench.config import DEFAULT_LAYOUT, parse_layout
     except ImportError as exc:
         _missing("bench", exc)
 
@@ -373,5 +397,7 @@ def bench(
         keep_topics=keep_topics,
         signing=signing,
         service_pids=pids,
+        layouts=tuple(parse_layout(t) for t in layouts) or (DEFAULT_LAYOUT,),
+        profile=None if profile_dir is None else Path(profile_dir),
     )
     sys.exit(run_bench(cfg, Console()))

@@ -12,7 +12,7 @@ import multiprocessing
 import os
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -22,15 +22,16 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from sagatools.bench.config import (
+    FIELD_OF,
     MAX_AMOUNT,
     PARTICIPANTS,
-    STORAGE_OF,
     TARGET_OF,
     BenchConfig,
+    Layout,
     account,
 )
 from sagatools.bench.proc import CpuMeter
-from sagatools.bench.stores import accounts_table, mongo_client, points_key, prepare_data, sa_url
+from sagatools.bench.stores import mongo_client, prepare_data, redis_key, sa_url, target_table
 from sagatools.bench.workload import Workload
 from streams import TransientError, encode
 from streams.kafka import Consumer, KafkaSettings, Producer, create_topics, delete_topics
@@ -42,6 +43,7 @@ _MONGO_UPDATES_PER_COMMAND: Final = 50
 
 
 def _direct_worker(
+    participant: str,
     store: str,
     url: str,
     schema: str,
@@ -52,11 +54,12 @@ def _direct_worker(
     go: Any,
     out: Any,
 ) -> None:
-    """Write ``store``'s increments of the workload in batches, with no saga machinery."""
+    """Write ``participant``'s increments of the workload in batches to ``store``, with no
+    saga machinery."""
     rng = random.Random(seed)
     try:
-        write = _direct_writer(store, url, schema)
-        out.put(("ready", store, os.getpid(), 0, 0.0))
+        write = _direct_writer(participant, store, url, schema)
+        out.put(("ready", participant, os.getpid(), 0, 0.0))
         go.wait()
         writes = 0
         start = time.monotonic()
@@ -71,39 +74,44 @@ def _direct_worker(
             )
             writes += batch
             last = time.monotonic()
-        out.put(("done", store, os.getpid(), writes, last - start))
+        out.put(("done", participant, os.getpid(), writes, last - start))
     except Exception as exc:  # reported to the parent, which raises one sentence
-        out.put(("error", store, os.getpid(), 0, f"{type(exc).__name__}: {exc}"))
+        out.put(("error", participant, os.getpid(), 0, f"{type(exc).__name__}: {exc}"))
 
 
-def _direct_writer(store: str, url: str, schema: str) -> Callable[[list[tuple[str, int]]], None]:
-    if store == "bank":
+def _direct_writer(
+    participant: str, store: str, url: str, schema: str
+) -> Callable[[list[tuple[str, int]]], None]:
+    """One batch of ``participant``'s increments (the bank's are debits) as one write."""
+    sign = -1 if participant == "bank" else 1
+    field = FIELD_OF[participant]
+    if store == "postgres":
         engine = sa.create_engine(sa_url(url))
-        table = accounts_table(schema)
-        stmt = (
-            sa.update(table)
-            .where(table.c.id == sa.bindparam("k"), table.c.balance - sa.bindparam("a") >= 0)
-            .values(balance=table.c.balance - sa.bindparam("a"))
-        )
+        table = target_table(schema, participant)
+        column = table.c[field]
+        where = table.c.id == sa.bindparam("k")
+        if sign < 0:
+            where = sa.and_(where, column + sa.bindparam("a") >= 0)
+        stmt = sa.update(table).where(where).values({field: column + sa.bindparam("a")})
 
         def write_sql(items: list[tuple[str, int]]) -> None:
             with engine.begin() as conn:  # one transaction per batch, like the participant
-                conn.execute(stmt, [{"k": k, "a": a} for k, a in items])
+                conn.execute(stmt, [{"k": k, "a": sign * a} for k, a in items])
 
         return write_sql
-    if store == "wallet":
+    if store == "ferretdb":
         import pymongo
 
         client: pymongo.MongoClient[dict[str, Any]] = mongo_client(url)
-        wallets = client[schema][TARGET_OF["wallet"]]
+        docs = client[schema][TARGET_OF[participant]]
 
         def write_mongo(items: list[tuple[str, int]]) -> None:
             # No transactions on FerretDB: the batch is a few update commands. FerretDB
             # v1.24 on SQLite stops answering altogether when one update command holds
             # 100 updates or more, hence at most _MONGO_UPDATES_PER_COMMAND per command.
-            ops = [pymongo.UpdateOne({"_id": k}, {"$inc": {"balance": a}}) for k, a in items]
+            ops = [pymongo.UpdateOne({"_id": k}, {"$inc": {field: sign * a}}) for k, a in items]
             for i in range(0, len(ops), _MONGO_UPDATES_PER_COMMAND):
-                wallets.bulk_write(ops[i : i + _MONGO_UPDATES_PER_COMMAND], ordered=False)
+                docs.bulk_write(ops[i : i + _MONGO_UPDATES_PER_COMMAND], ordered=False)
 
         return write_mongo
     import redis
@@ -113,7 +121,7 @@ def _direct_writer(store: str, url: str, schema: str) -> Callable[[list[tuple[st
     def write_redis(items: list[tuple[str, int]]) -> None:
         with r.pipeline(transaction=True) as pipe:  # MULTI/EXEC per batch
             for k, a in items:
-                pipe.hincrby(points_key(schema, k), "points", a)
+                pipe.hincrby(redis_key(schema, participant, k), field, sign * a)
             pipe.execute()
 
     return write_redis
@@ -123,6 +131,7 @@ def _direct_writer(store: str, url: str, schema: str) -> Callable[[list[tuple[st
 class DirectResult:
     duration_s: float
     batch: int
+    layout: str = "default"
     writes_per_s: dict[str, float] = field(default_factory=dict)
     sagas_per_s: float = 0.0
     cpu_s: dict[str, float | None] = field(default_factory=dict)
@@ -132,20 +141,24 @@ class DirectResult:
         return dict(self.__dict__)
 
 
-def run_direct(cfg: BenchConfig, console: Console, services: dict[str, int | None]) -> DirectResult:
-    """The direct-write baseline: one process per store, all three writing at once."""
-    with console.status("direct: preparing the accounts"):
-        prepare_data(cfg)
+def run_direct(
+    cfg: BenchConfig, layout: Layout, console: Console, services: Mapping[str, int | None]
+) -> DirectResult:
+    """The direct-write baseline: one process per participant, on the store ``layout``
+    gives it, all three writing at once."""
+    with console.status(f"direct ({layout.name}): preparing the accounts"):
+        prepare_data(cfg, layout)
     ctx = multiprocessing.get_context("spawn")
     go = ctx.Event()
     out = ctx.Queue()
-    urls = {"bank": cfg.postgres_url, "wallet": cfg.mongo_url, "rewards": cfg.redis_url}
+    urls = {"postgres": cfg.postgres_url, "ferretdb": cfg.mongo_url, "redis": cfg.redis_url}
     workers = [
         ctx.Process(
             target=_direct_worker,
             args=(
                 s,
-                urls[s],
+                layout.stores[s],
+                urls[layout.stores[s]],
                 cfg.schema,
                 cfg.accounts,
                 cfg.batch,
@@ -158,7 +171,7 @@ def run_direct(cfg: BenchConfig, console: Console, services: dict[str, int | Non
         )
         for i, s in enumerate(PARTICIPANTS)
     ]
-    result = DirectResult(duration_s=cfg.baseline_duration, batch=cfg.batch)
+    result = DirectResult(duration_s=cfg.baseline_duration, batch=cfg.batch, layout=layout.name)
     try:
         for w in workers:
             w.start()
@@ -167,7 +180,7 @@ def run_direct(cfg: BenchConfig, console: Console, services: dict[str, int | Non
             kind, store, pid, _, info = _get(out, 60, "a direct-write worker did not start")
             if kind == "error":
                 raise TransientError(f"the direct writes to {store} failed: {info}")
-            pids[f"direct writer ({STORAGE_OF[store]})"] = pid
+            pids[f"direct writer {store} ({layout.kind(store)})"] = pid
         pids.update(services)
         meter = CpuMeter(pids)
         progress = Progress(
@@ -178,7 +191,7 @@ def run_direct(cfg: BenchConfig, console: Console, services: dict[str, int | Non
         )
         with progress:
             task = progress.add_task(
-                f"direct writes (batches of {cfg.batch}, 3 stores at once)",
+                f"direct writes, {layout.name} (batches of {cfg.batch}, 3 at once)",
                 total=cfg.baseline_duration,
             )
             meter.start()
@@ -209,7 +222,8 @@ def run_direct(cfg: BenchConfig, console: Console, services: dict[str, int | Non
             if w.is_alive():
                 w.kill()
     result.writes_per_s = {
-        STORAGE_OF[s]: round(writes / elapsed, 1) for s, (writes, elapsed) in done.items()
+        f"{s} ({layout.kind(s)})": round(writes / elapsed, 1)
+        for s, (writes, elapsed) in done.items()
     }
     result.sagas_per_s = min(result.writes_per_s.values())
     result.cpu_s = meter.used

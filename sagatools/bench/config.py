@@ -14,8 +14,17 @@ from streams.kafka import KafkaSettings
 PHASES: Final = ("main", "latency", "rollback", "direct", "log")
 SAGA_PHASES: Final = ("main", "latency", "rollback")
 PARTICIPANTS: Final = ("bank", "wallet", "rewards")
-STORAGE_OF: Final = {"bank": "sql", "wallet": "mongo", "rewards": "redis"}
 TARGET_OF: Final = {"bank": "accounts", "wallet": "wallets", "rewards": "points"}
+FIELD_OF: Final = {"bank": "balance", "wallet": "balance", "rewards": "points"}
+STORES: Final = ("postgres", "ferretdb", "redis")
+"""Where a participant's data can live (``ferretdb``: the MongoDB-wire server)."""
+KIND_OF: Final = {"postgres": "sql", "ferretdb": "mongo", "redis": "redis"}
+"""The ``participant run --storage`` kind of each store."""
+_STORE_ALIASES: Final = {
+    "postgres": "postgres", "postgresql": "postgres", "pg": "postgres", "sql": "postgres",
+    "ferretdb": "ferretdb", "mongo": "ferretdb", "mongodb": "ferretdb",
+    "redis": "redis",
+}  # fmt: skip
 OPENING_BALANCE: Final = 10**12  # debits never reach the minimum: only designed failures fail
 MAX_AMOUNT: Final = 100
 SIGNING: Final = ("off", "on", "both")
@@ -23,6 +32,65 @@ SIGNED_MAIN: Final = "main-signed"
 """The main phase run again with signed records (``--signing both``)."""
 SERVICES: Final = ("kafka", "postgres", "redis", "ferretdb")
 CLIENT: Final = "client (bench)"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Which store each participant's data lives in (participant -> one of :data:`STORES`).
+
+    The same three steps run whatever the layout: ``bank`` debits (never below 0),
+    ``wallet`` and ``rewards`` credit; only the store under each participant moves.
+    """
+
+    name: str
+    stores: Mapping[str, str]
+
+    def kind(self, participant: str) -> str:
+        """The participant's ``--storage`` kind (sql, mongo, redis)."""
+        return KIND_OF[self.stores[participant]]
+
+    @property
+    def spec(self) -> str:
+        return ",".join(f"{p}={self.stores[p]}" for p in PARTICIPANTS)
+
+
+DEFAULT_LAYOUT: Final = Layout(
+    "default", {"bank": "postgres", "wallet": "ferretdb", "rewards": "redis"}
+)
+LAYOUTS: Final = {
+    "default": DEFAULT_LAYOUT,
+    "pg-wallet": Layout(
+        "pg-wallet", {"bank": "postgres", "wallet": "postgres", "rewards": "redis"}
+    ),
+}
+"""The named layouts: the issue's default (wallet on FerretDB) and the wallet on PostgreSQL."""
+_SHORT: Final = {"postgres": "pg", "ferretdb": "ferret", "redis": "redis"}
+
+
+def parse_layout(text: str) -> Layout:
+    """A named layout, or ``bank=STORE,wallet=STORE,rewards=STORE`` (a participant left out
+    keeps its default store); raises :class:`ConfigurationError` with the fix."""
+    text = text.strip()
+    if text in LAYOUTS:
+        return LAYOUTS[text]
+    if "=" not in text:
+        raise ConfigurationError(
+            f"--layout {text!r}: name one of {', '.join(LAYOUTS)} or give "
+            "bank=STORE,wallet=STORE,rewards=STORE (STORE: postgres, ferretdb or redis)"
+        )
+    stores = dict(DEFAULT_LAYOUT.stores)
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        name, _, store = (s.strip() for s in part.partition("="))
+        if name not in PARTICIPANTS or store.lower() not in _STORE_ALIASES:
+            raise ConfigurationError(
+                f"--layout {text!r}: {part!r} is not PARTICIPANT=STORE (participants: "
+                f"{', '.join(PARTICIPANTS)}; stores: {', '.join(STORES)})"
+            )
+        stores[name] = _STORE_ALIASES[store.lower()]
+    for layout in LAYOUTS.values():
+        if dict(layout.stores) == stores:
+            return layout
+    return Layout("-".join(_SHORT[stores[p]] for p in PARTICIPANTS), stores)
 
 
 @dataclass(frozen=True)
@@ -37,7 +105,7 @@ class BenchConfig:
     latency_duration: float = 30.0
     rollback_duration: float = 30.0
     baseline_duration: float = 20.0
-    rate: float = 500.0
+    rate: float = 400.0
     window: int = 1000
     fail_share: float = 0.0
     rollback_fail_share: float = 0.2
@@ -54,6 +122,9 @@ class BenchConfig:
     keep_topics: bool = False
     signing: str = "off"
     service_pids: Mapping[str, int] = field(default_factory=dict)
+    layouts: tuple[Layout, ...] = (DEFAULT_LAYOUT,)
+    profile: Path | None = None
+    """A folder for py-spy's recording of every product process during each main phase."""
 
     def __post_init__(self) -> None:
         unknown = [p for p in self.phases if p not in PHASES]
@@ -76,6 +147,11 @@ class BenchConfig:
             raise ConfigurationError(
                 "--signing both compares two main phases: keep main in --phases"
             )
+        names = [layout.name for layout in self.layouts]
+        if not names or len(set(names)) != len(names):
+            raise ConfigurationError("give each --layout once (at least one)")
+        if self.profile is not None and "main" not in self.phases:
+            raise ConfigurationError("--profile records the main phase: keep main in --phases")
         unknown = [n for n in self.service_pids if n not in SERVICES]
         if unknown:
             raise ConfigurationError(

@@ -25,9 +25,10 @@ import orjson
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from sagatools.bench.config import CLIENT, PARTICIPANTS, BenchConfig
+from sagatools.bench.config import CLIENT, DEFAULT_LAYOUT, PARTICIPANTS, BenchConfig, Layout
 from sagatools.bench.proc import CpuMeter
 from sagatools.bench.processes import check_alive, saga_processes
+from sagatools.bench.profile import Profiler
 from sagatools.bench.stores import prepare_data, store_totals
 from sagatools.bench.workload import Workload
 from streams import TransientError, encode
@@ -99,6 +100,9 @@ class SagaPhaseResult:
     expected_total: int = 0
     signed: bool = False
     forged_status: int = 0  # final status records whose signature did not hold (ignored)
+    layout: str = "default"
+    stores: dict[str, str] = field(default_factory=dict)  # participant -> store
+    profile: dict[str, Any] | None = None  # --profile: files and top functions per process
 
     def as_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -164,19 +168,24 @@ class SagaPhase:
         services: Mapping[str, int | None],
         seed: int,
         *,
+        layout: Layout = DEFAULT_LAYOUT,
+        tag: str | None = None,
         signed: bool = False,
     ) -> None:
         self.cfg = cfg
+        self.layout = layout
+        tag = tag or result.name
         self.signed = signed
         self.keys: Keyring | None = None
         self.console = console
         self.result = result
         self.services = services
         self.settings = KafkaSettings(
-            cfg.kafka.bootstrap, f"{cfg.kafka.prefix}.{result.name}", cfg.kafka.extra
+            cfg.kafka.bootstrap, f"{cfg.kafka.prefix}.{tag}", cfg.kafka.extra
         )
         self.topics = self.settings.topics
-        self.logs = cfg.logs / result.name
+        self.logs = cfg.logs / tag
+        self.profile_dir = None if cfg.profile is None else cfg.profile / tag
         self.workload = Workload(
             accounts=cfg.accounts,
             fail_share=result.fail_share,
@@ -245,7 +254,7 @@ class SagaPhase:
         with self.console.status(
             f"{result.name}: preparing {cfg.accounts} accounts per store and the topics"
         ):
-            prepare_data(cfg)
+            prepare_data(cfg, self.layout)
             create_topics(self.settings, cfg.partitions)
         keys_dir: tempfile.TemporaryDirectory[str] | None = None
         if self.signed:
@@ -253,7 +262,7 @@ class SagaPhase:
             self.keys = _create_keys(Path(keys_dir.name))
         try:
             folder = Path(keys_dir.name) if keys_dir is not None else None
-            with saga_processes(cfg, self.settings, self.logs, folder) as procs:
+            with saga_processes(cfg, self.layout, self.settings, self.logs, folder) as procs:
                 self.procs = procs
                 self._producer = Producer(self.settings, client_id="saga.bench")
                 self._consumer = Consumer(
@@ -324,6 +333,10 @@ class SagaPhase:
         pids[CLIENT] = os.getpid()
         pids.update(self.services)
         self.meter = CpuMeter(pids, self_only=frozenset({CLIENT}))
+        profiler: Profiler | None = None
+        if self.profile_dir is not None and result.name == "main":
+            product = {n: p for n, p in pids.items() if n not in self.services and p is not None}
+            profiler = Profiler(self.profile_dir, product, result.duration_s)
         closed = result.mode == "closed"
         how = f"closed loop, window {cfg.window}" if closed else f"open loop at {cfg.rate:g}/s"
         progress = Progress(
@@ -350,6 +363,8 @@ class SagaPhase:
             while (now := time.monotonic()) < t1:
                 if not measuring and now >= t0:
                     self.meter.start()
+                    if profiler is not None:
+                        profiler.start()
                     self.t0_ms = wall_clock_ms()
                     sent_at_t0 = len(self.tracker.created)
                     self.completed_at_t0 = self.completed
@@ -377,6 +392,9 @@ class SagaPhase:
                     next_ui = now + 0.25
             self.meter.stop()
             self.t1_ms = wall_clock_ms()
+            if profiler is not None:
+                with self.console.status(f"{result.name}: writing the profiles"):
+                    result.profile = profiler.finish()
             result.sent_in_window = len(self.tracker.created) - sent_at_t0
             progress.update(task, completed=cfg.warmup + result.duration_s)
             self.producer.flush(30)
@@ -442,7 +460,7 @@ class SagaPhase:
         """Each store moved exactly the money of the committed sagas (no lost or extra step)."""
         if self.result.unfinished:
             return  # steps still in flight: the totals cannot match yet (stores_agree: null)
-        totals = store_totals(self.cfg)
+        totals = store_totals(self.cfg, self.layout)
         tracker = self.tracker
         expected = sum(
             tracker.amount[tx] for tx, (_, state) in tracker.done.items() if state == "committed"
@@ -462,10 +480,13 @@ def run_saga_phase(
     duration: float,
     services: Mapping[str, int | None],
     seed: int,
+    layout: Layout = DEFAULT_LAYOUT,
+    tag: str | None = None,
     signed: bool = False,
 ) -> tuple[SagaPhaseResult, list[tuple[bytes | None, bytes | None]]]:
-    """One saga phase (``signed``: with a key folder); returns its figures and a sample
-    of the records it wrote."""
+    """One saga phase on ``layout`` (``signed``: with a key folder); returns its figures
+    and a sample of the records it wrote. ``tag`` (default: ``name``) names its topics
+    (``<prefix>.<tag>.*``), log folder and profile folder."""
     result = SagaPhaseResult(
         name=name,
         mode=mode,
@@ -474,8 +495,10 @@ def run_saga_phase(
         duration_s=duration,
         offered_rate=cfg.rate if mode == "open" else None,
         window=cfg.window if mode == "closed" else None,
+        layout=layout.name,
+        stores=dict(layout.stores),
     )
-    phase = SagaPhase(cfg, console, result, services, seed, signed=signed)
+    phase = SagaPhase(cfg, console, result, services, seed, layout=layout, tag=tag, signed=signed)
     sample = phase.run()
     return result, sample
 

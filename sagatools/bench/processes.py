@@ -9,16 +9,24 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
-from sagatools.bench.config import PARTICIPANTS, STORAGE_OF, TARGET_OF, BenchConfig
+from sagatools.bench.config import PARTICIPANTS, TARGET_OF, BenchConfig, Layout
 from streams import ConfigurationError
 from streams.kafka import KafkaSettings
 
 
 @contextmanager
 def saga_processes(
-    cfg: BenchConfig, settings: KafkaSettings, logs: Path, keys_dir: Path | None = None
+    cfg: BenchConfig,
+    layout: Layout,
+    settings: KafkaSettings,
+    logs: Path,
+    keys_dir: Path | None = None,
 ) -> Iterator[dict[str, subprocess.Popen[bytes]]]:
     """The coordinator and ``workers`` processes per participant, as the user would run them.
+
+    Each participant runs on the store ``layout`` gives it; two participants on one
+    PostgreSQL database share its ledger table, whose rows and advisory locks are
+    per participant (:mod:`participants._sql`), so they do not collide.
 
     ``keys_dir``: signed records (``SAGA_KEYS_DIR`` in their environment); without it
     they run unsigned, whatever the environment of ``saga bench`` says.
@@ -37,7 +45,7 @@ def saga_processes(
         ]
     }
     for name in PARTICIPANTS:
-        storage = STORAGE_OF[name]
+        storage = layout.kind(name)
         for w in range(cfg.workers):
             label = f"{name}#{w} ({storage})"
             commands[label] = [

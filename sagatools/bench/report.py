@@ -8,7 +8,7 @@ import subprocess
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 from rich.console import Console
 from rich.table import Table
@@ -80,14 +80,31 @@ def signing_figures(
     }
 
 
-def build_report(
+def role(process: str) -> str:
+    """``bank#0 (sql)`` -> ``bank``; ``client (bench)`` -> ``client``; services unchanged."""
+    return process.split(" (", maxsplit=1)[0].split("#", maxsplit=1)[0]
+
+
+def cpu_ms_by_role(r: SagaPhaseResult) -> dict[str, float | None]:
+    """CPU ms per saga per role (a participant's workers added up), for side-by-side rows."""
+    out: dict[str, float | None] = {}
+    for name, v in _cpu_ms(r).items():
+        key = role(name)
+        if v is None:
+            out.setdefault(key, None)
+        else:
+            out[key] = round((out.get(key) or 0.0) + v, 3)
+    return out
+
+
+def layout_figures(
     cfg: BenchConfig,
+    layout: str,
     phases: Mapping[str, SagaPhaseResult],
     direct: DirectResult | None,
     log_bound: LogResult | None,
-    started: float,
-    load_before: tuple[float, float, float],
 ) -> dict[str, Any]:
+    """The headline figures of one layout's phases, its direct-write baseline and ratios."""
     main = phases.get("main")
     latency = phases.get("latency") or main
     rollback = phases.get("rollback")
@@ -98,11 +115,15 @@ def build_report(
     records_per_saga = (
         main.records_per_saga if main else (log_bound.records_per_saga if log_bound else None)
     )
+    stores = next(iter(phases.values())).stores if phases else {}
     return {
+        "layout": layout,
+        "stores": stores,
         "sagas_per_s": sagas_per_s,
         "decision_latency_ms": latency.decision_latency_ms if latency else None,
         "completion_latency_ms": latency.completion_latency_ms if latency else None,
         "latency_phase": latency.name if latency else None,
+        "latency_shed": latency.shed if latency else None,
         "direct_write_sagas_per_s": direct_rate,
         "log_bound_sagas_per_s": log_rate,
         "rollback_sagas_per_s": rollback_rate,
@@ -110,14 +131,77 @@ def build_report(
         "direct_write_ratio": _ratio(sagas_per_s, direct_rate),
         "log_bound_ratio": _ratio(sagas_per_s, log_rate),
         "cpu_s_per_saga": main.cpu_s_per_saga if main else None,
+        "cpu_ms_per_saga_by_role": cpu_ms_by_role(main) if main else None,
+        "cpu_ms_per_saga_total": _total_ms(_cpu_ms(main)) if main else None,
         "cpu_cores_used": main.cpu_cores_used if main else None,
         "records_per_saga": records_per_saga,
         "signing": signing_figures(cfg, phases),
+        "profile": main.profile if main else None,
         "phases": {name: r.as_json() for name, r in phases.items()},
         "direct_write": direct.as_json() if direct else None,
+    }
+
+
+TARGETS: Final = (
+    # (layout, figure, bound, at least?, what the issue asks)
+    ("pg-wallet", "sagas_per_s", 800.0, True, "wallet on PostgreSQL: sagas/s, main"),
+    ("pg-wallet", "cpu_ms_per_saga_total", 2.5, False, "wallet on PostgreSQL: CPU ms/saga"),
+    ("default", "sagas_per_s", 400.0, True, "default layout: sagas/s, main"),
+    ("pg-wallet", "latency_p99", 100.0, False, "open loop, wallet on PostgreSQL: p99 ms"),
+    ("pg-wallet", "latency_shed", 0.0, False, "open loop, wallet on PostgreSQL: shed"),
+    ("default", "rollback_ratio", 0.5, True, "default layout: rollback / main"),
+    ("pg-wallet", "rollback_ratio", 0.5, True, "wallet on PostgreSQL: rollback / main"),
+)
+"""Issue #14's must-holds 1-4, checked against the layouts of the same name."""
+
+
+def targets(layouts: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Each must-hold of :data:`TARGETS` whose layout ran: its value and whether it holds
+    (``None``: the figure is missing, e.g. its phase did not run)."""
+    out: list[dict[str, Any]] = []
+    for layout, figure, bound, at_least, what in TARGETS:
+        figures = layouts.get(layout)
+        if figures is None:
+            continue
+        if figure == "latency_p99":
+            value = (figures.get("decision_latency_ms") or {}).get("p99")
+            if figures.get("latency_phase") != "latency":
+                value = None  # the open-loop phase did not run
+        elif figure == "latency_shed":
+            value = figures.get(figure) if figures.get("latency_phase") == "latency" else None
+        else:
+            value = figures.get(figure)
+        ok = None if value is None else (value >= bound if at_least else value <= bound)
+        out.append(
+            {"target": what, "layout": layout, "value": value, "bound": bound,
+             "at_least": at_least, "ok": ok}
+        )  # fmt: skip
+    return out
+
+
+def build_report(
+    cfg: BenchConfig,
+    by_layout: Mapping[str, Mapping[str, SagaPhaseResult]],
+    directs: Mapping[str, DirectResult],
+    log_bound: LogResult | None,
+    started: float,
+    load_before: tuple[float, float, float],
+) -> dict[str, Any]:
+    """The report: the first layout's figures at the top level (as with one layout),
+    every layout's under ``layouts``, then the log bound and the run's parameters."""
+    layouts = {
+        name: layout_figures(cfg, name, phases, directs.get(name), log_bound)
+        for name, phases in by_layout.items()
+    }
+    first: dict[str, Any] = next(iter(layouts.values()), {"phases": {}})
+    return {
+        **first,
+        "layouts": layouts,
+        "targets": targets(layouts),
         "log_bound": log_bound.as_json() if log_bound else None,
         "parameters": {
             "phases": list(cfg.phases),
+            "layouts": {layout.name: layout.spec for layout in cfg.layouts},
             "prefix": cfg.kafka.prefix,
             "warmup_s": cfg.warmup,
             "duration_s": cfg.duration,
@@ -135,6 +219,7 @@ def build_report(
             "saga_timeout_s": cfg.saga_timeout,
             "steps_per_saga": len(PARTICIPANTS),
             "signing": cfg.signing,
+            "profile": None if cfg.profile is None else str(cfg.profile),
         },
         "machine": {
             "cores": os.cpu_count(),
@@ -158,6 +243,14 @@ def _ms(v: float | None) -> str:
 
 def _num(v: float | None, unit: str = "") -> str:
     return "n/a" if v is None else f"{v:,.1f}{unit}"
+
+
+def _ms2(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:.2f}"
+
+
+def _ratio_text(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:.3f}"
 
 
 def print_phase(console: Console, r: SagaPhaseResult) -> None:
@@ -192,12 +285,47 @@ def _cpu_cell(r: Mapping[str, Any], name: str) -> str:
 
 
 def print_summary(console: Console, report: Mapping[str, Any]) -> None:
-    """The figures of every phase (one column each), then the baselines and the ratios.
+    """Per layout the figures of every phase (one column each); with several layouts
+    their headline figures side by side; then the baselines and the ratios.
 
     Kept within 80 columns, so that it reads in a plain terminal and in a log file.
     """
-    phases: Mapping[str, Any] = report["phases"]
-    table = Table(title="saga bench: the measured window of each phase")
+    layouts: Mapping[str, Any] = report.get("layouts") or {"": report}
+    for name, figures in layouts.items():
+        title = "saga bench: the measured window of each phase"
+        _print_phases(console, f"{title} ({name})" if len(layouts) > 1 else title, figures)
+    if len(layouts) > 1:
+        _print_side_by_side(console, layouts)
+    _print_baselines(console, report, layouts)
+    _print_targets(console, report.get("targets") or [])
+
+
+def _print_targets(console: Console, checks: list[Mapping[str, Any]]) -> None:
+    """Issue #14's must-holds that this run measured, each with ok / NO."""
+    if not checks:
+        return
+    table = Table(title="issue #14 must-holds (this run)")
+    table.add_column("target")
+    table.add_column("value", justify="right")
+    table.add_column("bound", justify="right")
+    table.add_column("", justify="center")
+    for c in checks:
+        value, bound = c["value"], c["bound"]
+        verdict = "n/a" if c["ok"] is None else ("ok" if c["ok"] else "[red]NO[/]")
+        table.add_row(
+            c["target"],
+            "n/a" if value is None else f"{value:,.3g}" if value < 10 else f"{value:,.0f}",
+            f"{'>=' if c['at_least'] else '<='} {bound:g}",
+            verdict,
+        )
+    console.print(table)
+
+
+def _print_phases(console: Console, title: str, figures: Mapping[str, Any]) -> None:
+    phases: Mapping[str, Any] = figures["phases"]
+    if not phases:
+        return
+    table = Table(title=title)
     table.add_column("figure")
     for name in phases:
         table.add_column(name, justify="right")
@@ -240,14 +368,82 @@ def print_summary(console: Console, report: Mapping[str, Any]) -> None:
             for r in phases.values()
         ),
     )
-    if phases:
-        console.print(table)
+    console.print(table)
 
+
+def _print_side_by_side(console: Console, layouts: Mapping[str, Any]) -> None:
+    """The issue's figures of each layout in one column each (the main phase's CPU)."""
+    table = Table(title="layouts side by side")
+    table.add_column("figure")
+    for name in layouts:
+        table.add_column(name, justify="right")
+    stores = [(p, [str(f["stores"].get(p, "?")) for f in layouts.values()]) for p in PARTICIPANTS]
+    for p, cells in stores:
+        table.add_row(f"{p} on", *cells)
+
+    def phase(f: Mapping[str, Any], name: str) -> Mapping[str, Any] | None:
+        found: Mapping[str, Any] | None = f["phases"].get(name)
+        return found
+
+    def rate(name: str) -> Callable[[Mapping[str, Any]], str]:
+        return lambda f: "n/a" if (r := phase(f, name)) is None else f"{r['sagas_per_s']:,.1f}"
+
+    def latency(q: str) -> Callable[[Mapping[str, Any]], str]:
+        def cell(f: Mapping[str, Any]) -> str:
+            r = phase(f, "latency")
+            return "n/a" if r is None else _ms(r["decision_latency_ms"].get(q))
+
+        return cell
+
+    def shed(f: Mapping[str, Any]) -> str:
+        r = phase(f, "latency")
+        return "n/a" if r is None else f"{r['shed']:,} of {r['sent_in_window'] + r['shed']:,}"
+
+    rows: list[tuple[str, Callable[[Mapping[str, Any]], str]]] = [
+        ("[bold]main sagas/s[/]", rate("main")),
+        ("rollback sagas/s", rate("rollback")),
+        ("rollback / main", lambda f: _ratio_text(f["rollback_ratio"])),
+        ("open loop: decision p50", latency("p50")),
+        ("open loop: decision p99", latency("p99")),
+        ("open loop: shed", shed),
+        ("direct-write sagas/s", lambda f: _num(f["direct_write_sagas_per_s"])),
+        ("main / direct writes", lambda f: _ratio_text(f["direct_write_ratio"])),
+        ("main / log bound", lambda f: _ratio_text(f["log_bound_ratio"])),
+    ]
+    for label, get in rows:
+        table.add_row(label, *(get(f) for f in layouts.values()))
+    table.add_section()
+    table.add_row("[bold]CPU ms/saga, main[/]", *("" for _ in layouts))
+    roles: list[str] = []
+    for f in layouts.values():
+        roles += [n for n in f.get("cpu_ms_per_saga_by_role") or {} if n not in roles]
+    for n in roles:
+        table.add_row(
+            f"  {n}",
+            *(_ms2((f.get("cpu_ms_per_saga_by_role") or {}).get(n)) for f in layouts.values()),
+        )
+    table.add_row(
+        "  [bold]total[/]",
+        *(f"[bold]{_ms2(f.get('cpu_ms_per_saga_total'))}[/]" for f in layouts.values()),
+    )
+    console.print(table)
+
+
+def _print_baselines(
+    console: Console, report: Mapping[str, Any], layouts: Mapping[str, Any]
+) -> None:
+    """The direct writes of each layout, the log bound, and (with one layout) the ratios
+    (with several, the ratios are in the side-by-side table)."""
     base = Table(title="baselines and ratios")
     base.add_column("figure")
     base.add_column("value", justify="right")
-    direct = report.get("direct_write")
-    if direct:
+    several = len(layouts) > 1
+    for name, figures in layouts.items():
+        direct = figures.get("direct_write")
+        if not direct:
+            continue
+        if several:
+            base.add_row(f"[bold]direct writes, layout {name}[/]", "")
         for store, rate in direct["writes_per_s"].items():
             base.add_row(
                 f"direct writes {store} (batches of {direct['batch']})", f"{rate:,.0f} writes/s"
@@ -258,6 +454,8 @@ def print_summary(console: Console, report: Mapping[str, Any]) -> None:
         )
         for n, v in direct["cpu_s_per_saga"].items():
             base.add_row(f"  CPU ms/saga {n}", "n/a" if v is None else f"{1000 * v:.3f}")
+        if several:
+            base.add_section()
     log_bound = report.get("log_bound")
     if log_bound:
         base.add_row(
@@ -269,20 +467,34 @@ def print_summary(console: Console, report: Mapping[str, Any]) -> None:
             f"{log_bound['records_per_saga']:g}",
         )
         base.add_row("[bold]log-bound sagas/s[/]", f"[bold]{log_bound['sagas_per_s']:,.0f}[/]")
-    signing = report.get("signing") or {}
-    if signing.get("throughput_ratio") is not None:
-        rates, totals = signing["sagas_per_s"], signing["cpu_ms_per_saga_total"]
-        base.add_row("sagas/s unsigned / signed", f"{rates['off']:,.1f} / {rates['on']:,.1f}")
-        base.add_row("CPU ms/saga unsigned / signed", f"{totals['off']:.2f} / {totals['on']:.2f}")
-        base.add_row(
-            "[bold]signed / unsigned sagas/s[/]", f"[bold]{signing['throughput_ratio']:.3f}[/]"
-        )
-    base.add_row("sagas/s (main)", _num(report["sagas_per_s"]))
-    base.add_row("rollback sagas/s", _num(report["rollback_sagas_per_s"]))
-    for label, key in (
-        ("rollback / main", "rollback_ratio"),
-        ("main / direct writes", "direct_write_ratio"),
-        ("main / log bound", "log_bound_ratio"),
-    ):
-        base.add_row(label, "n/a" if report[key] is None else f"{report[key]:.3f}")
+    for name, figures in layouts.items():
+        tag = f" ({name})" if several else ""
+        signing = figures.get("signing") or {}
+        if signing.get("throughput_ratio") is not None:
+            rates, totals = signing["sagas_per_s"], signing["cpu_ms_per_saga_total"]
+            base.add_row(
+                f"sagas/s unsigned / signed{tag}", f"{rates['off']:,.1f} / {rates['on']:,.1f}"
+            )
+            base.add_row(
+                f"CPU ms/saga unsigned / signed{tag}", f"{totals['off']:.2f} / {totals['on']:.2f}"
+            )
+            base.add_row(
+                f"[bold]signed / unsigned sagas/s[/]{tag}",
+                f"[bold]{signing['throughput_ratio']:.3f}[/]",
+            )
+    if not several:
+        figures = next(iter(layouts.values()))
+        base.add_row("sagas/s (main)", _num(figures["sagas_per_s"]))
+        base.add_row("rollback sagas/s", _num(figures["rollback_sagas_per_s"]))
+        for label, key in (
+            ("rollback / main", "rollback_ratio"),
+            ("main / direct writes", "direct_write_ratio"),
+            ("main / log bound", "log_bound_ratio"),
+        ):
+            base.add_row(label, _ratio_text(figures[key]))
     console.print(base)
+    for name, figures in layouts.items():
+        profile = figures.get("profile")
+        if profile:
+            where = profile.get("summary", profile.get("folder"))
+            console.print(f"profile{f' ({name})' if several else ''}: {where}")

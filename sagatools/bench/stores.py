@@ -1,8 +1,10 @@
 """The bench's data in the three stores: checks, preparation, totals and clean-up.
 
-Accounts live in PostgreSQL (``<schema>.accounts``), the MongoDB-wire server
-(database ``<schema>``, collection ``wallets``) and Redis (hashes
-``<schema>:points:<account>``).
+Each participant's records live in the store the layout gives it: a table
+``<schema>.<target>`` (``id``, the field) in PostgreSQL, a collection ``<target>``
+of database ``<schema>`` in the MongoDB-wire server, hashes
+``<schema>:<target>:<account>`` in Redis; targets are ``accounts`` (bank),
+``wallets`` (wallet) and ``points`` (rewards).
 """
 
 from __future__ import annotations
@@ -14,7 +16,16 @@ from typing import Any
 import sqlalchemy as sa
 from rich.console import Console
 
-from sagatools.bench.config import OPENING_BALANCE, TARGET_OF, BenchConfig, account
+from sagatools.bench.config import (
+    FIELD_OF,
+    OPENING_BALANCE,
+    PARTICIPANTS,
+    STORES,
+    TARGET_OF,
+    BenchConfig,
+    Layout,
+    account,
+)
 from streams import TransientError
 
 
@@ -82,28 +93,43 @@ def _store(cfg: BenchConfig, which: str) -> Iterator[Any]:
             handle.dispose() if which == "postgres" else handle.close()
 
 
-def prepare_data(cfg: BenchConfig) -> None:
-    """Fresh accounts in the three stores (and no ledgers): the schema, database and keys."""
+def opening(participant: str) -> int:
+    """Each record's opening value: the bank is debited, the others credited from 0."""
+    return OPENING_BALANCE if participant == "bank" else 0
+
+
+def prepare_data(cfg: BenchConfig, layout: Layout) -> None:
+    """Fresh records for every participant in the store ``layout`` gives it (no ledgers).
+
+    Whatever the layout, the PostgreSQL schema, the MongoDB database and the Redis
+    keys under the schema name are dropped first, so nothing of an earlier phase stays.
+    """
+    on = {store: [p for p in PARTICIPANTS if layout.stores[p] == store] for store in STORES}
     with _store(cfg, "postgres") as engine, engine.begin() as conn:
         conn.execute(sa.schema.DropSchema(cfg.schema, cascade=True, if_exists=True))
         conn.execute(sa.schema.CreateSchema(cfg.schema))
-        table = accounts_table(cfg.schema)
-        table.create(conn)
-        conn.execute(
-            table.insert(),
-            [{"id": account(i), "balance": OPENING_BALANCE} for i in range(cfg.accounts)],
-        )
+        for participant in on["postgres"]:
+            table = target_table(cfg.schema, participant)
+            table.create(conn)
+            value, field = opening(participant), FIELD_OF[participant]
+            conn.execute(
+                table.insert(), [{"id": account(i), field: value} for i in range(cfg.accounts)]
+            )
     with _store(cfg, "mongo") as mongo:
         mongo.drop_database(cfg.schema)
-        wallets = mongo[cfg.schema][TARGET_OF["wallet"]]
-        for start in range(0, cfg.accounts, 5000):
-            end = min(cfg.accounts, start + 5000)
-            wallets.insert_many([{"_id": account(i), "balance": 0} for i in range(start, end)])
+        for participant in on["ferretdb"]:
+            docs = mongo[cfg.schema][TARGET_OF[participant]]
+            value, field = opening(participant), FIELD_OF[participant]
+            for start in range(0, cfg.accounts, 5000):
+                end = min(cfg.accounts, start + 5000)
+                docs.insert_many([{"_id": account(i), field: value} for i in range(start, end)])
     with _store(cfg, "redis") as r:
         _drop_redis(r, cfg.schema)
         with r.pipeline(transaction=False) as pipe:
-            for i in range(cfg.accounts):
-                pipe.hset(points_key(cfg.schema, account(i)), "points", 0)
+            for participant in on["redis"]:
+                value, field = opening(participant), FIELD_OF[participant]
+                for i in range(cfg.accounts):
+                    pipe.hset(redis_key(cfg.schema, participant, account(i)), field, value)
             pipe.execute()
 
 
@@ -117,8 +143,9 @@ def drop_data(cfg: BenchConfig) -> None:
         _drop_redis(r, cfg.schema)
 
 
-def points_key(schema: str, key: str) -> str:
-    return f"{schema}:{TARGET_OF['rewards']}:{key}"
+def redis_key(schema: str, participant: str, key: str) -> str:
+    """The hash of ``participant``'s record ``key`` (the Redis participant's key layout)."""
+    return f"{schema}:{TARGET_OF[participant]}:{key}"
 
 
 def _drop_redis(r: Any, prefix: str) -> None:
@@ -132,29 +159,34 @@ def _drop_redis(r: Any, prefix: str) -> None:
         r.unlink(*batch)
 
 
-def accounts_table(schema: str) -> sa.Table:
+def target_table(schema: str, participant: str) -> sa.Table:
+    """``participant``'s table on PostgreSQL: ``id`` and its one numeric field."""
     return sa.Table(
-        TARGET_OF["bank"],
+        TARGET_OF[participant],
         sa.MetaData(schema=schema),
         sa.Column("id", sa.Text, primary_key=True),
-        sa.Column("balance", sa.BigInteger, nullable=False),
+        sa.Column(FIELD_OF[participant], sa.BigInteger, nullable=False),
     )
 
 
-def store_totals(cfg: BenchConfig) -> dict[str, int]:
-    """Money moved per store: debited from PostgreSQL, credited to MongoDB and Redis."""
-    table = accounts_table(cfg.schema)
-    with _store(cfg, "postgres") as engine, engine.connect() as conn:
-        left = conn.execute(sa.select(sa.func.sum(table.c.balance))).scalar()
-    with _store(cfg, "mongo") as mongo:
-        docs = mongo[cfg.schema][TARGET_OF["wallet"]].find({}, {"balance": 1})
-        wallets = sum(int(d.get("balance", 0)) for d in docs)
-    with _store(cfg, "redis") as r, r.pipeline(transaction=False) as pipe:
-        for i in range(cfg.accounts):
-            pipe.hget(points_key(cfg.schema, account(i)), "points")
-        points = sum(int(v or 0) for v in pipe.execute())
-    return {
-        "bank": cfg.accounts * OPENING_BALANCE - int(left or 0),
-        "wallet": wallets,
-        "rewards": points,
-    }
+def store_totals(cfg: BenchConfig, layout: Layout) -> dict[str, int]:
+    """Money moved per participant: debited from the bank, credited to the others."""
+    totals: dict[str, int] = {}
+    for participant in PARTICIPANTS:
+        store, field = layout.stores[participant], FIELD_OF[participant]
+        if store == "postgres":
+            table = target_table(cfg.schema, participant)
+            with _store(cfg, "postgres") as engine, engine.connect() as conn:
+                total = int(conn.execute(sa.select(sa.func.sum(table.c[field]))).scalar() or 0)
+        elif store == "ferretdb":
+            with _store(cfg, "mongo") as mongo:
+                docs = mongo[cfg.schema][TARGET_OF[participant]].find({}, {field: 1})
+                total = sum(int(d.get(field, 0)) for d in docs)
+        else:
+            with _store(cfg, "redis") as r, r.pipeline(transaction=False) as pipe:
+                for i in range(cfg.accounts):
+                    pipe.hget(redis_key(cfg.schema, participant, account(i)), field)
+                total = sum(int(v or 0) for v in pipe.execute())
+        opened = cfg.accounts * opening(participant)
+        totals[participant] = opened - total if participant == "bank" else total - opened
+    return totals

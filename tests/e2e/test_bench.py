@@ -85,3 +85,36 @@ def test_bench_tiny_profile_writes_a_complete_report(
     assert data["machine"]["cores"] >= 1
     assert data["parameters"]["rollback_fail_share"] == 0.2
     assert set(data["git"]) == {"commit", "dirty"}
+
+
+def test_bench_wallet_on_postgres_runs_two_sql_participants_on_one_database(
+    services: Services, topic_prefix: str, tmp_path: Path
+) -> None:
+    """``--layout pg-wallet``: bank and wallet both on PostgreSQL (one schema, one ledger
+    table), every saga finishes and each store moved exactly the committed money."""
+    report = tmp_path / "bench.json"
+    command = [
+        *(sys.executable, "-m", "coordinator", "bench", *TINY),
+        *("--layout", "pg-wallet", "--phases", "main,rollback"),
+        *("--bootstrap", services.kafka_bootstrap, "--prefix", topic_prefix),
+        *("--schema", topic_prefix, "--report", str(report), "--logs", str(tmp_path / "logs")),
+        *("--postgres-url", services.postgres_url, "--mongo-url", services.mongo_url),
+        *("--redis-url", services.redis_url),
+    ]
+    env = {**os.environ, "COLUMNS": "200"}
+    done = subprocess.run(
+        command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=200, check=False
+    )
+    output = done.stdout[-4000:] + done.stderr[-4000:]
+    assert done.returncode == 0, output
+
+    data = json.loads(report.read_text())
+    figures = data["layouts"]["pg-wallet"]
+    assert figures["stores"] == {"bank": "postgres", "wallet": "postgres", "rewards": "redis"}
+    assert {"bank#0 (sql)", "wallet#0 (sql)", "rewards#0 (redis)"} <= set(data["cpu_s_per_saga"])
+    assert figures["cpu_ms_per_saga_total"] > 0
+    for name, phase in figures["phases"].items():
+        assert phase["completed_in_window"] > 0, (name, phase)
+        assert phase["unfinished"] == phase["failed"] == phase["unexpected_rollbacks"] == 0, phase
+        assert phase["stores_agree"] is True, (name, phase["store_totals"])
+    assert figures["phases"]["rollback"]["rolled_back_in_window"] > 0
