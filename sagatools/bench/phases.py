@@ -33,6 +33,7 @@ from sagatools.bench.stores import prepare_data, store_totals
 from sagatools.bench.workload import Workload
 from streams import TransientError, encode
 from streams._lifecycle import wall_clock_ms
+from streams._routing import request_headers
 from streams._signing import (
     CLIENT as CLIENT_PRINCIPAL,
 )
@@ -223,10 +224,11 @@ class SagaPhase:
             self.tracker.doomed.add(tx)
         value = encode(request)
         topic = self.topics.requests
+        route = request_headers(request)  # as SagaClient writes them
         if self.keys is not None:
-            self.producer.produce(topic, tx, value, headers=self.keys.sign(topic, tx, value))
+            self.producer.produce(topic, tx, value, headers=self.keys.sign(topic, tx, value, route))
         else:
-            self.producer.produce(topic, tx, value)
+            self.producer.produce(topic, tx, value, headers=route)
 
     def _authentic(self, m: Any) -> bool:
         assert self.keys is not None
