@@ -1,0 +1,146 @@
+"""The coordinator's transactional producer, and how a failed transaction is ridden through.
+
+A batch's transaction can fail in four ways after a Kafka broker fails over (all
+seen on the three-broker chaos profile); none of them needs the process to exit:
+
+* **abortable** (:class:`~streams.kafka.TransactionAborted`, incl. librdkafka's
+  KIP-360 epoch bump after ``INVALID_PRODUCER_EPOCH``): abort, rewind the
+  consumer to the batch's first records, process them again;
+* **transient before the commit** (``begin``/``produce``/``send_offsets`` timed
+  out, e.g. ``AddOffsetsToTxn`` while the transaction coordinator moves): the
+  commit was never asked for, so the transaction cannot have committed: abort,
+  rewind, process again. If the abort fails too, reset (below);
+* **fatal** (e.g. ``INVALID_TXN_STATE`` ending a transaction the new transaction
+  coordinator had already aborted), **or a commit whose outcome is unknown** (it
+  timed out): reset;
+* **fenced** (``FatalKafkaError.fenced``): librdkafka folds a broker-side epoch
+  bump (the broker aborted the transaction, e.g. across a transaction coordinator
+  failover) and a real fence (a newer instance initialised the same
+  ``transactional.id``) into one error code, so the consumer group is asked: a
+  newer instance also takes over the static group membership (same
+  ``group.instance.id``), which Kafka reports to this consumer as a fatal error
+  within a heartbeat. If it does within :data:`FENCE_CHECK_S`, this instance is
+  the zombie and stops (raises): zombie fencing is what keeps exactly-once.
+  Otherwise, reset.
+
+**Reset** is a restart inside the process, keeping the group membership: a new
+producer with the same ``transactional.id`` (``init`` bumps the epoch, which
+fences the old producer, and makes the broker finish whatever the old one left:
+a commit it had written completes, anything else aborts), then the owned
+partitions' state is rebuilt from the status topic and the consumer is moved to
+the group's committed offsets, exactly as after a restart. Kafka alone says
+whether the failed batch committed: nothing in memory is trusted for it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Final
+
+from streams import FatalKafkaError, SagaError, TransientError
+from streams.kafka import TransactionAborted
+from streams.log import LogConsumer, LogTransactionalProducer
+
+log = logging.getLogger("saga.coordinator")
+
+FENCE_CHECK_S: Final = 3.0
+"""How long a fenced producer's consumer is polled (paused) for a fatal "replaced by a newer
+member" error: three heartbeats at the default 6 s session (heartbeat a sixth of it)."""
+_INIT_WITHIN_S: Final = 60.0
+"""How long a new producer keeps retrying ``init`` (a leader election takes seconds)."""
+
+
+class Transactions:
+    """Owns the coordinator's transactional producer and replaces it when it cannot go on.
+
+    ``make_producer`` makes a producer with the instance's ``transactional.id``;
+    ``reload`` rebuilds the owned partitions' state from Kafka and moves the consumer
+    to the committed offsets (CoordinatorService._reload); ``rewind`` moves it back
+    to the failed batch's first records.
+    """
+
+    def __init__(
+        self,
+        make_producer: Callable[[], LogTransactionalProducer],
+        consumer: LogConsumer,
+        reload: Callable[[], None],
+    ) -> None:
+        self._make_producer = make_producer
+        self._consumer = consumer
+        self._reload = reload
+        self.producer = make_producer()
+        self.resets = 0
+
+    def init(self) -> None:
+        """Initialise the current producer, retrying transient errors for up to a minute."""
+        deadline = time.monotonic() + _INIT_WITHIN_S
+        delay = 0.25
+        while True:
+            try:
+                self.producer.init()
+                return
+            except TransientError as exc:
+                if time.monotonic() + delay >= deadline:
+                    raise
+                log.warning("initialising Kafka transactions: %s; retrying", exc)
+                time.sleep(delay)
+                delay = min(delay * 2, 2.0)
+
+    def failed(self, error: SagaError, rewind: Callable[[], None], *, committing: bool) -> None:
+        """Leave the service ready for its next batch after its transaction raised ``error``.
+
+        ``committing``: ``error`` came from the commit itself (its outcome is unknown
+        unless the error is :class:`TransactionAborted`). See the module docstring.
+
+        Raises:
+            FatalKafkaError: a newer instance replaced this one (a real fence), or the
+                reset could not bring up a new producer or consumer state.
+        """
+        known_aborted = isinstance(error, TransactionAborted) or (
+            isinstance(error, TransientError) and not committing
+        )
+        if known_aborted:
+            try:
+                self.producer.abort()
+            except SagaError as exc:
+                log.warning("aborting the failed transaction failed too (%s); resetting", exc)
+                error = exc
+            else:
+                rewind()
+                return
+        if isinstance(error, FatalKafkaError) and error.fenced and self._replaced():
+            raise error
+        self._reset(error)
+
+    def _replaced(self) -> bool:
+        """Whether a newer instance took this one's group membership (it is a zombie).
+
+        Polls the consumer with every partition paused: records a rebalance brings in
+        meanwhile are dropped here and read again after the reset's seek.
+        """
+        deadline = time.monotonic() + FENCE_CHECK_S
+        try:
+            self._consumer.pause_all()
+            while True:
+                self._consumer.poll_batch(100, max(min(0.5, deadline - time.monotonic()), 0.0))
+                if time.monotonic() >= deadline:
+                    break
+            self._consumer.resume_all()
+        except FatalKafkaError as exc:
+            log.error("a newer instance replaced this one in the group: %s", exc)
+            return True
+        return False
+
+    def _reset(self, cause: SagaError) -> None:
+        log.warning(
+            "the transactional producer cannot go on (%s): making a new one and reloading "
+            "the owned partitions from Kafka, as a restart would",
+            cause,
+        )
+        self.resets += 1
+        self.producer.close(1.0)
+        self.producer = self._make_producer()
+        self.init()
+        self._reload()
