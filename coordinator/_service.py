@@ -567,7 +567,7 @@ class CoordinatorService(Stoppable):
             committing = True
             self._producer.commit()
         except (TransientError, FatalKafkaError) as exc:  # TransactionAborted is transient
-            log.warning("transaction failed, re-processing the batch: %s", exc)
+            log.warning("the batch's transaction failed: %s", exc)
             self.stats.aborted_transactions += 1
             self._txns.failed(exc, lambda: self._rewind(messages), committing=committing)
             changed.clear()

@@ -110,8 +110,15 @@ class Transactions:
             else:
                 rewind()
                 return
-        if isinstance(error, FatalKafkaError) and error.fenced and self._replaced():
-            raise error
+        if isinstance(error, FatalKafkaError) and error.fenced:
+            if self._replaced():
+                raise error
+            error = FatalKafkaError(
+                "the broker refused the transactional producer's epoch, but no newer instance "
+                f"took this one's place in the group within {FENCE_CHECK_S:g}s: the epoch was "
+                "bumped by the broker (a transaction it aborted itself), not by a newer instance",
+                fenced=True,
+            )
         self._reset(error)
 
     def _replaced(self) -> bool:

@@ -59,7 +59,7 @@ def _error_of(exc: ck.KafkaException) -> ck.KafkaError | None:
 def _fenced_sentence(transactional_id: str) -> str:
     return (
         f"this process's transactional producer ({transactional_id!r}) was fenced by a "
-        "newer instance with the same transactional.id; exiting"
+        "newer instance with the same transactional.id"
     )
 
 

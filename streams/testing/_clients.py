@@ -354,7 +354,7 @@ class InMemoryTransactionalProducer(InMemoryProducer):
         if self._fenced:
             raise FatalKafkaError(
                 f"this process's transactional producer ({self.transactional_id!r}) was fenced "
-                "by a newer instance with the same transactional.id; exiting",
+                "by a newer instance with the same transactional.id",
                 fenced=True,
             )
         if self._fatal is not None:
