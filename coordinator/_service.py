@@ -57,7 +57,6 @@ from streams._lifecycle import Clock, Stoppable, wall_clock_ms
 from streams._signed_log import signing
 from streams._signing import CLIENT, COORDINATOR, OPERATOR, Keyring, allowed_signers
 from streams.kafka import (
-    OFFSET_BEGINNING,
     KafkaSettings,
     Message,
     partition_for,
@@ -288,17 +287,14 @@ class CoordinatorService(Stoppable):
             log.warning("could not wait for the partitions' previous owner: %s", exc)
 
     def _reload(self) -> None:
-        """Rebuild the owned partitions from Kafka and read on from the committed offsets.
+        """Rebuild the owned partitions' state from the status topic, as a restart does.
 
-        What a restart does, without leaving the group: after a transaction whose
-        outcome only Kafka knows (coordinator._txn).
+        After a transaction whose outcome only Kafka knows (coordinator._txn, which
+        then moves the consumer to the committed offsets).
         """
         owned = sorted(self._partitions)
         self._partitions.clear()
         self._on_assign([(self.topics.requests, p) for p in owned])
-        assigned = self._consumer.assignment()
-        for (topic, p), offset in self._consumer.committed(assigned, timeout=60).items():
-            self._consumer.seek(topic, p, OFFSET_BEGINNING if offset is None else offset)
 
     def _on_revoke(self, partitions: list[tuple[str, int]]) -> None:
         for t, p in partitions:

@@ -40,7 +40,7 @@ from collections.abc import Callable
 from typing import Final
 
 from streams import FatalKafkaError, SagaError, TransientError
-from streams.kafka import TransactionAborted
+from streams.kafka import OFFSET_BEGINNING, TransactionAborted
 from streams.log import LogConsumer, LogTransactionalProducer
 
 log = logging.getLogger("saga.coordinator")
@@ -56,9 +56,9 @@ class Transactions:
     """Owns the coordinator's transactional producer and replaces it when it cannot go on.
 
     ``make_producer`` makes a producer with the instance's ``transactional.id``;
-    ``reload`` rebuilds the owned partitions' state from Kafka and moves the consumer
-    to the committed offsets (CoordinatorService._reload); ``rewind`` moves it back
-    to the failed batch's first records.
+    ``reload`` rebuilds the owned partitions' state from the status topic
+    (CoordinatorService._reload); a reset then moves ``consumer`` to the group's
+    committed offsets.
     """
 
     def __init__(
@@ -151,3 +151,27 @@ class Transactions:
         self.producer = self._make_producer()
         self.init()
         self._reload()
+        self._seek_committed()
+
+    def _seek_committed(self) -> None:
+        """Read on from the group's committed offsets: what Kafka says the log holds.
+
+        Retried for up to a minute: the group coordinator may be moving too. Never
+        skipped: read on from where the failed batch left, the consumer would lose
+        its records if the transaction did not commit.
+        """
+        deadline = time.monotonic() + _INIT_WITHIN_S
+        delay = 0.25
+        while True:
+            try:
+                assigned = self._consumer.assignment()
+                committed = self._consumer.committed(assigned, timeout=30)
+                for (topic, p), offset in committed.items():
+                    self._consumer.seek(topic, p, OFFSET_BEGINNING if offset is None else offset)
+                return
+            except TransientError as exc:
+                if time.monotonic() + delay >= deadline:
+                    raise
+                log.warning("reading the committed offsets: %s; retrying", exc)
+                time.sleep(delay)
+                delay = min(delay * 2, 2.0)
