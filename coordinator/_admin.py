@@ -33,6 +33,7 @@ from coordinator._admin_dlq import (
     dead_letters,
     redrive,
 )
+from coordinator._reading import read_to
 from coordinator._restore import _read, standing_status
 from streams import (
     RECORD_TYPES,
@@ -135,7 +136,7 @@ def history(
     found: list[Message] = []
     try:
         partition = partition_for(key, reader.list_partitions(topics.requests, timeout))
-        ends: dict[str, int] = {}
+        ends: dict[tuple[str, int], int] = {}
         start: list[tuple[str, int, int]] = []
         for topic in topics.all:
             try:
@@ -143,36 +144,16 @@ def history(
             except ConfigurationError:
                 continue  # no such topic (a deployment without a DLQ), or no right to read it
             if high > low:
-                ends[topic] = high
+                ends[(topic, partition)] = high
                 start.append((topic, partition, low))
         if start:
             reader.assign(start)
-        found = _read_to(reader, ends, partition, timeout, key)
+        found = read_to(reader, ends, timeout, key)
     finally:
         reader.close()
     entries = [_entry(m, topics.dlq, keys) for m in found]
     entries.sort(key=lambda e: (e.timestamp_ms or 0, order.get(e.topic, 99), e.offset))
     return entries
-
-
-def _read_to(
-    reader: Any, ends: dict[str, int], partition: int, timeout: float, key: bytes | None
-) -> list[Message]:
-    """Poll ``reader`` until each topic's position reaches ``ends``; keep records keyed ``key``."""
-    found: list[Message] = []
-    todo = set(ends)
-    deadline = time.monotonic() + timeout
-    while todo and time.monotonic() < deadline:
-        for m in reader.poll_batch(2000, 0.2):
-            if key is None or m.key == key:
-                found.append(m)
-            if m.offset + 1 >= ends.get(m.topic, 0):
-                todo.discard(m.topic)
-        # Transaction markers occupy offsets too: the position tells when we are done.
-        for (topic, _), pos in reader.position([(t, partition) for t in todo]).items():
-            if pos is not None and pos >= ends[topic]:
-                todo.discard(topic)
-    return found
 
 
 def _signer(m: Message, keys: Keyring | None) -> str | None:
@@ -418,7 +399,7 @@ def standing(
         if high <= low:
             return None
         reader.assign([(topic, partition, low)])
-        records = _read_to(reader, {topic: high}, partition, timeout, key)
+        records = read_to(reader, {(topic, partition): high}, timeout, key)
     finally:
         reader.close()
     return standing_status(records, keys, lambda _m, _why: None)[1]

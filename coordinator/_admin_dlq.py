@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from coordinator._reading import read_to
 from streams import ConfigurationError
 from streams._signing import HEADER_SIGNATURE
 from streams.kafka import KafkaLog, KafkaSettings, Message
@@ -132,25 +133,16 @@ def dead_letters(
     reader = log.consumer(None, client_id="saga.admin.dlq")
     found: list[Message] = []
     try:
-        ends: dict[int, int] = {}
+        ends: dict[tuple[str, int], int] = {}
         start: list[tuple[str, int, int]] = []
         for p in range(reader.list_partitions(topic, timeout)):
             low, high = reader.watermarks(topic, p, timeout)
             if high > low:
-                ends[p] = high
+                ends[(topic, p)] = high
                 start.append((topic, p, low))
         if start:
             reader.assign(start)
-        todo = set(ends)
-        deadline = time.monotonic() + timeout
-        while todo and time.monotonic() < deadline:
-            for m in reader.poll_batch(2000, 0.2):
-                found.append(m)
-                if m.offset + 1 >= ends.get(m.partition, 0):
-                    todo.discard(m.partition)
-            for (_, p), pos in reader.position([(topic, p) for p in todo]).items():
-                if pos is not None and pos >= ends[p]:
-                    todo.discard(p)
+        found = read_to(reader, ends, timeout)
     finally:
         reader.close()
     prefix = log.settings.topics.prefix

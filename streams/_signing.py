@@ -57,12 +57,11 @@ from nacl.signing import SigningKey, VerifyKey
 
 from streams._errors import ConfigurationError
 from streams._records import (
-    Decision,
     ParticipantAnnouncement,
+    Record,
     SagaAbort,
     SagaRequest,
     SagaResolve,
-    SagaStatus,
     StepEvent,
     StepStatus,
 )
@@ -79,16 +78,6 @@ COORDINATOR: Final = "coordinator"
 CLIENT: Final = "client"
 OPERATOR: Final = "operator"
 PARTICIPANT_PREFIX: Final = "participant-"
-
-Record = (
-    SagaRequest
-    | SagaAbort
-    | SagaResolve
-    | StepEvent
-    | Decision
-    | SagaStatus
-    | ParticipantAnnouncement
-)
 
 
 def participant_principal(name: str) -> str:

@@ -156,6 +156,16 @@ class SagaSystem:
     def delete_topics(self) -> None:
         delete_topics(self.settings, list(self.settings.topics.all))
 
+    @contextmanager
+    def opened(self) -> Iterator[SagaSystem]:
+        """Its topics created; every process stopped and the topics deleted after."""
+        self.create_topics()
+        try:
+            yield self
+        finally:
+            self.stop_all()
+            self.delete_topics()
+
     def start(self, name: str, args: Sequence[str], faults: str | None = None) -> Proc:
         """Start ``saga <args>``; a ``--url`` goes through SAGA_STORAGE_URL (not ``ps``)."""
         flags = ["-v"] * self.verbose
@@ -341,3 +351,49 @@ def bank_schema(engine: sa.Engine, schema: str) -> None:
 
 def engine_for(services: Services) -> sa.Engine:
     return sa.create_engine(sqlalchemy_url(services.postgres_url), pool_pre_ping=True)
+
+
+def balances(system: SagaSystem) -> dict[str, int]:
+    """Every account's balance in the system's schema."""
+    engine = engine_for(system.services)
+    try:
+        with engine.connect() as conn:
+            rows = conn.execute(sa.text(f'SELECT id, balance FROM "{system.schema}".accounts'))
+            return {r[0]: int(r[1]) for r in rows}
+    finally:
+        engine.dispose()
+
+
+@contextmanager
+def bank_system(
+    services: Services,
+    pg_schema: tuple[str, str],
+    tmp: Path,
+    accounts: dict[str, int],
+    *,
+    partitions: int = 4,
+) -> Iterator[SagaSystem]:
+    """A SagaSystem in ``pg_schema``'s schema with the transfer tables and ``accounts``
+    (id: balance) in them, its topics created; every process stopped and the topics
+    deleted after."""
+    _, schema = pg_schema
+    engine = engine_for(services)
+    try:
+        bank_schema(engine, schema)
+        with engine.begin() as conn:
+            conn.execute(
+                sa.text(f'INSERT INTO "{schema}".accounts VALUES (:i, :b)'),
+                [{"i": i, "b": b} for i, b in accounts.items()],
+            )
+    finally:
+        engine.dispose()
+    with SagaSystem(services, tmp, schema, partitions=partitions).opened() as s:
+        yield s
+
+
+def fresh_topics(services: Services, tag: str, partitions: int) -> Iterator[KafkaSettings]:
+    """Settings with a unique ``tag``-prefixed name, its topics created; deleted after."""
+    s = KafkaSettings(bootstrap=services.kafka_bootstrap, prefix=unique_name(tag))
+    create_topics(s, partitions)
+    yield s
+    delete_topics(s, list(s.topics.all))

@@ -38,7 +38,7 @@ import sqlalchemy as sa
 from coordinator import SagaClient
 from streams import Decision, Outcome, SagaRequest, SagaState, SagaStatus, Step
 from tests._infra import Services, eventually
-from tests._system import SagaSystem, bank_schema, engine_for
+from tests._system import SagaSystem, balances, bank_schema, engine_for
 
 ACCOUNTS = ("acc0", "acc1", "acc2", "acc3", "acc4")
 START_BALANCE = 1000
@@ -179,16 +179,6 @@ def wait_all_final(
 # ---------------------------------------------------------------- reading the stores
 
 
-def balances(system: SagaSystem) -> dict[str, int]:
-    engine = engine_for(system.services)
-    try:
-        with engine.connect() as conn:
-            rows = conn.execute(sa.text(f'SELECT id, balance FROM "{system.schema}".accounts'))
-            return {r[0]: int(r[1]) for r in rows}
-    finally:
-        engine.dispose()
-
-
 def orders(system: SagaSystem) -> set[str]:
     engine = engine_for(system.services)
     try:
@@ -294,20 +284,18 @@ SESSION_TIMEOUT_MS = 6000  # the broker's group.min.session.timeout.ms
 
 
 @contextmanager
-def seeded_system(services: Services, schema: str, tmp: Path) -> Iterator[SagaSystem]:
-    """A SagaSystem with the transfer tables seeded, 4 partitions and a short session
-    timeout (so a killed process's partitions move quickly); topics removed after."""
+def seeded_system(
+    services: Services, schema: str, tmp: Path, partitions: int = 4
+) -> Iterator[SagaSystem]:
+    """A SagaSystem with the transfer tables seeded, 4 partitions (unless told) and a short
+    session timeout (so a killed process's partitions move quickly); topics removed after."""
     s = SagaSystem(
         services,
         tmp,
         schema,
-        partitions=4,
+        partitions=partitions,
         extra_env={"SAGA_KAFKA_SESSION_TIMEOUT_MS": str(SESSION_TIMEOUT_MS)},
     )
     seed(s)
-    s.create_topics()
-    try:
+    with s.opened():
         yield s
-    finally:
-        s.stop_all()
-        s.delete_topics()

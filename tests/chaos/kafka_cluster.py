@@ -27,7 +27,6 @@ import contextlib
 import logging
 import os
 import signal
-import subprocess
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -36,7 +35,7 @@ from confluent_kafka import Consumer, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient
 
 from tests._infra import ROOT
-from tests.chaos.services import ServiceControlError, _alive, _cmdline
+from tests.chaos.services import ServiceControlError, _alive, _cmdline, run_until_ok
 
 CLUSTER_SH = ROOT / "infra" / "kafka-cluster.sh"
 NODES = (1, 2, 3)
@@ -149,24 +148,8 @@ class BrokerCluster:
         slow recovery can be told apart from a start that had to be repeated."""
         env = dict(self.environ)
         env["SAGA_INFRA_DIR"] = str(self.dir)
-        last = ""
-        failed: list[str] = []
-        for attempt in range(attempts):
-            done = subprocess.run(
-                [str(CLUSTER_SH), "start", str(node)],
-                cwd=ROOT,
-                env=env,
-                capture_output=True,
-                text=True,
-                timeout=600,
-                check=False,
-            )
-            if done.returncode == 0:
-                return failed
-            last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-            failed.append(last)
-            time.sleep(1 + attempt)
-        raise ServiceControlError(f"Kafka node {node} would not start {attempts} times: {last}")
+        failure = f"Kafka node {node} would not start {attempts} times: "
+        return run_until_ok([str(CLUSTER_SH), "start", str(node)], env, attempts, failure)
 
     # ------------------------------------------------------------ roles
 

@@ -50,6 +50,30 @@ def _cmdline(pid: int) -> list[str]:
     return [part.decode(errors="replace") for part in raw.split(b"\0") if part]
 
 
+def run_until_ok(argv: list[str], env: Mapping[str, str], attempts: int, failure: str) -> list[str]:
+    """Run ``argv`` in the repository's root until it exits 0, at most ``attempts`` times
+    with a growing pause between. Returns the last stderr line of each failed attempt;
+    when every attempt fails, raises ``ServiceControlError(failure + that line)``."""
+    last = ""
+    failed: list[str] = []
+    for attempt in range(attempts):
+        done = subprocess.run(
+            argv,
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=False,
+        )
+        if done.returncode == 0:
+            return failed
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        failed.append(last)
+        time.sleep(1 + attempt)
+    raise ServiceControlError(f"{failure}{last}")
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -137,23 +161,8 @@ class ServiceControl:
 
     def restart(self, attempts: int = 6) -> None:
         """``infra/services.sh up``: starts whatever is not running and waits until it answers."""
-        env = dict(self.environ)
-        last = ""
-        for attempt in range(attempts):
-            done = subprocess.run(
-                [str(SERVICES_SH), "up"],
-                cwd=ROOT,
-                env=env,
-                capture_output=True,
-                text=True,
-                timeout=600,
-                check=False,
-            )
-            if done.returncode == 0:
-                return
-            last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-            time.sleep(1 + attempt)
-        raise ServiceControlError(f"`infra/services.sh up` failed {attempts} times; last: {last}")
+        failure = f"`infra/services.sh up` failed {attempts} times; last: "
+        run_until_ok([str(SERVICES_SH), "up"], dict(self.environ), attempts, failure)
 
     def check_all(self) -> None:
         """Raise unless every service's pid file names the service at the run's address."""

@@ -67,7 +67,7 @@ REASONS = {
     "participant name with SQL": "participant must match pattern",
     "action name with a space": "action must match pattern",
     "a step event on the requests topic": (
-        "expected saga.request or saga.abort on this topic, got saga.step"
+        "expected saga.request, saga.abort or saga.resolve on this topic, got saga.step"
     ),
     "invalid JSON event": "is not valid JSON",
     "event with an unknown status": "status",
@@ -95,12 +95,8 @@ def system(services: Services, pg_schema: tuple[str, str], tmp_path: Path) -> It
             conn.execute(sa.text(f"INSERT INTO \"{schema}\".x VALUES ('keep me')"))
     finally:
         engine.dispose()
-    s.create_topics()
-    try:
+    with s.opened():
         yield s
-    finally:
-        s.stop_all()
-        s.delete_topics()
 
 
 def running(system: SagaSystem) -> SagaSystem:

@@ -21,11 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import sqlalchemy as sa
 
 from streams import SagaState, SagaStatus, StepProgress, StepStatus, encode
 from tests._infra import ROOT, Services
-from tests._system import SagaSystem, bank_schema, engine_for
+from tests._system import SagaSystem, balances, bank_system
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
@@ -66,32 +65,8 @@ def only_json(ran: Ran) -> dict[str, object]:
 
 @pytest.fixture
 def system(services: Services, pg_schema: tuple[str, str], tmp_path: Path) -> Iterator[SagaSystem]:
-    _, schema = pg_schema
-    engine = engine_for(services)
-    bank_schema(engine, schema)
-    with engine.begin() as conn:
-        conn.execute(
-            sa.text(f'INSERT INTO "{schema}".accounts VALUES (:i, :b)'),
-            [{"i": "alice", "b": 100}, {"i": "bob", "b": 50}],
-        )
-    engine.dispose()
-    s = SagaSystem(services, tmp_path, schema)
-    s.create_topics()
-    try:
+    with bank_system(services, pg_schema, tmp_path, {"alice": 100, "bob": 50}) as s:
         yield s
-    finally:
-        s.stop_all()
-        s.delete_topics()
-
-
-def balances(system: SagaSystem) -> dict[str, int]:
-    engine = engine_for(system.services)
-    try:
-        with engine.connect() as conn:
-            rows = conn.execute(sa.text(f'SELECT id, balance FROM "{system.schema}".accounts'))
-            return {r[0]: int(r[1]) for r in rows}
-    finally:
-        engine.dispose()
 
 
 def test_the_examples_commit_and_roll_back_with_the_documented_exit_status(

@@ -22,11 +22,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import sqlalchemy as sa
 
 from streams import Mode, SagaState, Step, StepStatus
 from tests._infra import Services, eventually
-from tests._system import SagaSystem, bank_schema, engine_for
+from tests._system import SagaSystem, balances, bank_system
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
@@ -36,36 +35,13 @@ HEARTBEAT = ["--heartbeat", "1s"]
 
 @pytest.fixture
 def system(services: Services, pg_schema: tuple[str, str], tmp_path: Path) -> Iterator[SagaSystem]:
-    _, schema = pg_schema
-    engine = engine_for(services)
-    bank_schema(engine, schema)
-    with engine.begin() as conn:
-        conn.execute(
-            sa.text(f'INSERT INTO "{schema}".accounts VALUES (:i, :b)'),
-            [{"i": "alice", "b": 100}, {"i": "bob", "b": 50}],
-        )
-    engine.dispose()
-    s = SagaSystem(services, tmp_path, schema, partitions=2)
-    s.create_topics()
-    s.coordinator(unknown_participants="reject")  # the command's default
-    s.participant("bank", ["accounts"], extra=HEARTBEAT)
-    s.participant("shop", ["orders"], extra=HEARTBEAT)
-    s.wait_announced("bank", "shop")
-    try:
+    accounts = {"alice": 100, "bob": 50}
+    with bank_system(services, pg_schema, tmp_path, accounts, partitions=2) as s:
+        s.coordinator(unknown_participants="reject")  # the command's default
+        s.participant("bank", ["accounts"], extra=HEARTBEAT)
+        s.participant("shop", ["orders"], extra=HEARTBEAT)
+        s.wait_announced("bank", "shop")
         yield s
-    finally:
-        s.stop_all()
-        s.delete_topics()
-
-
-def balances(system: SagaSystem) -> dict[str, int]:
-    engine = engine_for(system.services)
-    try:
-        with engine.connect() as conn:
-            rows = conn.execute(sa.text(f'SELECT id, balance FROM "{system.schema}".accounts'))
-            return {r[0]: int(r[1]) for r in rows}
-    finally:
-        engine.dispose()
 
 
 def debit(who: str = "alice", by: int = -10) -> Step:

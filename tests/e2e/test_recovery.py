@@ -54,12 +54,8 @@ def system(services: Services, pg_schema: tuple[str, str], tmp_path: Path) -> It
     # No SAGA_KAFKA_SESSION_TIMEOUT_MS: the processes' own default is under test.
     s = SagaSystem(services, tmp_path, pg_schema[1], partitions=PARTITIONS)
     seed(s)
-    s.create_topics()
-    try:
+    with s.opened():
         yield s
-    finally:
-        s.stop_all()
-        s.delete_topics()
 
 
 def worker(system: SagaSystem, name: str, worker_id: str) -> Proc:

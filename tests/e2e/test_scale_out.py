@@ -23,37 +23,24 @@ from confluent_kafka.admin import AdminClient
 from tests._infra import Services, eventually
 from tests._system import SagaSystem
 from tests._workload import (
+    SESSION_TIMEOUT_MS,
     check_invariants,
     final_count,
     make_transfers,
-    seed,
+    seeded_system,
     submit_all,
     wait_all_final,
 )
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
-SESSION_TIMEOUT_MS = 6000
 PARTITIONS = 6
 
 
 @pytest.fixture
 def system(services: Services, pg_schema: tuple[str, str], tmp_path: Path) -> Iterator[SagaSystem]:
-    _, schema = pg_schema
-    s = SagaSystem(
-        services,
-        tmp_path,
-        schema,
-        partitions=PARTITIONS,
-        extra_env={"SAGA_KAFKA_SESSION_TIMEOUT_MS": str(SESSION_TIMEOUT_MS)},
-    )
-    seed(s)
-    s.create_topics()
-    try:
+    with seeded_system(services, pg_schema[1], tmp_path, partitions=PARTITIONS) as s:
         yield s
-    finally:
-        s.stop_all()
-        s.delete_topics()
 
 
 def assignments(system: SagaSystem, group: str) -> list[tuple[str, set[tuple[str, int]]]]:

@@ -25,12 +25,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import sqlalchemy as sa
 
 from streams import SagaState, Step
 from streams._trace import parse
 from tests._infra import Services, eventually
-from tests._system import SagaSystem, bank_schema, engine_for
+from tests._system import SagaSystem, bank_system
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -67,22 +66,8 @@ def prometheus_binary() -> str:
 
 @pytest.fixture
 def system(services: Services, pg_schema: tuple[str, str], tmp_path: Path) -> Iterator[SagaSystem]:
-    _, schema = pg_schema
-    engine = engine_for(services)
-    bank_schema(engine, schema)
-    with engine.begin() as conn:
-        conn.execute(
-            sa.text(f'INSERT INTO "{schema}".accounts VALUES (:i, :b)'),
-            [{"i": "alice", "b": 1_000}, {"i": "bob", "b": 0}],
-        )
-    engine.dispose()
-    s = SagaSystem(services, tmp_path, schema)
-    s.create_topics()
-    try:
+    with bank_system(services, pg_schema, tmp_path, {"alice": 1_000, "bob": 0}) as s:
         yield s
-    finally:
-        s.stop_all()
-        s.delete_topics()
 
 
 class Prometheus:
@@ -175,21 +160,10 @@ def test_prometheus_scrapes_decisions_latencies_and_health(
         "coordinator", ["coordinator", "run", "--metrics-port", str(ports["coordinator"])]
     )
     participants = [
-        system.start(
-            f"participant-{name}",
-            [
-                "participant",
-                "run",
-                "--name",
-                name,
-                "--storage",
-                "sql",
-                "--url",
-                system.services.postgres_url,
-                "--schema",
-                system.schema,
-                "--targets",
-                table,
+        system.participant(
+            name,
+            [table],
+            extra=[
                 "--metrics-port",
                 str(ports[name]),
                 *(["--log-format", "json"] if name == "shop" else []),

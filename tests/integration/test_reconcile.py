@@ -43,13 +43,12 @@ from streams.kafka import (
     Consumer,
     KafkaSettings,
     Producer,
-    create_topics,
-    delete_topics,
     partition_for,
 )
 from streams.reconcile import ReconcileConfig, parse_check, parse_ledger, parse_table, run
 from streams.reconcile._spark import check_jars, start_spark
-from tests._infra import Services, unique_name
+from tests._infra import Services
+from tests._system import fresh_topics
 
 if TYPE_CHECKING:
     from pymongo.database import Database
@@ -341,6 +340,21 @@ def seed_noise(s: Seeder) -> None:
     )
 
 
+def seed_every_class(
+    settings: KafkaSettings, stores: Stores
+) -> tuple[set[str], dict[str, tuple[str, tuple[str, ...]]]]:
+    """The clean sagas, every class of finding and the noise, on the log and in the three
+    stores' ledgers; returns what ``seed_clean`` and ``seed_findings`` returned."""
+    with Producer(settings) as producer:
+        s = Seeder(settings, producer)
+        clean = seed_clean(s)
+        expected = seed_findings(s)
+        seed_noise(s)
+        producer.flush(30)
+    stores.write(s)
+    return clean, expected
+
+
 def _dlq_headers(source: str, key: str, offset: int) -> list[tuple[str, bytes]]:
     """A coordinator's dead-letter headers for the record keyed ``key`` at ``offset`` of
     ``source``, on the partition its key gives (the DLQ judge checks it)."""
@@ -459,10 +473,7 @@ def spark(services: Services, tmp_path_factory: pytest.TempPathFactory) -> Itera
 
 @pytest.fixture
 def settings(services: Services) -> Iterator[KafkaSettings]:
-    s = KafkaSettings(bootstrap=services.kafka_bootstrap, prefix=unique_name("rc"))
-    create_topics(s, PARTITIONS)
-    yield s
-    delete_topics(s, list(s.topics.all))
+    yield from fresh_topics(services, "rc", PARTITIONS)
 
 
 @dataclass
@@ -474,6 +485,17 @@ class Stores:
     redis_prefix: str
     services: Services
 
+    def write(self, seeder: Seeder) -> None:
+        """The seeder's ledger entries, into the three stores."""
+        write_ledgers(
+            list(seeder.ledger.values()),
+            self.engine,
+            self.schema,
+            self.mongo,
+            self.redis_url,
+            self.redis_prefix,
+        )
+
     def ledger_specs(self) -> list[str]:
         pg = self.services.postgres_url
         mongo = self.services.mongo_url
@@ -484,13 +506,13 @@ class Stores:
         ]
 
 
-@pytest.fixture
-def stores(
+def open_stores(
     services: Services,
     pg_schema: tuple[str, str],
     mongo_db: Database[dict[str, Any]],
     redis_prefix: str,
 ) -> Iterator[Stores]:
+    """The body of the ``stores`` fixture, shared with the modules that seed like this one."""
     url, schema = pg_schema
     engine = sa.create_engine(url)
     try:
@@ -499,6 +521,16 @@ def stores(
         )
     finally:
         engine.dispose()
+
+
+@pytest.fixture
+def stores(
+    services: Services,
+    pg_schema: tuple[str, str],
+    mongo_db: Database[dict[str, Any]],
+    redis_prefix: str,
+) -> Iterator[Stores]:
+    yield from open_stores(services, pg_schema, mongo_db, redis_prefix)
 
 
 def audit(
@@ -568,14 +600,7 @@ def test_a_clean_log_gives_no_finding(
         s = Seeder(settings, producer)
         clean = seed_clean(s)
         producer.flush(30)
-    write_ledgers(
-        list(s.ledger.values()),
-        stores.engine,
-        stores.schema,
-        stores.mongo,
-        stores.redis_url,
-        stores.redis_prefix,
-    )
+    stores.write(s)
     result = audit(spark, settings, tmp_path, stores.ledger_specs())
     summary = result.summary
     assert summary["exit_code"] == 0, summary
@@ -595,20 +620,7 @@ def test_a_clean_log_gives_no_finding(
 def test_every_seeded_finding_is_found_and_nothing_else(
     spark: Any, settings: KafkaSettings, stores: Stores, tmp_path: Path, services: Services
 ) -> None:
-    with Producer(settings) as producer:
-        s = Seeder(settings, producer)
-        clean = seed_clean(s)
-        expected = seed_findings(s)
-        seed_noise(s)
-        producer.flush(30)
-    write_ledgers(
-        list(s.ledger.values()),
-        stores.engine,
-        stores.schema,
-        stores.mongo,
-        stores.redis_url,
-        stores.redis_prefix,
-    )
+    clean, expected = seed_every_class(settings, stores)
     result = audit(spark, settings, tmp_path, stores.ledger_specs())
     found = findings(spark, tmp_path)
 

@@ -34,23 +34,20 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 import pytest
-import sqlalchemy as sa
 
-from streams.kafka import KafkaSettings, Producer, create_topics, delete_topics
+from streams.kafka import KafkaSettings
 from streams.reconcile import ReconcileConfig
 from streams.reconcile._spark import start_spark
-from tests._infra import ROOT, Services, unique_name
+from tests._infra import ROOT, Services
+from tests._system import fresh_topics
 from tests.integration.test_reconcile import (
     GRACE,
     NOW,
     PARTITIONS,
-    Seeder,
     Stores,
     findings,
-    seed_clean,
-    seed_findings,
-    seed_noise,
-    write_ledgers,
+    open_stores,
+    seed_every_class,
 )
 
 if TYPE_CHECKING:
@@ -132,10 +129,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
 
 @pytest.fixture
 def settings(services: Services) -> Iterator[KafkaSettings]:
-    s = KafkaSettings(bootstrap=services.kafka_bootstrap, prefix=unique_name("rcl"))
-    create_topics(s, PARTITIONS)
-    yield s
-    delete_topics(s, list(s.topics.all))
+    yield from fresh_topics(services, "rcl", PARTITIONS)
 
 
 @pytest.fixture
@@ -145,14 +139,7 @@ def stores(
     mongo_db: Database[dict[str, Any]],
     redis_prefix: str,
 ) -> Iterator[Stores]:
-    url, schema = pg_schema
-    engine = sa.create_engine(url)
-    try:
-        yield Stores(
-            engine, schema, mongo_db, services.redis_url, redis_prefix.rstrip(":"), services
-        )
-    finally:
-        engine.dispose()
+    yield from open_stores(services, pg_schema, mongo_db, redis_prefix)
 
 
 # ---------------------------------------------------------------- helpers
@@ -266,20 +253,7 @@ def test_the_cluster_and_local_runs_agree(
     stores: Stores,
     tmp_path: Path,
 ) -> None:
-    with Producer(settings) as producer:
-        s = Seeder(settings, producer)
-        clean = seed_clean(s)
-        expected = seed_findings(s)
-        seed_noise(s)
-        producer.flush(30)
-    write_ledgers(
-        list(s.ledger.values()),
-        stores.engine,
-        stores.schema,
-        stores.mongo,
-        stores.redis_url,
-        stores.redis_prefix,
-    )
+    clean, expected = seed_every_class(settings, stores)
     assert cluster.status()["completedapps"] == []
 
     secrets = secrets_of(services)

@@ -52,14 +52,13 @@ from streams.kafka import (
     KafkaSettings,
     Message,
     Producer,
-    create_topics,
-    delete_topics,
     send_to_dlq,
 )
 from streams.reconcile import ReconcileConfig, run
 from streams.reconcile._audit import parse_decisions, parse_events, parse_requests
 from streams.reconcile._spark import check_jars, start_spark
-from tests._infra import Services, unique_name
+from tests._infra import Services
+from tests._system import fresh_topics
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -325,10 +324,7 @@ def spark(services: Services, tmp_path_factory: pytest.TempPathFactory) -> Itera
 
 @pytest.fixture
 def settings(services: Services) -> Iterator[KafkaSettings]:
-    s = KafkaSettings(bootstrap=services.kafka_bootstrap, prefix=unique_name("rh"))
-    create_topics(s, 3)
-    yield s
-    delete_topics(s, list(s.topics.all))
+    yield from fresh_topics(services, "rh", 3)
 
 
 def test_records_the_coordinator_rejected_are_not_audited(

@@ -30,8 +30,6 @@ from streams.kafka import (
     KafkaSettings,
     Message,
     Producer,
-    create_topics,
-    delete_topics,
     partition_for,
     send_to_dlq,
 )
@@ -40,7 +38,8 @@ from streams.reconcile._dlq import DeadLetter, TxFacts, judge, rejected_at
 from streams.reconcile._replay import Resend, replay_headers, replayable
 from streams.reconcile._signatures import Verifier
 from streams.reconcile._spark import check_jars, start_spark
-from tests._infra import Services, unique_name
+from tests._infra import Services
+from tests._system import fresh_topics
 
 if TYPE_CHECKING:
     from streams.log import LogProducer
@@ -132,10 +131,7 @@ def spark(services: Services, tmp_path_factory: pytest.TempPathFactory) -> Itera
 
 @pytest.fixture
 def settings(services: Services) -> Iterator[KafkaSettings]:
-    s = KafkaSettings(bootstrap=services.kafka_bootstrap, prefix=unique_name("rs"))
-    create_topics(s, 3)
-    yield s
-    delete_topics(s, list(s.topics.all))
+    yield from fresh_topics(services, "rs", 3)
 
 
 def read_all(settings: KafkaSettings, topic: str) -> list[Message]:

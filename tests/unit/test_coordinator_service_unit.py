@@ -37,6 +37,7 @@ from streams import (
     encode,
 )
 from streams.testing import InMemoryLog, KillAt, ManualClock, Stepper, key_on
+from tests._helpers import memory_log
 
 pytestmark = pytest.mark.unit
 
@@ -47,15 +48,8 @@ GROUP = f"{TOPICS.prefix}.coordinator"
 
 
 @pytest.fixture
-def clock() -> ManualClock:
-    return ManualClock()
-
-
-@pytest.fixture
 def log(clock: ManualClock) -> InMemoryLog:
-    made = InMemoryLog(SETTINGS, clock=clock)
-    made.create_topics(PARTITIONS)
-    return made
+    return memory_log(SETTINGS, clock, PARTITIONS)
 
 
 class Running:

@@ -27,11 +27,6 @@ PARTITIONS = 4
 
 
 @pytest.fixture
-def clock() -> ManualClock:
-    return ManualClock()
-
-
-@pytest.fixture
 def log(clock: ManualClock) -> InMemoryLog:
     made = InMemoryLog(clock=clock)
     made.create_topic("in", PARTITIONS)

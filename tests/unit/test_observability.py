@@ -49,6 +49,7 @@ from streams._observe import Health
 from streams._secrets import forget_all, install_log_redaction, remember
 from streams._trace import TRACEPARENT, TRACESTATE, TraceContext, new_trace, parse
 from streams.testing import InMemoryLog, ManualClock, Stepper, key_on
+from tests._helpers import memory_log
 
 pytestmark = pytest.mark.unit
 
@@ -58,15 +59,8 @@ TOPICS = SETTINGS.topics
 
 
 @pytest.fixture
-def clock() -> ManualClock:
-    return ManualClock()
-
-
-@pytest.fixture
 def log(clock: ManualClock) -> InMemoryLog:
-    made = InMemoryLog(SETTINGS, clock=clock)
-    made.create_topics(PARTITIONS)
-    return made
+    return memory_log(SETTINGS, clock, PARTITIONS)
 
 
 @pytest.fixture

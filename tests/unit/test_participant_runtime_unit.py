@@ -46,6 +46,7 @@ from streams import (
 )
 from streams._faults import NO_FAULTS, Faults
 from streams.testing import InMemoryLog, KillAt, ManualClock, Stepper, key_on
+from tests._helpers import memory_log
 
 pytestmark = pytest.mark.unit
 
@@ -57,15 +58,8 @@ WINDOW_MS = 10_000
 
 
 @pytest.fixture
-def clock() -> ManualClock:
-    return ManualClock()
-
-
-@pytest.fixture
 def log(clock: ManualClock) -> InMemoryLog:
-    made = InMemoryLog(SETTINGS, clock=clock)
-    made.create_topics(PARTITIONS)
-    return made
+    return memory_log(SETTINGS, clock, PARTITIONS)
 
 
 @pytest.fixture

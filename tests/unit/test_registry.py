@@ -48,6 +48,7 @@ from streams import (
 from streams._signed_log import SignedLog
 from streams._signing import OPERATOR, Keyring, create_key
 from streams.testing import InMemoryLog, ManualClock, Stepper, key_on
+from tests._helpers import memory_log
 
 pytestmark = pytest.mark.unit
 
@@ -58,15 +59,8 @@ INTERVAL_MS = 1_000
 
 
 @pytest.fixture
-def clock() -> ManualClock:
-    return ManualClock()
-
-
-@pytest.fixture
 def log(clock: ManualClock) -> InMemoryLog:
-    made = InMemoryLog(SETTINGS, clock=clock)
-    made.create_topics(PARTITIONS)
-    return made
+    return memory_log(SETTINGS, clock, PARTITIONS)
 
 
 def announcement(

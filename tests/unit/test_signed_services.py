@@ -71,6 +71,7 @@ from streams._signing import (
 from streams.kafka import Message
 from streams.log import LogConsumer, LogProducer, LogTransactionalProducer
 from streams.testing import InMemoryLog, ManualClock, Stepper, key_on
+from tests._helpers import memory_log
 
 pytestmark = pytest.mark.unit
 
@@ -103,15 +104,8 @@ def keys(tmp_path: Path) -> Keys:
 
 
 @pytest.fixture
-def clock() -> ManualClock:
-    return ManualClock()
-
-
-@pytest.fixture
 def log(clock: ManualClock) -> InMemoryLog:
-    made = InMemoryLog(SETTINGS, clock=clock)
-    made.create_topics(PARTITIONS)
-    return made
+    return memory_log(SETTINGS, clock, PARTITIONS)
 
 
 @pytest.fixture

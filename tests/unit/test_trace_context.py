@@ -89,6 +89,21 @@ def test_two_traceparent_headers_make_none_and_a_bad_tracestate_is_dropped() -> 
     )
 
 
+def run_python(
+    args: list[str], env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``python ARGS`` in the repository's root, its output captured (env None: ours)."""
+    return subprocess.run(
+        [sys.executable, *args],
+        cwd=Path(__file__).resolve().parents[2],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
 @given(st.lists(st.tuples(st.sampled_from([TRACEPARENT, TRACESTATE, "x"]), st.binary(max_size=80))))
 def test_no_header_bytes_make_parsing_raise(headers: list[tuple[str, bytes]]) -> None:
     context = parse(headers)
@@ -123,15 +138,7 @@ def test_spans_are_exported_with_opentelemetry_and_continue_the_trace(tmp_path: 
         "assert sent.trace_id == f'{app_id:032x}', 'the client continues the current span'\n"
         "print('ok')\n"
     )
-    root = Path(__file__).resolve().parents[2]
-    done = subprocess.run(
-        [sys.executable, str(script)],
-        cwd=root,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    done = run_python([str(script)])
     assert done.stdout.strip() == "ok", done.stderr
 
 
@@ -166,16 +173,7 @@ def test_with_an_endpoint_spans_go_to_the_collector_over_otlp(tmp_path: Path) ->
             "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{collector.server_address[1]}",
             "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
         }
-        root = Path(__file__).resolve().parents[2]
-        done = subprocess.run(
-            [sys.executable, "-c", script],
-            cwd=root,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-        )
+        done = run_python(["-c", script], env)
         collector.shutdown()
     assert done.stdout.strip() == "ok", done.stderr
     assert received and received[0][0] == "/v1/traces" and received[0][1] > 0
@@ -191,13 +189,5 @@ def test_without_an_endpoint_nothing_imports_opentelemetry(tmp_path: Path) -> No
         "assert not any(m.startswith('opentelemetry') for m in sys.modules), 'imported'\n"
         "print('ok')\n"
     )
-    root = Path(__file__).resolve().parents[2]
-    done = subprocess.run(
-        [sys.executable, "-c", script],
-        cwd=root,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    done = run_python(["-c", script])
     assert done.stdout.strip() == "ok", done.stderr

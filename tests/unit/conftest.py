@@ -1,0 +1,12 @@
+"""Fixtures the unit modules share: a manual clock (a module may still define its own)."""
+
+from __future__ import annotations
+
+import pytest
+
+from streams.testing import ManualClock
+
+
+@pytest.fixture
+def clock() -> ManualClock:
+    return ManualClock()
