@@ -568,6 +568,7 @@ class CoordinatorService(Stoppable):
             self._txns.failed(exc, lambda: self._rewind(messages), committing=committing)
             changed.clear()
             return False
+        self._txns.committed()
         self.stats.batches += 1
         self.stats.records += len(messages)
         self.stats.dlq += len(rejected)

@@ -18,10 +18,13 @@ seen on the three-broker chaos profile); none of them needs the process to exit:
   failover) and a real fence (a newer instance initialised the same
   ``transactional.id``) into one error code, so the consumer group is asked: a
   newer instance also takes over the static group membership (same
-  ``group.instance.id``), which Kafka reports to this consumer as a fatal error
-  within a heartbeat. If it does within :data:`FENCE_CHECK_S`, this instance is
-  the zombie and stops (raises): zombie fencing is what keeps exactly-once.
-  Otherwise, reset.
+  ``group.instance.id``), which Kafka reports to this consumer as an instance
+  fence within a heartbeat. The consumer rides a first instance fence through by
+  rejoining (streams._rejoin: librdkafka fences a member by its own id after some
+  broker faults), so a fence counts here whether it raised or was ridden through:
+  a consumer that rejoined since the last committed transaction, or is fenced
+  within :data:`FENCE_CHECK_S`, means this instance is the zombie, and it stops
+  (raises): zombie fencing is what keeps exactly-once. Otherwise, reset.
 
 **Reset** is a restart inside the process, keeping the group membership: a new
 producer with the same ``transactional.id`` (``init`` bumps the epoch, which
@@ -72,6 +75,11 @@ class Transactions:
         self._reload = reload
         self.producer = make_producer()
         self.resets = 0
+        self._rejoins_seen = consumer.rejoins  # as of the last committed transaction
+
+    def committed(self) -> None:
+        """Note that a transaction committed: the consumer's rejoins so far were not a fence."""
+        self._rejoins_seen = self._consumer.rejoins
 
     def init(self) -> None:
         """Initialise the current producer, retrying transient errors for up to a minute."""
@@ -127,6 +135,8 @@ class Transactions:
         Polls the consumer with every partition paused: records a rebalance brings in
         meanwhile are dropped here and read again after the reset's seek.
         """
+        if self._rejoined():
+            return True
         deadline = time.monotonic() + FENCE_CHECK_S
         try:
             self._consumer.pause_all()
@@ -138,7 +148,16 @@ class Transactions:
         except FatalKafkaError as exc:
             log.error("a newer instance replaced this one in the group: %s", exc)
             return True
-        return False
+        return self._rejoined()
+
+    def _rejoined(self) -> bool:
+        if self._consumer.rejoins == self._rejoins_seen:
+            return False
+        log.error(
+            "a newer instance replaced this one in the group: its consumer was fenced by "
+            "its instance id since the last committed transaction"
+        )
+        return True
 
     def _reset(self, cause: SagaError) -> None:
         log.warning(
@@ -152,6 +171,7 @@ class Transactions:
         self.init()
         self._reload()
         self._seek_committed()
+        self._rejoins_seen = self._consumer.rejoins
 
     def _seek_committed(self) -> None:
         """Read on from the group's committed offsets: what Kafka says the log holds.

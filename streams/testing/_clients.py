@@ -6,6 +6,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Self
 
 from streams._errors import ConfigurationError, FatalKafkaError, TransientError
+from streams._rejoin import RejoinPolicy
 from streams.kafka import (
     OFFSET_BEGINNING,
     OFFSET_END,
@@ -52,16 +53,37 @@ class InMemoryConsumer(_Client):
         self._positions: dict[Partition, int | None] = {}  # None: from the committed offset
         self._paused: set[Partition] = set()
         self.replaced = False  # a newer member joined with its group_instance_id
+        self._rejoin: RejoinPolicy | None = None  # made at the first fence
 
     def _live(self) -> None:
         self._touch()
         if self.closed:
             raise TransientError(f"consumer {self.client_id} is closed")
+        if self.replaced and self._rejoins():
+            # As streams.kafka.Consumer: the first fence is ridden through by rejoining
+            # with the same id. Dropped from the group, the next poll rejoins (on_lost,
+            # then a new member id, which fences the other holder of the id back).
+            self.replaced = False
         if self.replaced:
             raise FatalKafkaError(
                 "the Kafka consumer hit a fatal error: static consumer fenced by another "
                 f"consumer with the same group.instance.id ({self.group_instance_id}); exiting"
             )
+
+    def _rejoins(self) -> bool:
+        """Whether this fence is ridden through (streams._rejoin.RejoinPolicy, log clock)."""
+        if self.group_instance_id is None:
+            return False
+        if self._rejoin is None:
+            self._rejoin = RejoinPolicy(
+                self.group_instance_id, clock=lambda: self.log.clock() / 1000
+            )
+        return self._rejoin.allow("replaced by a member with the same group.instance.id")
+
+    @property
+    def rejoins(self) -> int:
+        """How many times this consumer rejoined its group after an instance fence."""
+        return 0 if self._rejoin is None else self._rejoin.rejoins
 
     # -- group membership
 

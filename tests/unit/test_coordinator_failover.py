@@ -230,3 +230,29 @@ def test_fatal_transactional_errors_say_whether_the_epoch_was_refused(
     error = _translate(err, "committing", text="x", transactional_id=TXN_ID)  # type: ignore[arg-type]
     assert isinstance(error, FatalKafkaError)
     assert error.fenced is fenced
+
+
+def test_a_coordinator_fenced_by_its_own_instance_id_rejoins_and_goes_on(
+    log: InMemoryLog, clock: ManualClock, coordinators: Running
+) -> None:
+    """librdkafka's self-fence (issue #3437): the member's id fenced with no newer process.
+
+    The consumer rejoins in-process (streams._rejoin): the owned partitions are lost and
+    restored from the status topic; the producer is left alone (no newer one exists)."""
+    service, stepper = coordinators.start("a")
+    early = tx_on(0)
+    settle(log, clock, early)
+    stepper.step(2)
+    assert decisions(log) == [(early, Outcome.COMMIT)]
+    consumer = service._consumer
+    assert isinstance(consumer, InMemoryConsumer)
+    log._leave(consumer)  # dropped by the group, as the broker drops a fenced member
+    consumer.replaced = True
+    late = tx_on(1)
+    settle(log, clock, late)
+    stepper.step(4)
+    assert stepper.running, "the coordinator exited"
+    assert consumer.rejoins == 1
+    assert service._txns.resets == 0
+    assert sorted(decisions(log)) == sorted([(early, Outcome.COMMIT), (late, Outcome.COMMIT)])
+    assert caught_up(log)
