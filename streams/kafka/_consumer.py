@@ -21,7 +21,13 @@ from ._message import (
     _tps,
     _tps_at,
 )
-from ._settings import KafkaSettings, _checked_instance_id, _client_config, _group_timeouts
+from ._settings import (
+    CONSUMER_SOCKET_TIMEOUT_MS,
+    KafkaSettings,
+    _checked_instance_id,
+    _client_config,
+    _group_timeouts,
+)
 from ._translate import (
     _E,
     _UNKNOWN_TOPIC_CODES,
@@ -91,6 +97,7 @@ class Consumer:
         self._topics: list[str] = []
         self._callbacks: dict[str, Callable[[ck.Consumer, list[ck.TopicPartition]], None]] = {}
         self._owned: set[Partition] = set()  # assigned through the callbacks, for a rejoin
+        self._in_callback = False  # no rejoin from inside the old client's own callback
         options: dict[str, Any] = {}
         if group_id is not None:
             options.update(_group_timeouts(settings.extra, session_timeout_ms))
@@ -102,6 +109,8 @@ class Consumer:
             options["session.timeout.ms"] = session_timeout_ms
         if max_poll_interval_ms is not None:
             options["max.poll.interval.ms"] = max_poll_interval_ms
+        if "socket.timeout.ms" not in settings.extra:
+            options["socket.timeout.ms"] = CONSUMER_SOCKET_TIMEOUT_MS
         config = _client_config(
             settings,
             client_id=client_id,
@@ -112,7 +121,8 @@ class Consumer:
             partition_assignment_strategy=assignment_strategy,
         )
         config.update(options)
-        config["error_cb"] = _log_client_error
+        config["error_cb"] = self._client_error
+        self._fatal_text = ""  # the client's fatal error, as error_cb reported it
         self._config = config  # a rejoin makes a new client with it
         try:
             self._client = ck.Consumer(config)
@@ -135,7 +145,11 @@ class Consumer:
                 changed = [(tp.topic, tp.partition) for tp in partitions]
                 owned(changed)
                 if callback is not None:
-                    callback(changed)
+                    self._in_callback = True
+                    try:
+                        callback(changed)
+                    finally:
+                        self._in_callback = False
 
             return handler
 
@@ -237,13 +251,22 @@ class Consumer:
             "id; exiting"
         )
 
+    def _client_error(self, err: ck.KafkaError) -> None:
+        # A fatal error reaches later calls only as "Local: Fatal error" (a commit, say):
+        # kept, it still says whether it was the instance fence.
+        if err.fatal():
+            self._fatal_text = err.str()
+        _log_client_error(err)
+
     def _rejoined(self, code_name: str | None, text: str) -> bool:
         """Rejoin the group with a new client if this fatal error is a first instance fence.
 
         Returns false (the caller raises) for any other fatal error, for a consumer that
-        is not a static member, and for a second fence within the policy's window.
+        is not a static member, inside a rebalance callback (the old client is in the
+        middle of a call), and for a second fence within the policy's window.
         """
-        if self._rejoin is None or not is_instance_fence(code_name, text):
+        fenced = is_instance_fence(code_name, text) or is_instance_fence(None, self._fatal_text)
+        if self._rejoin is None or self._in_callback or not fenced:
             return False
         if not self._rejoin.allow(text):
             return False
@@ -251,7 +274,7 @@ class Consumer:
         callback = self._on_lost or self._on_revoke
         if lost and callback is not None:
             callback(lost)  # as after a session timeout: the partitions are not ours now
-        old = self._client
+        old, self._fatal_text = self._client, ""
         try:
             self._client = ck.Consumer(self._config)
         except (ck.KafkaException, ValueError, TypeError) as exc:
@@ -300,10 +323,7 @@ class Consumer:
         if not self._has_group:
             raise ConfigurationError("a consumer without a group_id cannot commit offsets")
         try:
-            result = self._guard(
-                "committing offsets",
-                lambda: self._client.commit(offsets=_tps_at(offsets), asynchronous=False),
-            )
+            self._commit(offsets)
         except FatalKafkaError as exc:
             if not self._rejoined(None, str(exc)):
                 raise
@@ -311,6 +331,12 @@ class Consumer:
                 "committing offsets failed: the consumer was fenced and rejoined its group; "
                 "the records since the last commit will be delivered again"
             ) from exc
+
+    def _commit(self, offsets: Mapping[Partition, int]) -> None:
+        result = self._guard(
+            "committing offsets",
+            lambda: self._client.commit(offsets=_tps_at(offsets), asynchronous=False),
+        )
         for tp in result:
             if tp.error is not None:
                 raise _translate(

@@ -16,7 +16,7 @@ from unittest import mock
 import confluent_kafka as ck
 import pytest
 
-from streams import FatalKafkaError, KafkaSettings
+from streams import FatalKafkaError, KafkaSettings, TransientError
 from streams._rejoin import REJOIN_WINDOW_S, RejoinPolicy, is_instance_fence
 from streams.kafka import Consumer
 from streams.testing import InMemoryLog, ManualClock
@@ -159,3 +159,25 @@ def test_of_two_live_consumers_with_one_id_the_older_stops(
     assert stopped is older
     newer.poll_batch(10, 0)
     assert len(newer.assignment()) == 2 and newer.rejoins == 1
+
+
+def test_a_commit_failing_on_the_fence_rejoins_and_is_transient() -> None:
+    """After the fatal error, a commit fails only with "Local: Fatal error": the error
+    callback's text tells that it was the instance fence (seen in the cluster profile)."""
+    _Recorder.made = []
+    with mock.patch("streams.kafka._consumer.ck.Consumer", _Recorder):
+        consumer = Consumer(SETTINGS, "g", group_instance_id="r.w1")
+        consumer.subscribe(["t"])
+        first = _Recorder.made[0]
+        first.config["error_cb"](ck.KafkaError(ck.KafkaError._FATAL, LIBRDKAFKA_TEXT, fatal=True))
+
+        def commit(**_kwargs: Any) -> None:
+            raise ck.KafkaException(
+                ck.KafkaError(ck.KafkaError._FATAL, "Commit failed: Local: Fatal error", fatal=True)
+            )
+
+        first.commit = commit  # type: ignore[attr-defined]
+        with pytest.raises(TransientError, match="rejoined"):
+            consumer.commit({("t", 0): 5})
+        assert consumer.rejoins == 1 and consumer._client is _Recorder.made[1]
+        consumer.close()
