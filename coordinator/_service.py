@@ -586,6 +586,9 @@ class CoordinatorService(Stoppable):
             key = (m.topic, m.partition)
             if key not in first or m.offset < first[key]:
                 first[key] = m.offset
-        for (topic, partition), offset in first.items():
-            if partition in self._partitions:
-                self._consumer.seek(topic, partition, offset)
+        try:
+            for (topic, partition), offset in first.items():
+                if partition in self._partitions:
+                    self._consumer.seek(topic, partition, offset)
+        except TransientError as exc:  # a rejoin (streams._rejoin) lost every partition
+            log.warning("rewinding the batch: %s", exc)

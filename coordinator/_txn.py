@@ -148,6 +148,8 @@ class Transactions:
         except FatalKafkaError as exc:
             log.error("a newer instance replaced this one in the group: %s", exc)
             return True
+        except TransientError as exc:  # pausing or resuming met the fence: it rejoined
+            log.warning("polling the group: %s", exc)
         return self._rejoined()
 
     def _rejoined(self) -> bool:

@@ -460,4 +460,12 @@ class Consumer:
         try:
             return operation()
         except ck.KafkaException as exc:
-            raise _translate(_error_of(exc), doing, text=str(exc), topic=topic) from exc
+            error = _translate(_error_of(exc), doing, text=str(exc), topic=topic)
+            if isinstance(error, FatalKafkaError) and self._rejoined(None, str(exc)):
+                # The client's first call after the fence (a seek, a pause): the new one
+                # owns nothing yet, so the call has nothing left to act on.
+                raise TransientError(
+                    f"{doing} failed: the consumer was fenced by its instance id and "
+                    "rejoined its group"
+                ) from exc
+            raise error from exc

@@ -181,3 +181,21 @@ def test_a_commit_failing_on_the_fence_rejoins_and_is_transient() -> None:
             consumer.commit({("t", 0): 5})
         assert consumer.rejoins == 1 and consumer._client is _Recorder.made[1]
         consumer.close()
+
+
+def test_any_call_that_meets_the_fence_first_rejoins_and_is_transient() -> None:
+    _Recorder.made = []
+    with mock.patch("streams.kafka._consumer.ck.Consumer", _Recorder):
+        consumer = Consumer(SETTINGS, "g", group_instance_id="r.w1")
+        consumer.subscribe(["t"])
+        first = _Recorder.made[0]
+        first.config["error_cb"](ck.KafkaError(ck.KafkaError._FATAL, LIBRDKAFKA_TEXT, fatal=True))
+
+        def seek(_tp: Any) -> None:
+            raise ck.KafkaException(ck.KafkaError(ck.KafkaError._FATAL, "Local: Fatal error"))
+
+        first.seek = seek  # type: ignore[attr-defined]
+        with pytest.raises(TransientError, match="rejoined"):
+            consumer.seek("t", 0, 5)
+        assert consumer.rejoins == 1
+        consumer.close()
