@@ -258,6 +258,25 @@ class Consumer:
             self._fatal_text = err.str()
         _log_client_error(err)
 
+    def _fatal_cause(self) -> None:
+        """Serve the client's queued events, for error_cb to learn the fatal error's cause.
+
+        A call that fails with "Local: Fatal error" (a commit) may come before the poll
+        that would have delivered the cause. What else the queue holds is dropped: the
+        client is unusable, and a rejoin reads on from the committed offsets.
+        """
+        try:
+            for item in self._client.consume(500, 0):
+                err = item.error()
+                if err is not None and err.fatal() and not self._fatal_text:
+                    self._fatal_text = err.str()
+        except ck.KafkaException as exc:
+            err = _error_of(exc)
+            if err is not None and not self._fatal_text:
+                self._fatal_text = err.str()
+        except RuntimeError:
+            return  # closed
+
     def _rejoined(self, code_name: str | None, text: str) -> bool:
         """Rejoin the group with a new client if this fatal error is a first instance fence.
 
@@ -265,8 +284,12 @@ class Consumer:
         is not a static member, inside a rebalance callback (the old client is in the
         middle of a call), and for a second fence within the policy's window.
         """
+        if self._rejoin is None or self._in_callback:
+            return False
+        if not self._fatal_text and not is_instance_fence(code_name, text):
+            self._fatal_cause()
         fenced = is_instance_fence(code_name, text) or is_instance_fence(None, self._fatal_text)
-        if self._rejoin is None or self._in_callback or not fenced:
+        if not fenced:
             return False
         if not self._rejoin.allow(text):
             return False

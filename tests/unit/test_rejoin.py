@@ -3,7 +3,8 @@
 librdkafka fences a static member by its own ``group.instance.id`` after some broker
 faults (issue #3437); a second live process with the id is fenced the same way. The
 first fence is ridden through by rejoining (streams._rejoin); a duplicate fences the
-rejoined member back within seconds, and two fences within the window stop it.
+rejoined member back within seconds, again and again, and a streak of fences, each
+soon after the rejoin before it, stops it.
 Covered: the policy's window, the Kafka consumer's rejoin (a recorder stands in for the
 client), and the in-memory model (self-fence, and two live consumers with one id).
 """
@@ -17,7 +18,7 @@ import confluent_kafka as ck
 import pytest
 
 from streams import FatalKafkaError, KafkaSettings, TransientError
-from streams._rejoin import REJOIN_WINDOW_S, RejoinPolicy, is_instance_fence
+from streams._rejoin import FENCES_TO_STOP, REJOIN_WINDOW_S, RejoinPolicy, is_instance_fence
 from streams.kafka import Consumer
 from streams.testing import InMemoryLog, ManualClock
 from tests._helpers import memory_log
@@ -38,15 +39,18 @@ def test_the_fence_is_known_by_its_code_or_librdkafkas_text() -> None:
     assert not is_instance_fence("_FATAL", "Fatal error: Broker: something else")
 
 
-def test_a_second_fence_within_the_window_is_a_duplicate() -> None:
+def test_a_streak_of_quick_fences_is_a_duplicate_and_a_slow_one_is_not() -> None:
     now = [100.0]
     policy = RejoinPolicy("w1", clock=lambda: now[0])
-    assert policy.allow("fenced")
-    now[0] += REJOIN_WINDOW_S - 1
-    assert not policy.allow("fenced again")
-    now[0] += REJOIN_WINDOW_S + 1  # well after the last rejoin: another broker fault
-    assert policy.allow("fenced")
-    assert policy.rejoins == 2
+    for _ in range(FENCES_TO_STOP - 1):  # self-fences while the group coordinator settles
+        assert policy.allow("fenced")
+        now[0] += REJOIN_WINDOW_S - 1
+    assert not policy.allow("fenced again")  # the streak: a live duplicate
+    fresh = RejoinPolicy("w2", clock=lambda: now[0])
+    for _ in range(2 * FENCES_TO_STOP):  # broker faults further apart: never a streak
+        assert fresh.allow("fenced")
+        now[0] += REJOIN_WINDOW_S + 1
+    assert fresh.rejoins == 2 * FENCES_TO_STOP
 
 
 class _Recorder:
@@ -78,7 +82,7 @@ def _fence() -> Any:
     return event
 
 
-def test_the_kafka_consumer_rejoins_once_with_the_same_id_then_stops() -> None:
+def test_the_kafka_consumer_rejoins_with_the_same_id_until_a_streak_stops_it() -> None:
     _Recorder.made = []
     lost: list[list[tuple[str, int]]] = []
     with mock.patch("streams.kafka._consumer.ck.Consumer", _Recorder):
@@ -95,7 +99,10 @@ def test_the_kafka_consumer_rejoins_once_with_the_same_id_then_stops() -> None:
         assert lost == [[("t", 0), ("t", 1)]]  # what it owned went to on_lost (on_revoke here)
         first.callbacks["on_revoke"](first, [ck.TopicPartition("t", 0)])  # the old client's
         assert lost == [[("t", 0), ("t", 1)]]  # ...callbacks are ignored
-        again.queue = [_fence()]
+        for _ in range(FENCES_TO_STOP - 2):  # fenced back at once, as by a duplicate
+            _Recorder.made[-1].queue = [_fence()]
+            assert consumer.poll_batch(10, 0) == []
+        _Recorder.made[-1].queue = [_fence()]
         with pytest.raises(FatalKafkaError) as caught:
             consumer.poll_batch(10, 0)
         message = str(caught.value)
@@ -146,7 +153,7 @@ def test_of_two_live_consumers_with_one_id_the_older_stops(
     newer.subscribe([topic])  # fences the older
     newer.poll_batch(10, 0)
     stopped = None
-    for _ in range(5):  # they fence each other back until one stops
+    for _ in range(3 * FENCES_TO_STOP):  # they fence each other back until one stops
         for consumer in (older, newer):
             clock.advance(1_000)
             try:
@@ -158,7 +165,7 @@ def test_of_two_live_consumers_with_one_id_the_older_stops(
             break
     assert stopped is older
     newer.poll_batch(10, 0)
-    assert len(newer.assignment()) == 2 and newer.rejoins == 1
+    assert len(newer.assignment()) == 2 and newer.rejoins == FENCES_TO_STOP - 1
 
 
 def test_a_commit_failing_on_the_fence_rejoins_and_is_transient() -> None:
@@ -197,5 +204,27 @@ def test_any_call_that_meets_the_fence_first_rejoins_and_is_transient() -> None:
         first.seek = seek  # type: ignore[attr-defined]
         with pytest.raises(TransientError, match="rejoined"):
             consumer.seek("t", 0, 5)
+        assert consumer.rejoins == 1
+        consumer.close()
+
+
+def test_a_commit_before_the_poll_that_says_why_finds_the_cause_in_the_queue() -> None:
+    """The commit can fail with "Local: Fatal error" before any poll served the fence
+    event (seen in the cluster profile): the queue is served to learn the cause."""
+    _Recorder.made = []
+    with mock.patch("streams.kafka._consumer.ck.Consumer", _Recorder):
+        consumer = Consumer(SETTINGS, "g", group_instance_id="r.w1")
+        consumer.subscribe(["t"])
+        first = _Recorder.made[0]
+        first.queue = [_fence()]
+
+        def commit(**_kwargs: Any) -> None:
+            raise ck.KafkaException(
+                ck.KafkaError(ck.KafkaError._FATAL, "Commit failed: Local: Fatal error", fatal=True)
+            )
+
+        first.commit = commit  # type: ignore[attr-defined]
+        with pytest.raises(TransientError, match="rejoined"):
+            consumer.commit({("t", 0): 5})
         assert consumer.rejoins == 1
         consumer.close()
