@@ -255,7 +255,10 @@ class CoordinatorService(Stoppable):
         new = [p for p in numbers if p not in self._partitions]
         if not new:
             return
+        rejoins = self._consumer.rejoins
         self._await_previous_owner(new)
+        if self._consumer.rejoins != rejoins:
+            return  # fenced meanwhile (in a reset): the rejoined consumer's assignment restores
         restored = self._restore(new)
         for p in new:
             part = PartitionState()
