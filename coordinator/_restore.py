@@ -14,16 +14,24 @@ record per transaction, not every record read.
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable, Sequence
+from typing import Final
 
 from coordinator._machine import Saga
-from streams import InvalidRecord, SagaStatus
+from streams import InvalidRecord, SagaStatus, TransientError
 from streams._codec import decode_keyed
 from streams._signing import COORDINATOR, Keyring
 from streams.kafka import Message
-from streams.log import Log
+from streams.log import Log, LogConsumer
+
+log = logging.getLogger("saga.coordinator")
 
 _ONLY_COORDINATOR = frozenset({COORDINATOR})
+_END_WITHIN_S: Final = 60.0
+"""How long the end of a status partition is asked for: its leader may be moving (an
+election takes seconds); giving up at the first time-out cost a restart."""
 
 
 def restore(
@@ -82,7 +90,7 @@ def _read(
     found: dict[int, dict[bytes, list[Message]]] = {p: {} for p in partitions}
     reader = log.consumer(None, client_id=client_id)
     try:
-        ends = {p: reader.watermarks(topic, p)[1] for p in partitions}
+        ends = {p: _end_of(reader, topic, p) for p in partitions}
         todo = {p for p in partitions if ends[p] > 0}
         reader.assign([(topic, p, 0) for p in todo])
         while todo:
@@ -98,3 +106,18 @@ def _read(
     finally:
         reader.close()
     return found
+
+
+def _end_of(reader: LogConsumer, topic: str, partition: int) -> int:
+    """The high watermark of ``topic [partition]``, retried with backoff for a minute."""
+    deadline = time.monotonic() + _END_WITHIN_S
+    delay = 0.25
+    while True:
+        try:
+            return reader.watermarks(topic, partition)[1]
+        except TransientError as exc:
+            if time.monotonic() + delay >= deadline:
+                raise
+            log.warning("restore: %s; retrying in %.2gs", exc, delay)
+            time.sleep(delay)
+            delay = min(delay * 2, 4.0)

@@ -37,8 +37,10 @@ from coordinator._machine import (
 from coordinator._observe import CoordinatorObserver
 from coordinator._restore import restore
 from coordinator._retention import PartitionState, due_to_forget, due_to_refresh
+from coordinator._txn import Transactions
 from streams import (
     Decision,
+    FatalKafkaError,
     InvalidRecord,
     SagaAbort,
     SagaRequest,
@@ -59,11 +61,10 @@ from streams._signing import CLIENT, COORDINATOR, OPERATOR, Keyring, allowed_sig
 from streams.kafka import (
     KafkaSettings,
     Message,
-    TransactionAborted,
     partition_for,
     send_to_dlq,
 )
-from streams.log import KafkaLog, Log
+from streams.log import KafkaLog, Log, LogTransactionalProducer
 
 log = logging.getLogger("saga.coordinator")
 
@@ -189,17 +190,30 @@ class CoordinatorService(Stoppable):
             on_revoke=self._on_revoke,
             on_lost=self._on_revoke,
         )
-        self._producer = self._log.transactional_producer(
-            f"{self.topics.prefix}.coordinator.{instance_id}",
-            transaction_timeout_ms=transaction_timeout_ms,
+        # Made again, in-process, when a broker failover leaves it unusable (coordinator._txn).
+        self._txns = Transactions(
+            lambda: self._log.transactional_producer(
+                f"{self.topics.prefix}.coordinator.{instance_id}",
+                transaction_timeout_ms=transaction_timeout_ms,
+            ),
+            self._consumer,
+            self._reload,
         )
         self.observer = CoordinatorObserver(self)  # health, metrics, trace context
+
+    @property
+    def _producer(self) -> LogTransactionalProducer:
+        return self._txns.producer
 
     # ------------------------------------------------------------ lifecycle
 
     def run(self) -> None:
-        """Consume, decide and produce until stopped; raises FatalKafkaError when fenced."""
-        self._producer.init()
+        """Consume, decide and produce until stopped; raises FatalKafkaError when fenced.
+
+        Fenced means replaced by a newer instance: a broker failover that leaves the
+        producer unusable is ridden through in-process (coordinator._txn).
+        """
+        self._txns.init()
         self._partition_count = self._consumer.list_partitions(self.topics.requests)
         self._next_refresh_ms = self.clock() + self.retention_ms // 4
         topics = [self.topics.requests, self.topics.events, self.topics.decisions]
@@ -243,7 +257,10 @@ class CoordinatorService(Stoppable):
         new = [p for p in numbers if p not in self._partitions]
         if not new:
             return
+        rejoins = self._consumer.rejoins
         self._await_previous_owner(new)
+        if self._consumer.rejoins != rejoins:
+            return  # fenced meanwhile (in a reset): the rejoined consumer's assignment restores
         restored = self._restore(new)
         for p in new:
             part = PartitionState()
@@ -273,6 +290,16 @@ class CoordinatorService(Stoppable):
             self._consumer.committed([(t, p) for t in topics for p in partitions], timeout=60)
         except TransientError as exc:
             log.warning("could not wait for the partitions' previous owner: %s", exc)
+
+    def _reload(self) -> None:
+        """Rebuild the owned partitions' state from the status topic, as a restart does.
+
+        After a transaction whose outcome only Kafka knows (coordinator._txn, which
+        then moves the consumer to the committed offsets).
+        """
+        owned = sorted(self._partitions)
+        self._partitions.clear()
+        self._on_assign([(self.topics.requests, p) for p in owned])
 
     def _on_revoke(self, partitions: list[tuple[str, int]]) -> None:
         for t, p in partitions:
@@ -520,6 +547,7 @@ class CoordinatorService(Stoppable):
         for m in messages:
             key = (m.topic, m.partition)
             offsets[key] = max(offsets.get(key, 0), m.offset + 1)
+        committing = False
         try:
             self._producer.begin()
             for d, value in decisions:
@@ -539,14 +567,15 @@ class CoordinatorService(Stoppable):
                 self._producer.send_offsets(self._consumer, offsets)
             if decisions:
                 self._faults.hit("coordinator.before_commit")
+            committing = True
             self._producer.commit()
-        except TransactionAborted as exc:
-            log.warning("transaction aborted, re-processing the batch: %s", exc)
+        except (TransientError, FatalKafkaError) as exc:  # TransactionAborted is transient
+            log.warning("the batch's transaction failed: %s", exc)
             self.stats.aborted_transactions += 1
-            self._producer.abort()
-            self._rewind(messages)
+            self._txns.failed(exc, lambda: self._rewind(messages), committing=committing)
             changed.clear()
             return False
+        self._txns.committed()
         self.stats.batches += 1
         self.stats.records += len(messages)
         self.stats.dlq += len(rejected)
@@ -564,6 +593,9 @@ class CoordinatorService(Stoppable):
             key = (m.topic, m.partition)
             if key not in first or m.offset < first[key]:
                 first[key] = m.offset
-        for (topic, partition), offset in first.items():
-            if partition in self._partitions:
-                self._consumer.seek(topic, partition, offset)
+        try:
+            for (topic, partition), offset in first.items():
+                if partition in self._partitions:
+                    self._consumer.seek(topic, partition, offset)
+        except TransientError as exc:  # a rejoin (streams._rejoin) lost every partition
+            log.warning("rewinding the batch: %s", exc)

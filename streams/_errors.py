@@ -78,4 +78,16 @@ class TransientError(SagaError):
 
 
 class FatalKafkaError(SagaError):
-    """The Kafka client cannot continue (for example a fenced transactional producer)."""
+    """The Kafka client cannot continue (for example a fenced transactional producer).
+
+    ``fenced`` is true when the broker refused the transactional producer's epoch
+    (librdkafka's ``_FENCED``, ``PRODUCER_FENCED`` or ``INVALID_PRODUCER_EPOCH``): a newer
+    instance with the same ``transactional.id`` initialised, or the broker bumped the
+    epoch itself (a transaction it aborted, e.g. across a transaction coordinator
+    failover). The code alone does not tell the two apart (librdkafka folds them into
+    one); the coordinator asks its consumer group which one it was (coordinator._txn).
+    """
+
+    def __init__(self, message: str, *, fenced: bool = False) -> None:
+        super().__init__(message)
+        self.fenced = fenced

@@ -68,6 +68,11 @@ class LogConsumer(Protocol):
 
     def list_partitions(self, topic: str, timeout: float = 10.0) -> int: ...
 
+    @property
+    def rejoins(self) -> int:
+        """Rejoins after an instance fence (a static member: see streams._rejoin)."""
+        ...
+
     def close(self) -> None: ...
 
 

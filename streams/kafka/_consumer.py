@@ -11,6 +11,7 @@ from typing import Any, Literal, TypeVar
 import confluent_kafka as ck
 
 from .._errors import ConfigurationError, FatalKafkaError, TransientError
+from .._rejoin import RejoinPolicy, is_instance_fence
 from ._message import (
     Message,
     Partition,
@@ -20,7 +21,13 @@ from ._message import (
     _tps,
     _tps_at,
 )
-from ._settings import KafkaSettings, _checked_instance_id, _client_config, _group_timeouts
+from ._settings import (
+    CONSUMER_SOCKET_TIMEOUT_MS,
+    KafkaSettings,
+    _checked_instance_id,
+    _client_config,
+    _group_timeouts,
+)
 from ._translate import (
     _E,
     _UNKNOWN_TOPIC_CODES,
@@ -55,6 +62,12 @@ class Consumer:
     consumer with the same id fences the first, which then fails with
     :class:`FatalKafkaError`. A static member does not leave the group when it
     closes: its partitions wait for its restart, or the session timeout.
+
+    A static member fenced once rejoins in-process instead (streams._rejoin:
+    librdkafka's self-fence after a broker fault looks the same as a duplicate):
+    ``on_lost`` gets the partitions it owned, a new client joins with the same id
+    and the subscription, and reading goes on from the committed offsets. Fenced
+    again within ``REJOIN_WINDOW_S`` of the rejoin, it raises, as above.
     """
 
     def __init__(
@@ -80,6 +93,11 @@ class Consumer:
         self._on_revoke = on_revoke
         self._on_lost = on_lost
         self._closed = False
+        self._rejoin = None if group_instance_id is None else RejoinPolicy(group_instance_id)
+        self._topics: list[str] = []
+        self._callbacks: dict[str, Callable[[ck.Consumer, list[ck.TopicPartition]], None]] = {}
+        self._owned: set[Partition] = set()  # assigned through the callbacks, for a rejoin
+        self._in_callback = False  # no rejoin from inside the old client's own callback
         options: dict[str, Any] = {}
         if group_id is not None:
             options.update(_group_timeouts(settings.extra, session_timeout_ms))
@@ -91,6 +109,8 @@ class Consumer:
             options["session.timeout.ms"] = session_timeout_ms
         if max_poll_interval_ms is not None:
             options["max.poll.interval.ms"] = max_poll_interval_ms
+        if "socket.timeout.ms" not in settings.extra:
+            options["socket.timeout.ms"] = CONSUMER_SOCKET_TIMEOUT_MS
         config = _client_config(
             settings,
             client_id=client_id,
@@ -101,7 +121,9 @@ class Consumer:
             partition_assignment_strategy=assignment_strategy,
         )
         config.update(options)
-        config["error_cb"] = _log_client_error
+        config["error_cb"] = self._client_error
+        self._fatal_text = ""  # the client's fatal error, as error_cb reported it
+        self._config = config  # a rejoin makes a new client with it
         try:
             self._client = ck.Consumer(config)
         except (ck.KafkaException, ValueError, TypeError) as exc:
@@ -115,24 +137,37 @@ class Consumer:
             raise ConfigurationError("a consumer without a group_id cannot subscribe: use assign()")
 
         def relay(
-            callback: RebalanceCallback,
+            callback: RebalanceCallback | None, owned: Callable[[list[Partition]], None]
         ) -> Callable[[ck.Consumer, list[ck.TopicPartition]], None]:
-            def handler(_client: ck.Consumer, partitions: list[ck.TopicPartition]) -> None:
-                callback([(tp.topic, tp.partition) for tp in partitions])
+            def handler(client: ck.Consumer, partitions: list[ck.TopicPartition]) -> None:
+                if client is not self._client:
+                    return  # a client left behind by a rejoin (closing it may call back)
+                changed = [(tp.topic, tp.partition) for tp in partitions]
+                owned(changed)
+                if callback is not None:
+                    self._in_callback = True
+                    try:
+                        callback(changed)
+                    finally:
+                        self._in_callback = False
 
             return handler
 
-        # confluent-kafka rejects None for these; pass only those given. After each
-        # callback returns, the client performs the (incremental) assignment itself.
-        callbacks: dict[str, Callable[[ck.Consumer, list[ck.TopicPartition]], None]] = {
-            name: relay(callback)
-            for name, callback in (
-                ("on_assign", self._on_assign),
-                ("on_revoke", self._on_revoke),
-                ("on_lost", self._on_lost),
-            )
-            if callback is not None
+        def gained(partitions: list[Partition]) -> None:
+            self._owned.update(partitions)
+
+        def gone(partitions: list[Partition]) -> None:
+            self._owned.difference_update(partitions)
+
+        # After each callback returns, the client performs the (incremental) assignment
+        # itself. Every callback is registered, to know what a rejoin loses.
+        self._topics = list(topics)
+        self._callbacks = {
+            "on_assign": relay(self._on_assign, gained),
+            "on_revoke": relay(self._on_revoke, gone),
+            "on_lost": relay(self._on_lost or self._on_revoke, gone),
         }
+        callbacks = self._callbacks
         self._guard("subscribing", lambda: self._client.subscribe(list(topics), **callbacks))
 
     def assign(
@@ -194,6 +229,8 @@ class Consumer:
                     f"topic {topic} does not exist: create the topics with `saga topics create`"
                 )
             if err.fatal() or code == _E._FATAL:
+                if self._rejoined(err.name(), err.str()):
+                    return []  # read again from the committed offsets by their owner
                 raise FatalKafkaError(self._fatal_sentence(err.str()))
             _log.warning(
                 "Kafka consumer: %s (topic %s, partition %s); retrying",
@@ -213,6 +250,73 @@ class Consumer:
             f"with the same instance id ({self._instance_id}), give each process its own "
             "id; exiting"
         )
+
+    def _client_error(self, err: ck.KafkaError) -> None:
+        # A fatal error reaches later calls only as "Local: Fatal error" (a commit, say):
+        # kept, it still says whether it was the instance fence.
+        if err.fatal():
+            self._fatal_text = err.str()
+        _log_client_error(err)
+
+    def _fatal_cause(self) -> None:
+        """Serve the client's queued events, for error_cb to learn the fatal error's cause.
+
+        A call that fails with "Local: Fatal error" (a commit) may come before the poll
+        that would have delivered the cause. What else the queue holds is dropped: the
+        client is unusable, and a rejoin reads on from the committed offsets.
+        """
+        try:
+            for item in self._client.consume(500, 0):
+                err = item.error()
+                if err is not None and err.fatal() and not self._fatal_text:
+                    self._fatal_text = err.str()
+        except ck.KafkaException as exc:
+            err = _error_of(exc)
+            if err is not None and not self._fatal_text:
+                self._fatal_text = err.str()
+        except RuntimeError:
+            return  # closed
+
+    def _rejoined(self, code_name: str | None, text: str) -> bool:
+        """Rejoin the group with a new client if this fatal error is a first instance fence.
+
+        Returns false (the caller raises) for any other fatal error, for a consumer that
+        is not a static member, inside a rebalance callback (the old client is in the
+        middle of a call), and for a second fence within the policy's window.
+        """
+        if self._rejoin is None or self._in_callback:
+            return False
+        if not self._fatal_text and not is_instance_fence(code_name, text):
+            self._fatal_cause()
+        fenced = is_instance_fence(code_name, text) or is_instance_fence(None, self._fatal_text)
+        if not fenced:
+            return False
+        if not self._rejoin.allow(text):
+            return False
+        lost, self._owned = sorted(self._owned), set()
+        callback = self._on_lost or self._on_revoke
+        if lost and callback is not None:
+            callback(lost)  # as after a session timeout: the partitions are not ours now
+        old, self._fatal_text = self._client, ""
+        try:
+            self._client = ck.Consumer(self._config)
+        except (ck.KafkaException, ValueError, TypeError) as exc:
+            raise FatalKafkaError(f"cannot make a Kafka consumer again: {exc}; exiting") from exc
+        try:
+            old.close()  # a static member sends no LeaveGroup; its callbacks are ignored
+        except (ck.KafkaException, RuntimeError) as exc:
+            _log.warning("closing the fenced consumer: %s", exc)
+        if self._topics:
+            self._guard(
+                "subscribing again",
+                lambda: self._client.subscribe(self._topics, **self._callbacks),
+            )
+        return True
+
+    @property
+    def rejoins(self) -> int:
+        """How many times this consumer rejoined its group after an instance fence."""
+        return 0 if self._rejoin is None else self._rejoin.rejoins
 
     def _topic_exists(self, topic: str) -> bool:
         # An unknown-topic event can precede metadata propagation of a topic
@@ -241,6 +345,17 @@ class Consumer:
             return
         if not self._has_group:
             raise ConfigurationError("a consumer without a group_id cannot commit offsets")
+        try:
+            self._commit(offsets)
+        except FatalKafkaError as exc:
+            if not self._rejoined(None, str(exc)):
+                raise
+            raise TransientError(
+                "committing offsets failed: the consumer was fenced and rejoined its group; "
+                "the records since the last commit will be delivered again"
+            ) from exc
+
+    def _commit(self, offsets: Mapping[Partition, int]) -> None:
         result = self._guard(
             "committing offsets",
             lambda: self._client.commit(offsets=_tps_at(offsets), asynchronous=False),
@@ -368,4 +483,12 @@ class Consumer:
         try:
             return operation()
         except ck.KafkaException as exc:
-            raise _translate(_error_of(exc), doing, text=str(exc), topic=topic) from exc
+            error = _translate(_error_of(exc), doing, text=str(exc), topic=topic)
+            if isinstance(error, FatalKafkaError) and self._rejoined(None, str(exc)):
+                # The client's first call after the fence (a seek, a pause): the new one
+                # owns nothing yet, so the call has nothing left to act on.
+                raise TransientError(
+                    f"{doing} failed: the consumer was fenced by its instance id and "
+                    "rejoined its group"
+                ) from exc
+            raise error from exc

@@ -77,7 +77,9 @@ class _ProducerBase:
 
     def _translated(self, exc: ck.KafkaException, doing: str, topic: str | None) -> SagaError:
         err = _error_of(exc)
-        if err is not None and (err.fatal() or err.code() in _FENCED_CODES):
+        if err is not None and (
+            err.fatal() or (err.code() in _FENCED_CODES and not err.txn_requires_abort())
+        ):
             self._fatal = err
         elif err is not None and err.code() == _E._FATAL and self._fatal is not None:
             # After a fatal error librdkafka answers every call with a bare _FATAL;

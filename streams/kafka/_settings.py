@@ -153,6 +153,27 @@ def _read_config_file(path: str) -> dict[str, str]:
     return settings
 
 
+FAILOVER_DEFAULTS: Final = MappingProxyType(
+    {
+        # librdkafka waits up to 10 s (its default) before reconnecting to a broker it lost:
+        # a broker back from a restart in seconds sat unused that long.
+        "reconnect.backoff.max.ms": 1000,
+        # A paused (or unreachable but not refusing) broker held a new connection for 30 s.
+        "socket.connection.setup.timeout.ms": 5000,
+        # Leader and coordinator moves are learnt from errors at once; this also catches
+        # those no request failed on (a paused leader), every 10 s instead of every 5 min.
+        "topic.metadata.refresh.interval.ms": 10_000,
+    }
+)
+"""Client settings for riding through broker failovers (README, Running on a cluster);
+every one of them can be set otherwise in the user's extra settings."""
+
+CONSUMER_SOCKET_TIMEOUT_MS: Final = 10_000
+"""A consumer's request timeout (librdkafka's 60 s default): a fetch to a paused leader
+held its partitions that long after the controller had moved them to a live broker. A
+transactional producer's is already below its transaction timeout (librdkafka adjusts it)."""
+
+
 def _client_config(settings: KafkaSettings, **fixed: Any) -> dict[str, Any]:
     """The librdkafka configuration: address, the user's extras, then saga's fixed values."""
     config: dict[str, Any] = {
@@ -160,6 +181,7 @@ def _client_config(settings: KafkaSettings, **fixed: Any) -> dict[str, Any]:
         "logger": _librdkafka_log,
         # Brokers close idle connections routinely; that is not worth a log line.
         "log.connection.close": False,
+        **FAILOVER_DEFAULTS,
     }
     config.update(settings.extra)
     config.update({key.replace("_", "."): value for key, value in fixed.items()})

@@ -1,7 +1,8 @@
 """librdkafka errors translated to saga's error tree.
 
-* :class:`~streams._errors.FatalKafkaError`: a fenced transactional producer or
-  any error librdkafka flags as fatal; the process should exit.
+* :class:`~streams._errors.FatalKafkaError`: a fenced transactional producer
+  (``fenced`` set) or any error librdkafka flags as fatal; the client cannot be
+  used again (a new one may be made: see coordinator._txn).
 * :class:`TransactionAborted` (a :class:`~streams._errors.TransientError`): the
   current Kafka transaction cannot commit; abort it and re-process from the last
   committed offsets.
@@ -58,7 +59,7 @@ def _error_of(exc: ck.KafkaException) -> ck.KafkaError | None:
 def _fenced_sentence(transactional_id: str) -> str:
     return (
         f"this process's transactional producer ({transactional_id!r}) was fenced by a "
-        "newer instance with the same transactional.id; exiting"
+        "newer instance with the same transactional.id"
     )
 
 
@@ -74,15 +75,19 @@ def _translate(
     if err is None:
         return TransientError(f"{doing} failed: {text}")
     code = err.code()
-    if code in _FENCED_CODES and transactional_id is not None:
-        return FatalKafkaError(_fenced_sentence(transactional_id))
-    if err.fatal() or code == _E._FATAL:
-        return FatalKafkaError(f"{doing} failed with a fatal Kafka error: {err.str()}; exiting")
-    if err.txn_requires_abort():
+    # Abortable first: librdkafka (KIP-360) reports an epoch it bumped itself, e.g.
+    # INVALID_PRODUCER_EPOCH from a partition leader after a broker failover, as an
+    # abortable error. Taken for a fence, it stopped coordinators that no newer
+    # instance had replaced (found by the three-broker chaos profile).
+    if err.txn_requires_abort() and not err.fatal():
         return TransactionAborted(
             f"{doing} failed: {err.str()}; the transaction must be aborted and the "
             "records re-processed from the last committed offsets"
         )
+    if code in _FENCED_CODES and transactional_id is not None:
+        return FatalKafkaError(_fenced_sentence(transactional_id), fenced=True)
+    if err.fatal() or code == _E._FATAL:
+        return FatalKafkaError(f"{doing} failed with a fatal Kafka error: {err.str()}; exiting")
     if code in _UNKNOWN_TOPIC_CODES and topic is not None:
         return ConfigurationError(
             f"topic {topic} does not exist: create the topics with `saga topics create`"

@@ -40,7 +40,10 @@ coordinator service and the participant runtime step by step:
   before the flush loses them.
 
 Test hooks: :meth:`InMemoryLog.fail_next_commit` (the next transaction commit
-raises ``TransactionAborted``), :meth:`InMemoryLog.drop`, :meth:`InMemoryLog.kill`
+raises ``TransactionAborted``), :meth:`InMemoryLog.fail_next_call` (the next
+``init``/``begin``/``send_offsets``/``commit``/``abort`` of a transactional id
+raises a given error, before or after doing its work; a ``FatalKafkaError`` leaves
+that producer unusable), :meth:`InMemoryLog.drop`, :meth:`InMemoryLog.kill`
 (every client last used by a thread dies with it: buffered records are lost, open
 transactions stay open, group members are dropped, and any further call raises
 :class:`Killed`), :class:`KillAt` (fault hooks that kill at a fault point),
@@ -80,7 +83,9 @@ transaction, as if its timeout had passed: a test cannot show a service waiting
 for a previous owner's commit), the order of a batch (a poll returns records
 partition by partition in assignment order, topics sorted by name, each as far as
 ``max_messages`` allows; a real client interleaves partitions in no set order),
-incremental (cooperative) rebalances, static membership, sticky assignment,
+incremental (cooperative) rebalances, static membership (except that a member
+joining with a live member's ``group_instance_id`` fences it: its next call raises
+:class:`~streams.FatalKafkaError`), sticky assignment,
 session timeouts by time, transaction timeouts, compaction, retention and deletion
 (the low watermark is always 0), the idempotent producer's sequence numbers,
 ``poll`` delivering records (only ``flush`` does), quotas and record size limits,

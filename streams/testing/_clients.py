@@ -6,6 +6,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Self
 
 from streams._errors import ConfigurationError, FatalKafkaError, TransientError
+from streams._rejoin import RejoinPolicy
 from streams.kafka import (
     OFFSET_BEGINNING,
     OFFSET_END,
@@ -51,11 +52,38 @@ class InMemoryConsumer(_Client):
         self._assigned: list[Partition] = []
         self._positions: dict[Partition, int | None] = {}  # None: from the committed offset
         self._paused: set[Partition] = set()
+        self.replaced = False  # a newer member joined with its group_instance_id
+        self._rejoin: RejoinPolicy | None = None  # made at the first fence
 
     def _live(self) -> None:
         self._touch()
         if self.closed:
             raise TransientError(f"consumer {self.client_id} is closed")
+        if self.replaced and self._rejoins():
+            # As streams.kafka.Consumer: the first fence is ridden through by rejoining
+            # with the same id. Dropped from the group, the next poll rejoins (on_lost,
+            # then a new member id, which fences the other holder of the id back).
+            self.replaced = False
+        if self.replaced:
+            raise FatalKafkaError(
+                "the Kafka consumer hit a fatal error: static consumer fenced by another "
+                f"consumer with the same group.instance.id ({self.group_instance_id}); exiting"
+            )
+
+    def _rejoins(self) -> bool:
+        """Whether this fence is ridden through (streams._rejoin.RejoinPolicy, log clock)."""
+        if self.group_instance_id is None:
+            return False
+        if self._rejoin is None:
+            self._rejoin = RejoinPolicy(
+                self.group_instance_id, clock=lambda: self.log.clock() / 1000
+            )
+        return self._rejoin.allow("replaced by a member with the same group.instance.id")
+
+    @property
+    def rejoins(self) -> int:
+        """How many times this consumer rejoined its group after an instance fence."""
+        return 0 if self._rejoin is None else self._rejoin.rejoins
 
     # -- group membership
 
@@ -207,7 +235,10 @@ class InMemoryConsumer(_Client):
         with self.log._lock:
             if (topic, partition) not in self._assigned:
                 raise TransientError(f"seeking {topic} [{partition}]: partition not assigned")
-            self._positions[(topic, partition)] = offset
+            end = len(self.log._entries(topic, partition))
+            self._positions[(topic, partition)] = {OFFSET_BEGINNING: 0, OFFSET_END: end}.get(
+                offset, offset
+            )
 
     # -- flow control and metadata
 
@@ -337,6 +368,7 @@ class InMemoryTransactionalProducer(InMemoryProducer):
         self.transactional_id = transactional_id
         self._ready = False
         self._fenced = False
+        self._fatal: FatalKafkaError | None = None  # injected: the client cannot go on
         self._txn: _Txn | None = None
 
     def _check(self) -> None:
@@ -344,14 +376,29 @@ class InMemoryTransactionalProducer(InMemoryProducer):
         if self._fenced:
             raise FatalKafkaError(
                 f"this process's transactional producer ({self.transactional_id!r}) was fenced "
-                "by a newer instance with the same transactional.id; exiting"
+                "by a newer instance with the same transactional.id",
+                fenced=True,
             )
+        if self._fatal is not None:
+            raise self._fatal
         if self.closed:
             raise TransientError(f"producer {self.client_id} is closed")
+
+    def _injected(self, call: str, *, after: bool) -> None:
+        """Raise the failure a test queued for ``call`` (see InMemoryLog.fail_next_call)."""
+        with self.log._lock:
+            queued = self.log._call_failures.get((self.transactional_id, call))
+            if not queued or queued[0][1] != after:
+                return
+            error, _ = queued.pop(0)
+        if isinstance(error, FatalKafkaError):
+            self._fatal = error
+        raise error
 
     def init(self, timeout: float = 30.0) -> None:
         """Fence the previous producer of this id and abort its open transaction."""
         self._check()
+        self._injected("init", after=False)
         with self.log._lock:
             previous = self.log._txn_owner.get(self.transactional_id)
             if previous is not None and previous is not self:
@@ -367,6 +414,7 @@ class InMemoryTransactionalProducer(InMemoryProducer):
             raise RuntimeError("begin() before init()")
         if self._txn is not None and self._txn.state == "open":
             raise RuntimeError("begin() while a transaction is open")
+        self._injected("begin", after=False)
         self._txn = _Txn(self.transactional_id)
 
     def _open(self) -> _Txn:
@@ -405,6 +453,7 @@ class InMemoryTransactionalProducer(InMemoryProducer):
         """Make ``offsets`` pending in the transaction; a stale member dooms the commit."""
         self._check()
         txn = self._open()
+        self._injected("send_offsets", after=False)
         if not offsets:
             return
         for tp, offset in offsets.items():
@@ -428,6 +477,7 @@ class InMemoryTransactionalProducer(InMemoryProducer):
     def commit(self, timeout: float = 30.0) -> None:
         self._check()
         txn = self._open()
+        self._injected("commit", after=False)
         if self.log._take_commit_failure(self.transactional_id):
             txn.doomed = txn.doomed or "failure injected by the test"
         if txn.doomed is not None:
@@ -436,9 +486,11 @@ class InMemoryTransactionalProducer(InMemoryProducer):
                 "must be aborted and the records re-processed from the last committed offsets"
             )
         self.log._end_transaction(txn, "committed")
+        self._injected("commit", after=True)
 
     def abort(self, timeout: float = 30.0) -> None:
         self._check()
+        self._injected("abort", after=False)
         if self._txn is not None and self._txn.state == "open":
             self.log._end_transaction(self._txn, "aborted")
 

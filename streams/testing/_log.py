@@ -6,7 +6,7 @@ import itertools
 import threading
 from typing import TYPE_CHECKING, Literal
 
-from streams._errors import ConfigurationError
+from streams._errors import ConfigurationError, SagaError
 from streams._lifecycle import Clock, wall_clock_ms
 from streams._topics import Topics
 from streams.kafka import KafkaSettings, Message, Partition, RebalanceCallback
@@ -37,6 +37,8 @@ class InMemoryLog:
         self._groups: dict[str, _Group] = {}
         self._txn_owner: dict[str, InMemoryTransactionalProducer] = {}
         self._failing_commits: dict[str | None, int] = {}
+        # (transactional id, call) -> errors its next calls raise, and whether after acting.
+        self._call_failures: dict[tuple[str, str], list[tuple[SagaError, bool]]] = {}
         self._clients: list[_Client] = []
         self._dead_threads: set[int] = set()
         self._gates: dict[int, _Gate] = {}
@@ -102,8 +104,10 @@ class InMemoryLog:
     ) -> InMemoryConsumer:
         """A consumer; every group assigns by range, whatever ``assignment_strategy`` says.
 
-        ``group_instance_id`` is kept on the consumer (for tests to read) but static
-        membership is not modelled: there are no sessions to outlive.
+        ``group_instance_id`` (static membership) is modelled only as Kafka fences: a
+        consumer that joins with the id of a live member replaces it, and the replaced
+        one's next call raises :class:`~streams.FatalKafkaError` (there are no sessions
+        to outlive).
         """
         made = InMemoryConsumer(
             self,
@@ -149,6 +153,11 @@ class InMemoryLog:
         with self._lock:
             consumer.member_id = f"{consumer.client_id}-{next(self._member_ids):06d}"
             group = self._group(consumer.group_id)
+            if consumer.group_instance_id is not None:
+                for member_id, member in list(group.members.items()):
+                    if member.group_instance_id == consumer.group_instance_id:
+                        del group.members[member_id]  # fenced, as Kafka's FENCED_INSTANCE_ID
+                        member.replaced = True
             group.members[consumer.member_id] = consumer
             self._regroup(group)
 
@@ -240,6 +249,23 @@ class InMemoryLog:
             self._failing_commits[transactional_id] = (
                 self._failing_commits.get(transactional_id, 0) + times
             )
+
+    def fail_next_call(
+        self,
+        transactional_id: str,
+        call: Literal["init", "begin", "send_offsets", "commit", "abort"],
+        error: SagaError,
+        *,
+        after: bool = False,
+    ) -> None:
+        """Make the next ``call`` of the producer of ``transactional_id`` raise ``error``.
+
+        With ``after``, the call does its work first (a commit commits: its answer was
+        lost). A :class:`~streams.FatalKafkaError` leaves the producer unusable: every
+        later call raises it too, as librdkafka does after a fatal error. Calls queue.
+        """
+        with self._lock:
+            self._call_failures.setdefault((transactional_id, call), []).append((error, after))
 
     def _take_commit_failure(self, transactional_id: str) -> bool:
         with self._lock:

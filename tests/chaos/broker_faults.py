@@ -34,7 +34,7 @@ from tests.chaos.kafka_cluster import NODES, BrokerCluster
 from tests.chaos.system import System
 from tests.chaos.workload import PARTICIPANTS
 
-BROKER_SESSION_TIMEOUT_S = 9.0  # broker.session.timeout.ms of infra/kafka-cluster.sh
+BROKER_SESSION_TIMEOUT_S = 6.0  # broker.session.timeout.ms of infra/kafka-cluster.sh
 DOWN_S = 120.0  # how long broker.down keeps its node down
 ROLES = ("leader", "txn_coordinator", "group_coordinator")
 BROKER_FAULT_TYPES = (
