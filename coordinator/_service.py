@@ -37,7 +37,7 @@ from coordinator._machine import (
 from coordinator._observe import CoordinatorObserver
 from coordinator._restore import restore
 from coordinator._retention import PartitionState, due_to_forget, due_to_refresh
-from coordinator._txn import Transactions
+from coordinator._txn import Transactions, next_offsets
 from streams import (
     Decision,
     FatalKafkaError,
@@ -543,10 +543,7 @@ class CoordinatorService(Stoppable):
                 events.append((out.tx_id, value, route))
             else:
                 last_status[out.tx_id] = value
-        offsets: dict[tuple[str, int], int] = {}
-        for m in messages:
-            key = (m.topic, m.partition)
-            offsets[key] = max(offsets.get(key, 0), m.offset + 1)
+        offsets = next_offsets(messages)
         committing = False
         try:
             self._producer.begin()

@@ -39,11 +39,11 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Final
 
 from streams import FatalKafkaError, SagaError, TransientError
-from streams.kafka import OFFSET_BEGINNING, TransactionAborted
+from streams.kafka import OFFSET_BEGINNING, Message, TransactionAborted
 from streams.log import LogConsumer, LogTransactionalProducer
 
 log = logging.getLogger("saga.coordinator")
@@ -197,3 +197,12 @@ class Transactions:
                 log.warning("reading the committed offsets: %s; retrying", exc)
                 time.sleep(delay)
                 delay = min(delay * 2, 2.0)
+
+
+def next_offsets(messages: Iterable[Message]) -> dict[tuple[str, int], int]:
+    """The offset to commit per (topic, partition): one past the last message read."""
+    offsets: dict[tuple[str, int], int] = {}
+    for m in messages:
+        key = (m.topic, m.partition)
+        offsets[key] = max(offsets.get(key, 0), m.offset + 1)
+    return offsets

@@ -110,7 +110,7 @@ def test_the_coordinator_rides_through_a_failed_transaction_and_decides_once(
     assert stepper.running, "the coordinator exited"
     assert service._txns.resets == resets
     assert sorted(decisions(log)) == sorted((tx, Outcome.COMMIT) for tx in txs)
-    assert all(state(log, tx) is SagaState.COMMITTING for tx in txs)
+    assert all(state(log, tx) is SagaState.COMMITTED for tx in txs)
     assert caught_up(log)
     # It goes on deciding with the same state: a new saga commits, nothing is decided twice.
     late = tx_on(1, 1)
