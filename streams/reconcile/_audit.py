@@ -370,6 +370,7 @@ def classify(frame: Any, *, as_of_ms: int) -> Any:
             "n_events AS events",
             "n_aborts",
             "n_resolves",
+            "CASE WHEN ops IS NULL THEN 0 ELSE size(ops) END AS n_ops",
             "bad_requests",
             "bad_events",
             "bad_decisions",
