@@ -707,8 +707,8 @@ def test_replay_republishes_the_original_records(
         s.request("stuck-no-decision", ("bank", "shop"))
         s.event("stuck-no-decision", 0, "applied")
         s.request("stuck-commit", ("bank", "shop"))
-        s.event("stuck-commit", 0, "applied")
-        s.event("stuck-commit", 1, "applied")
+        s.event("stuck-commit", 0, "applied", confirm=True)
+        s.event("stuck-commit", 1, "applied", confirm=True)
         s.decision("stuck-commit", "commit")
         producer.flush(30)
     t = settings.topics

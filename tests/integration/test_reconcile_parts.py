@@ -30,6 +30,7 @@ from streams.reconcile._config import parse_offsets, parse_since
 from streams.reconcile._dlq import DeadLetter, TxFacts, judge, rejected_at
 from streams.reconcile._replay import plan_resends
 from streams.reconcile._sources import jdbc_address
+from streams.reconcile._spark import SMALL_LOG, shuffle_partitions_for
 from streams.reconcile.bench import expected_classes
 
 pytestmark = pytest.mark.unit
@@ -288,6 +289,14 @@ def test_benchmark_mix_adds_up() -> None:
         "compensation_failed": 5,
         "violation": 5,
     }
+
+
+def test_shuffle_partitions_follow_the_size_of_the_log() -> None:
+    """Two for the demo's log (one per core of a small machine), eight for millions."""
+    assert shuffle_partitions_for(0) == 2
+    assert shuffle_partitions_for(16_053) == 2
+    assert shuffle_partitions_for(SMALL_LOG) == 4
+    assert shuffle_partitions_for(5_875_000) == 8
 
 
 def test_public_names() -> None:
