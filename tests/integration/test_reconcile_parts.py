@@ -30,7 +30,7 @@ from streams.reconcile._config import parse_offsets, parse_since
 from streams.reconcile._dlq import DeadLetter, TxFacts, judge, rejected_at
 from streams.reconcile._replay import plan_resends
 from streams.reconcile._sources import jdbc_address
-from streams.reconcile._spark import SMALL_LOG, shuffle_partitions_for
+from streams.reconcile._spark import SMALL_LOG, class_archive_options, shuffle_partitions_for
 from streams.reconcile.bench import expected_classes
 
 pytestmark = pytest.mark.unit
@@ -297,6 +297,28 @@ def test_shuffle_partitions_follow_the_size_of_the_log() -> None:
     assert shuffle_partitions_for(16_053) == 2
     assert shuffle_partitions_for(SMALL_LOG) == 4
     assert shuffle_partitions_for(5_875_000) == 8
+
+
+def test_the_class_archive_is_written_once_then_used(tmp_path: Path) -> None:
+    """No archive yet: the JVM is asked to write one (a name of its own); once there,
+    to map it; a jar that changed asks for a new one and the old one goes."""
+    jar = tmp_path / "extra.jar"
+    jar.write_bytes(b"x")
+    environ = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
+    first = class_archive_options([jar], environ)
+    assert "-Xlog:cds*=off" in first
+    [write] = [o for o in first if o.startswith("-XX:ArchiveClassesAtExit=")]
+    archive = Path(write.split("=", 1)[1])
+    assert archive.parent == tmp_path / "cache" / "saga-olep"
+    archive.write_bytes(b"archive")  # what the JVM does as it exits
+    assert f"-XX:SharedArchiveFile={archive}" in class_archive_options([jar], environ)
+    jar.write_bytes(b"changed")
+    again = class_archive_options([jar], environ)
+    assert any(o.startswith("-XX:ArchiveClassesAtExit=") for o in again)
+    assert not archive.exists()
+    # A cache folder that cannot be made: no archive, no failure.
+    (tmp_path / "file").write_bytes(b"")
+    assert class_archive_options([jar], {"XDG_CACHE_HOME": str(tmp_path / "file")}) == []
 
 
 def test_public_names() -> None:
