@@ -14,6 +14,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -83,6 +84,9 @@ partitions that are tiny anyway. On the demo's log both together saved about
 4 s of the driver's CPU beside the JVM options."""
 
 
+_ARCHIVE_SETTLE_S: Final = 30.0
+
+
 def class_archive_options(jars: list[Path], environ: Mapping[str, str]) -> list[str]:
     """JVM options that load Spark's classes from a class-data archive (CDS), or, when
     there is none yet for this Java, Spark and jars, write one as the JVM exits.
@@ -113,8 +117,13 @@ def class_archive_options(jars: list[Path], environ: Mapping[str, str]) -> list[
         key = f"reconcile-{digest.hexdigest()[:16]}"
         quiet = "-Xlog:cds*=off"
         found = sorted(cache.glob(f"{key}.*.jsa"))
+        # One written in the last half minute may still be being written by a JVM that
+        # is exiting: run without an archive rather than map half of one.
+        done = [p for p in found if time.time() - p.stat().st_mtime > _ARCHIVE_SETTLE_S]
+        if done:
+            return [f"-XX:SharedArchiveFile={done[0]}", quiet]
         if found:
-            return [f"-XX:SharedArchiveFile={found[0]}", quiet]
+            return []
         cache.mkdir(parents=True, exist_ok=True)
         for old in cache.glob("reconcile-*.jsa"):
             old.unlink(missing_ok=True)
