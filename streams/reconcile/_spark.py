@@ -105,12 +105,12 @@ def class_archive_options(jars: list[Path], environ: Mapping[str, str]) -> list[
 
     import pyspark
 
-    cache = Path(environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "saga-olep"
     digest = hashlib.sha256()
     digest.update(f"{pyspark.__version__}|{environ.get('JAVA_HOME')}|".encode())
     digest.update(f"{environ.get('SPARK_HOME')}|{' '.join(QUICK_JVM_OPTIONS)}".encode())
     spark_jars = Path(environ.get("SPARK_HOME") or Path(pyspark.__file__).parent) / "jars"
     try:
+        cache = Path(environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "saga-olep"
         for jar in [*sorted(spark_jars.glob("*.jar")), *jars]:
             info = jar.stat()
             digest.update(f"|{jar}:{info.st_size}:{info.st_mtime_ns}".encode())
@@ -127,7 +127,7 @@ def class_archive_options(jars: list[Path], environ: Mapping[str, str]) -> list[
         cache.mkdir(parents=True, exist_ok=True)
         for old in cache.glob("reconcile-*.jsa"):
             old.unlink(missing_ok=True)
-    except OSError:
+    except (OSError, RuntimeError):  # RuntimeError: no home folder to be found
         return []
     # One name per writer: two first runs at once each write their own whole file.
     return [f"-XX:ArchiveClassesAtExit={cache / f'{key}.{os.getpid()}.jsa'}", quiet]
