@@ -85,6 +85,9 @@ partitions that are tiny anyway. On the demo's log both together saved about
 
 
 _ARCHIVE_SETTLE_S: Final = 30.0
+_ARCHIVE_CLAIM_S: Final = 900.0
+"""How long a run that set out to write the archive keeps others from writing one too
+(its JVM writes it as it exits, up to a minute or two after the command returns)."""
 
 
 def class_archive_options(jars: list[Path], environ: Mapping[str, str]) -> list[str]:
@@ -98,8 +101,11 @@ def class_archive_options(jars: list[Path], environ: Mapping[str, str]) -> list[
     about 180 MB, named by a digest of what it depends on, so a new Spark, Java or
     jar writes a new one (and the old ones are removed). The JVM checks the class
     path itself and runs without the archive when it does not match; its messages
-    about the archive are silenced (they would go to standard output). No options
-    when the folder cannot be written.
+    about the archive are silenced (they would go to standard output). The JVM
+    writes the archive as it exits, so the first run's JVM outlives the command by
+    a minute or so; meanwhile (and for :data:`_ARCHIVE_CLAIM_S` at most) a claim
+    file keeps other runs from writing one too. No options when the folder cannot
+    be written.
     """
     import hashlib
 
@@ -125,8 +131,16 @@ def class_archive_options(jars: list[Path], environ: Mapping[str, str]) -> list[
         if found:
             return []
         cache.mkdir(parents=True, exist_ok=True)
-        for old in cache.glob("reconcile-*.jsa"):
-            old.unlink(missing_ok=True)
+        claim = cache / f"{key}.claim"
+        try:
+            if time.time() - claim.stat().st_mtime < _ARCHIVE_CLAIM_S:
+                return []  # another run's JVM is writing it
+        except FileNotFoundError:
+            pass
+        claim.write_text(str(os.getpid()), encoding="utf-8")
+        for old in [*cache.glob("reconcile-*.jsa"), *cache.glob("reconcile-*.claim")]:
+            if old != claim:
+                old.unlink(missing_ok=True)
     except (OSError, RuntimeError):  # RuntimeError: no home folder to be found
         return []
     # One name per writer: two first runs at once each write their own whole file.

@@ -312,6 +312,7 @@ def test_the_class_archive_is_written_once_then_used(tmp_path: Path) -> None:
     [write] = [o for o in first if o.startswith("-XX:ArchiveClassesAtExit=")]
     archive = Path(write.split("=", 1)[1])
     assert archive.parent == tmp_path / "cache" / "saga-olep"
+    assert class_archive_options([jar], environ) == []  # the first run's JVM will write it
     archive.write_bytes(b"archive")  # what the JVM does as it exits
     assert class_archive_options([jar], environ) == []  # it may still be writing
     os.utime(archive, (time.time() - 60, time.time() - 60))
@@ -320,6 +321,7 @@ def test_the_class_archive_is_written_once_then_used(tmp_path: Path) -> None:
     again = class_archive_options([jar], environ)
     assert any(o.startswith("-XX:ArchiveClassesAtExit=") for o in again)
     assert not archive.exists()
+    assert [p.suffix for p in archive.parent.iterdir()] == [".claim"]
     # A cache folder that cannot be made: no archive, no failure.
     (tmp_path / "file").write_bytes(b"")
     assert class_archive_options([jar], {"XDG_CACHE_HOME": str(tmp_path / "file")}) == []
