@@ -17,7 +17,11 @@ Classes, most severe first: ``violation`` (an invariant is broken; the row
 names which and why), ``compensation_failed``, ``resolved_by_hand`` (rolled back
 once an operator's ``saga.resolve`` closed each failed compensation), ``stuck_no_decision`` (no
 decision ``grace`` after the deadline), ``stuck_unfinished`` (a decision, and
-``grace`` after it a step still lacks ``committed``/``compensated``),
+``grace`` after it a step still lacks ``compensated`` after a rollback, or, after a
+commit, ``committed`` where its ``applied`` event said ``"confirm": true``; a step
+with nothing to confirm is finished by the commit decision itself, and a
+``committed`` event for it, as every step got before the ``confirm`` field, is
+harmless),
 ``in_flight`` (still within its deadline or grace), ``ok``.
 """
 
@@ -94,7 +98,8 @@ _AGGREGATES: Final = {
         'outcome', outcome, 'at_ms', at_ms, 'reason', reason) END)""",
     "outcomes": "array_sort(collect_set(CASE WHEN kind = 'decision' THEN outcome END))",
     "events": """collect_list(CASE WHEN kind = 'event' THEN named_struct('step', step,
-        'participant', participant, 'status', status, 'at_ms', at_ms, 'off', off) END)""",
+        'participant', participant, 'status', status, 'at_ms', at_ms, 'off', off,
+        'confirm', confirm) END)""",
     "max_applied_ms": "max(CASE WHEN kind = 'event' AND status = 'applied' THEN at_ms END)",
     "m_applied": _mask("applied"),
     "m_failed": _mask("failed"),
@@ -102,6 +107,10 @@ _AGGREGATES: Final = {
     "m_compensated": _mask("compensated"),
     "m_comp_failed": _mask("compensation_failed"),
     "m_reported": "bit_or(CASE WHEN kind = 'event' THEN shiftleft(1L, step) ELSE 0L END)",
+    # Steps whose `applied` event said `"confirm": true`: on commit, only those owe a
+    # `committed` event; the others are finished by the decision itself.
+    "m_confirm": """bit_or(CASE WHEN kind = 'event' AND status = 'applied' AND confirm
+        THEN shiftleft(1L, step) ELSE 0L END)""",
 }
 
 
@@ -157,6 +166,8 @@ def per_transaction(union: Any, *, as_of_ms: int, grace_ms: int, window: bool) -
             ("m_comp_failed", "compensation_failed"),
         )
     }
+    own_mask["m_confirm"] = f"""aggregate(filter(events, e -> {_OWN} AND e.status = 'applied'
+        AND e.confirm), 0L, (acc, e) -> acc | shiftleft(1L, e.step))"""
     own_mask["m_reported"] = (
         f"aggregate(filter(events, e -> {_OWN}), 0L, (acc, e) -> acc | shiftleft(1L, e.step))"
     )
@@ -184,7 +195,7 @@ def per_transaction(union: Any, *, as_of_ms: int, grace_ms: int, window: bool) -
     frame = frame.selectExpr(
         "*",
         "dec.outcome AS outcome",
-        """CASE WHEN dec.outcome = 'commit' THEN m_all & ~m_committed
+        """CASE WHEN dec.outcome = 'commit' THEN m_all & m_confirm & ~m_committed
                 WHEN dec.outcome = 'rollback' THEN m_all & ~(m_compensated | m_resolved)
                 ELSE 0L END AS m_unfinished""",
         "m_comp_failed & ~m_compensated & ~m_resolved AS m_comp_open",
@@ -281,7 +292,9 @@ def ledger_findings(
     the request and the rollback, re-reports only the step's latest state (found
     by the chaos suite). An ``applied`` event from a participant in ``covered``
     must have a ledger entry with ``effect``. Entries with an unresolved intent
-    (MongoDB without transactions) are not judged.
+    (MongoDB without transactions) are not judged. The entry's status is not
+    compared with the decision: a step with nothing to confirm stays ``applied`` in
+    its ledger after the commit (its participant does nothing on commit).
     """
     from pyspark.sql import functions as F
 
@@ -357,6 +370,7 @@ def classify(frame: Any, *, as_of_ms: int) -> Any:
             "n_events AS events",
             "n_aborts",
             "n_resolves",
+            "CASE WHEN ops IS NULL THEN 0 ELSE size(ops) END AS n_ops",
             "bad_requests",
             "bad_events",
             "bad_decisions",

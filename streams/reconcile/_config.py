@@ -174,7 +174,9 @@ class ReconcileConfig:
     show: int = 20
     driver_memory: str = "2g"
     executor_memory: str | None = None
-    shuffle_partitions: int = 8
+    shuffle_partitions: int | None = None
+    """Spark SQL shuffle partitions; None: chosen from the size of the log read
+    (:func:`._spark.shuffle_partitions_for`)."""
     spark_conf: Mapping[str, str] = field(default_factory=dict)
     verbose: int = 0
 
@@ -185,7 +187,7 @@ class ReconcileConfig:
             raise ConfigurationError(
                 "--replay-rate must be a positive number of records per second"
             )
-        if self.shuffle_partitions < 1:
+        if self.shuffle_partitions is not None and self.shuffle_partitions < 1:
             raise ConfigurationError("--shuffle-partitions must be at least 1")
         if self.since_ms is not None and self.starting_offsets is not None:
             raise ConfigurationError("give either --since or --starting-offsets, not both")

@@ -26,8 +26,10 @@ failed business check, 2 could not run (:class:`._spark.ReconcileError`).
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import reduce
 from typing import Any
 
 from streams._codec import decode_as
@@ -139,7 +141,7 @@ def run(
     own = spark is None
     if own:
         say("starting Spark")
-        spark = start_spark(config, jars)
+        spark = start_spark(config, jars, offsets=sum(log.spans().values()))
     t_ready = time.monotonic()
     try:
         return _audit_and_replay(spark, config, log, as_of, t0, t_ready, say)
@@ -196,24 +198,29 @@ def _audit_and_replay(
     ledgers: Any = None
     if config.ledgers:
         with spark_boundary("reading the ledgers"):
-            for source in config.ledgers:
-                part = _sources.ledger_frame(spark, source)
-                ledgers = part if ledgers is None else ledgers.unionByName(part)
-            assert ledgers is not None
-            ledgers = ledgers.persist(StorageLevel.MEMORY_AND_DISK)
-            per_source = ledgers.groupBy("source", "participant").count().collect()
+            read = [_sources.ledger_frame(spark, source) for source in config.ledgers]
+            ledgers = reduce(lambda a, b: a.unionByName(b), [frame for frame, _ in read])
+            counted = [counts for _, counts in read]
+            if any(counts is None for counts in counted):
+                # Read by tasks: one job counts them, and the cache spares a second read.
+                ledgers = ledgers.persist(StorageLevel.MEMORY_AND_DISK)
+                rows = ledgers.groupBy("source", "participant").count().collect()
+                counted = [
+                    Counter(
+                        {r["participant"]: int(r["count"]) for r in rows if r["source"] == s.label}
+                    )
+                    for s in config.ledgers
+                ]
             covered: set[str] = set()
-            for source in config.ledgers:
-                names = {r["participant"] for r in per_source if r["source"] == source.label}
-                names |= set(source.participants or ())
+            for source, counts in zip(config.ledgers, counted, strict=True):
+                assert counts is not None
+                names = set(counts) | set(source.participants or ())
                 covered |= names
                 ledger_info.append(
                     {
                         "source": source.label,
                         "participants": sorted(names),
-                        "entries": sum(
-                            int(r["count"]) for r in per_source if r["source"] == source.label
-                        ),
+                        "entries": sum(counts.values()),
                     }
                 )
             frame = _audit.ledger_findings(
@@ -305,7 +312,9 @@ def _finish(
         }
         records["total"] = sum(records.values())
         say(f"classified {totals['transactions']} transactions from {records['total']} records")
-        operator_count, operator_actions = collect_actions(base)
+        # The counts say which of the queries below can find anything: a clean log's
+        # run skips them (each is a Spark job, a second or so on a small machine).
+        operator_count, operator_actions = collect_actions(base) if totals["n_ops"] else (0, [])
         transactions = final.where("tx_id IS NOT NULL")
         findings_path = config.out / "findings"
         written = transactions if config.write_all else transactions.where("class != 'ok'")
@@ -314,21 +323,31 @@ def _finish(
         severity = F.expr(
             "array_position(array(" + ", ".join(f"'{c}'" for c in _audit.CLASSES) + "), class)"
         )
-        shown = [
-            r.asDict(recursive=True)
-            for r in transactions.where("class != 'ok'")
-            .orderBy(severity, "tx_id")
-            .select(*_OUTPUT_COLUMNS)
-            .limit(config.show)
-            .collect()
-        ]
-        stuck = [
-            r.asDict(recursive=True)
-            for r in transactions.where("replay IS NOT NULL")
-            .select("tx_id", "class", "replay", "request_at", "decision_at")
-            .orderBy("tx_id")
-            .toLocalIterator()
-        ]
+        not_ok = totals["transactions"] - totals["class_ok"]
+        shown = (
+            [
+                r.asDict(recursive=True)
+                for r in transactions.where("class != 'ok'")
+                .orderBy(severity, "tx_id")
+                .select(*_OUTPUT_COLUMNS)
+                .limit(config.show)
+                .collect()
+            ]
+            if not_ok and config.show > 0
+            else []
+        )
+        replayable = totals["class_stuck_no_decision"] + totals["class_stuck_unfinished"]
+        stuck = (
+            [
+                r.asDict(recursive=True)
+                for r in transactions.where("replay IS NOT NULL")
+                .select("tx_id", "class", "replay", "request_at", "decision_at")
+                .orderBy("tx_id")
+                .toLocalIterator()
+            ]
+            if replayable
+            else []
+        )
     t_audit = time.monotonic()
 
     checks = _run_checks(spark, config)
@@ -453,6 +472,7 @@ def _totals(final: Any) -> dict[str, int]:
         "forged_requests": "forged_requests",
         "forged_events": "forged_events",
         "forged_decisions": "forged_decisions",
+        "n_ops": "n_ops",
     }
     exprs = [F.expr(f"coalesce(sum({column}), 0)").alias(name) for name, column in sums.items()]
     exprs.append(F.expr("count_if(tx_id IS NOT NULL)").alias("transactions"))

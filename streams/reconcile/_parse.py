@@ -102,6 +102,7 @@ _UNION_COLUMNS: Final = (
     ("note", "string"),
     ("redriven", "string"),
     ("rkey", "string"),
+    ("confirm", "boolean"),
 )
 
 _REQUESTS_SCHEMA: Final = (
@@ -112,7 +113,7 @@ _REQUESTS_SCHEMA: Final = (
 )
 _EVENTS_SCHEMA: Final = (
     "v BIGINT, type STRING, tx_id STRING, step BIGINT, participant STRING, status STRING, "
-    "reason STRING, at_ms BIGINT"
+    "reason STRING, at_ms BIGINT, confirm BOOLEAN"
 )
 _DECISIONS_SCHEMA: Final = (
     "v BIGINT, type STRING, tx_id STRING, outcome STRING, reason STRING, at_ms BIGINT"
@@ -140,7 +141,7 @@ _REQUEST_KEYS: Final = _keys_within(
     "v", "type", "tx_id", "saga", "mode", "steps", "deadline_ms", "created_ms", "meta"
 )
 _EVENT_KEYS: Final = _keys_within(
-    "v", "type", "tx_id", "step", "participant", "status", "reason", "at_ms"
+    "v", "type", "tx_id", "step", "participant", "status", "reason", "at_ms", "confirm"
 )
 _REQUEST_VALID: Final = f"""coalesce(
     {_common("saga.request")}
@@ -175,7 +176,10 @@ _EVENT_VALID: Final = f"""coalesce(
     AND {_EVENT_KEYS}
     AND r.step BETWEEN 0 AND 63 AND r.participant RLIKE '{_NAME}'
     AND r.status IN ({", ".join(f"'{s}'" for s in EVENT_STATUSES)})
-    AND {_reason(required=False)} AND r.at_ms >= 0, false)"""
+    AND {_reason(required=False)} AND r.at_ms >= 0
+    AND (r.confirm IS NOT NULL OR NOT array_contains(keys, 'confirm')), false)"""
+"""A step event. ``confirm`` is optional and boolean: ``from_json`` gives NULL for
+``null``, a string or a number there, which the schema rejects too."""
 
 _DECISION_VALID: Final = f"""coalesce(
     {_common("saga.decision")}
@@ -334,6 +338,8 @@ def parse_requests(raw: Any, rejected: Any = None, signer: SignerColumn | None =
 def parse_events(raw: Any, rejected: Any = None, signer: SignerColumn | None = None) -> Any:
     """``saga.step`` records of the events topic, or ``invalid``.
 
+    ``confirm``: the event's optional ``confirm`` (false when absent): an ``applied``
+    step that said true expects a ``committed`` event once the commit is decided.
     ``signer``: only events signed by the participant they name are valid.
     """
     checked = _parsed(raw, _EVENTS_SCHEMA, rejected, signer).selectExpr(
@@ -353,6 +359,7 @@ def parse_events(raw: Any, rejected: Any = None, signer: SignerColumn | None = N
         status=f"CASE WHEN {valid} THEN r.status END",
         at_ms=f"CASE WHEN {valid} THEN r.at_ms END",
         reason=f"CASE WHEN {valid} THEN r.reason END",
+        confirm=f"CASE WHEN {valid} THEN coalesce(r.confirm, false) END",
     )
 
 

@@ -26,7 +26,7 @@ _MEANING = {
 }
 _INVARIANT = {
     "I1": "one decision per request",
-    "I2": "commit => every step applied, then committed",
+    "I2": "commit => every step applied (and committed where it said confirm)",
     "I3": "rollback => applied steps compensated, none applied after",
     "I4": "ledgers agree with the log",
     "I6": "only invalid records on the DLQ",

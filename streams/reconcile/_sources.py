@@ -5,8 +5,15 @@
 * MongoDB and Redis through a partition reader written here, run by Spark as
   a Python task (``parallelize`` + ``flatMap``) that yields plain tuples, so
   the job needs no extra Python dependency (a Python ``DataSource`` would need
-  pyarrow). The executors must have this package and the store's driver; in
-  ``local`` mode they run this very interpreter.
+  pyarrow). The executors must have this package and the store's driver.
+
+With a ``local`` master the executors are this process's JVM on this machine, so
+the ledgers (and the MongoDB and Redis tables) are read right here, in the driver,
+by the same readers (PostgreSQL's ledger with psycopg), and handed to Spark as
+local data in chunks of :data:`_CHUNK` rows: a Python task would first start a
+Python worker and import the store driver into it, which on the demo's log cost
+more than reading its three ledgers, and the entries are counted on the way (no
+Spark job just to count them).
 
 Every ledger becomes rows of :data:`LEDGER_SCHEMA`, whatever its layout:
 
@@ -32,15 +39,17 @@ the functions that need them.
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Iterable, Iterator
-from functools import partial
+from functools import partial, reduce
+from itertools import islice
 from typing import Any, Final
 from urllib.parse import unquote, urlsplit
 
 from ._config import LedgerSource, StoreSpec, TableSource
 from ._spark import ReconcileError
 
-__all__ = ["LEDGER_SCHEMA", "ledger_frame", "ping", "table_frame"]
+__all__ = ["LEDGER_SCHEMA", "ledger_frame", "ping", "reads_here", "table_frame"]
 
 LEDGER_SCHEMA: Final = (
     "source STRING, participant STRING, tx_id STRING, step INT, status STRING, "
@@ -48,6 +57,9 @@ LEDGER_SCHEMA: Final = (
 )
 _SAMPLE: Final = 500
 _TIMEOUT_S: Final = 10
+_CHUNK: Final = 100_000
+"""Rows per local DataFrame when the driver reads a store: bounds this process's
+memory whatever the ledger's size."""
 
 
 # ---------------------------------------------------------------- PostgreSQL
@@ -83,6 +95,33 @@ def _jdbc(spark: Any, store: StoreSpec, table: str) -> Any:
     for key, value in props.items():
         reader = reader.option(key, value)
     return reader.option("dbtable", _qualified(store.options.get("schema"), table)).load()
+
+
+def _sql_ledger_rows(url: str, name: str, label: str) -> Iterator[tuple[Any, ...]]:
+    """The step entries of the SQL ledger ``name`` (quoted), streamed by a server-side cursor."""
+    import psycopg
+
+    query = (
+        "SELECT participant, tx_id, step, status, effect, updated_ms "  # noqa: S608 (quoted name)
+        f"FROM {name} WHERE step >= 0"
+    )
+    with (
+        psycopg.connect(url, connect_timeout=_TIMEOUT_S) as conn,
+        conn.cursor(name="saga_reconcile_ledger") as cursor,
+    ):
+        cursor.itersize = 10_000
+        cursor.execute(query)
+        for participant, tx_id, step, status, effect, updated_ms in cursor:
+            yield (
+                label,
+                str(participant),
+                str(tx_id),
+                int(step),
+                status,
+                bool(effect),
+                int(updated_ms or 0),
+                False,
+            )
 
 
 # ---------------------------------------------------------------- MongoDB
@@ -275,17 +314,57 @@ def _redis_fields(url: str, prefix: str) -> list[str]:
 # ---------------------------------------------------------------- frames
 
 
+def reads_here(spark: Any) -> bool:
+    """Whether stores are read in this process (a ``local`` master) rather than by tasks."""
+    return str(spark.sparkContext.master or "").startswith("local")
+
+
+def _local_frame(spark: Any, rows: Iterable[tuple[Any, ...]], schema: str) -> Any:
+    """A DataFrame of ``rows``, read here, handed to Spark :data:`_CHUNK` rows at a time."""
+    frames = []
+    it = iter(rows)
+    while True:
+        chunk = list(islice(it, _CHUNK))
+        frames.append(spark.createDataFrame(chunk, schema))
+        if len(chunk) < _CHUNK:
+            break
+    return reduce(lambda a, b: a.unionByName(b), frames)
+
+
 def _python_frame(spark: Any, rows: Any, schema: str) -> Any:
-    """A one-partition DataFrame of what ``rows()`` yields, read by a Spark task."""
+    """A DataFrame of what ``rows()`` yields: read by a Spark task (one partition), or
+    here with a ``local`` master (:func:`reads_here`)."""
+    if reads_here(spark):
+        return _local_frame(spark, rows(), schema)
     return spark.createDataFrame(
         spark.sparkContext.parallelize([0], 1).flatMap(lambda _: rows()), schema
     )
 
 
-def ledger_frame(spark: Any, source: LedgerSource) -> Any:
-    """The step entries of one ledger as rows of :data:`LEDGER_SCHEMA`."""
+def ledger_frame(spark: Any, source: LedgerSource) -> tuple[Any, Counter[str] | None]:
+    """The step entries of one ledger as rows of :data:`LEDGER_SCHEMA`, and the entries
+    per participant when they were read here (:func:`reads_here`), else None."""
     store = source.store
     label = source.label
+    if reads_here(spark):
+        counts: Counter[str] = Counter()
+        wanted = set(source.participants) if source.participants is not None else None
+
+        def counted(rows: Iterable[tuple[Any, ...]]) -> Iterator[tuple[Any, ...]]:
+            for row in rows:
+                if wanted is None or row[1] in wanted:
+                    counts[row[1]] += 1
+                    yield row
+
+        if store.kind == "sql":
+            name = _qualified(store.options.get("schema"), store.option("table", "saga_ledger"))
+            rows = _sql_ledger_rows(store.url, name, label)
+        elif store.kind == "mongo":
+            collection = store.option("collection", "saga_ledger")
+            rows = _mongo_ledger_rows(store.url, _mongo_database(store), collection, label)
+        else:
+            rows = _redis_ledger_rows(store.url, store.option("prefix", "saga"), label)
+        return _local_frame(spark, counted(rows), LEDGER_SCHEMA), counts
     if store.kind == "sql":
         from pyspark.sql import functions as F
 
@@ -314,7 +393,7 @@ def ledger_frame(spark: Any, source: LedgerSource) -> Any:
         frame = _python_frame(spark, reader, LEDGER_SCHEMA)
     if source.participants is not None:
         frame = frame.where(frame.participant.isin(list(source.participants)))
-    return frame
+    return frame, None
 
 
 def table_frame(spark: Any, table: TableSource) -> Any:

@@ -95,10 +95,11 @@ def generate(spark: Any, settings: KafkaSettings, sagas: int, now_ms: int) -> in
         'v', 1, 'type', 'saga.request', 'tx_id', tx, 'saga', 'transfer', 'mode', 'parallel',
         'steps', {steps}, 'deadline_ms', deadline, 'created_ms', created)))"""
 
-    def event(step: int, participant: str, status: str, at: str) -> str:
+    def event(step: int, participant: str, status: str, at: str, confirm: bool = False) -> str:
+        said = ", 'confirm', true" if confirm else ""
         return f"""named_struct('topic', '{t.events}', 'value', to_json(named_struct(
             'v', 1, 'type', 'saga.step', 'tx_id', tx, 'step', {step},
-            'participant', '{participant}', 'status', '{status}', 'at_ms', {at})))"""
+            'participant', '{participant}', 'status', '{status}', 'at_ms', {at}{said})))"""
 
     def decision(outcome: str, at: str) -> str:
         return f"""named_struct('topic', '{t.decisions}', 'value', to_json(named_struct(
@@ -128,9 +129,11 @@ def generate(spark: Any, settings: KafkaSettings, sagas: int, now_ms: int) -> in
         ],
         "in_flight": [request, event(0, "bank", "applied", "created + 10")],
         "no_decision": [request, event(0, "bank", "applied", "created + 10")],
+        # Both steps have something to confirm and one never reports `committed`.
         "unfinished": [
             request,
-            *applied,
+            event(0, "bank", "applied", "created + 10", confirm=True),
+            event(1, "shop", "applied", "created + 11", confirm=True),
             decision("commit", "created + 20"),
             event(0, "bank", "committed", "created + 30"),
         ],

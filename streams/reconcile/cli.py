@@ -191,10 +191,10 @@ Exit status: 0 clean; 1 violations, stuck sagas or a failed check;
 @click.option(
     "--shuffle-partitions",
     type=click.IntRange(1, 100_000),
-    default=8,
-    show_default=True,
+    default=None,
     metavar="N",
-    help="Spark SQL shuffle partitions (a few per core).",
+    help="Spark SQL shuffle partitions [default: from the log's size: 2 for a small "
+    "log, up to 8 for millions of records].",
 )
 @click.option(
     "--conf",
@@ -227,7 +227,7 @@ def reconcile(
     show: int,
     driver_memory: str,
     executor_memory: str | None,
-    shuffle_partitions: int,
+    shuffle_partitions: int | None,
     conf: tuple[str, ...],
     as_json: bool,
     verbose: int,

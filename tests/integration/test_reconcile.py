@@ -107,11 +107,23 @@ class Seeder:
         return request
 
     def event(
-        self, tx: str, step: int, status: str, at: int = OLD + 1_000, *, ledger: bool = True
+        self,
+        tx: str,
+        step: int,
+        status: str,
+        at: int = OLD + 1_000,
+        *,
+        ledger: bool = True,
+        confirm: bool = False,
     ) -> None:
+        """A step event; ``confirm``: an ``applied`` one says ``"confirm": true`` (the step
+        has something to confirm, so a commit expects its ``committed`` event)."""
         participant = self.requests[tx].steps[step].participant
         event = StepEvent(tx, step, participant, StepStatus(status), at)
-        self.send(self.settings.topics.events, tx, encode(event))
+        value = encode(event)
+        if confirm:
+            value = json.dumps({**json.loads(value), "confirm": True}).encode()
+        self.send(self.settings.topics.events, tx, value)
         if ledger:
             self.record(participant, tx, step, status, at)
 
@@ -133,6 +145,7 @@ class Seeder:
 
 def seed_clean(s: Seeder) -> set[str]:
     """Transactions that finished as they should; returns their ids."""
+    # The log before the `confirm` field: every step of a commit reported `committed`.
     s.request("ok-commit")
     for i in range(3):
         s.event("ok-commit", i, "applied")
@@ -154,6 +167,20 @@ def seed_clean(s: Seeder) -> set[str]:
     s.request("ok-null")
     for i in range(3):
         s.event("ok-null", i, "compensated", OLD + 3_000)
+
+    # Nothing to confirm: the commit decision finishes every step, no `committed` event
+    # follows, and the ledgers keep the entries `applied`.
+    s.request("ok-commit-no-confirm")
+    for i in range(3):
+        s.event("ok-commit-no-confirm", i, "applied")
+    s.decision("ok-commit-no-confirm", "commit")
+
+    # Only step 1 had something to confirm (`"confirm": true`): only it reports `committed`.
+    s.request("ok-commit-confirm")
+    for i in range(3):
+        s.event("ok-commit-confirm", i, "applied", confirm=i == 1)
+    s.decision("ok-commit-confirm", "commit")
+    s.event("ok-commit-confirm", 1, "committed", OLD + 3_000)
 
     # A replayed decision: the same outcome twice is harmless.
     s.request("ok-replayed", ("bank",))
@@ -187,6 +214,8 @@ def seed_clean(s: Seeder) -> set[str]:
     )
     return {
         "ok-commit",
+        "ok-commit-no-confirm",
+        "ok-commit-confirm",
         "ok-rollback",
         "ok-null",
         "ok-replayed",
@@ -207,8 +236,8 @@ def seed_findings(s: Seeder) -> dict[str, tuple[str, tuple[str, ...]]]:
     expected["inflight-pending"] = ("in_flight", ())
 
     s.request("inflight-deciding", ("bank", "shop"))
-    s.event("inflight-deciding", 0, "applied")
-    s.event("inflight-deciding", 1, "applied")
+    s.event("inflight-deciding", 0, "applied", confirm=True)
+    s.event("inflight-deciding", 1, "applied", confirm=True)
     s.decision("inflight-deciding", "commit", RECENT)
     s.event("inflight-deciding", 0, "committed", RECENT)
     expected["inflight-deciding"] = ("in_flight", ())
@@ -217,9 +246,10 @@ def seed_findings(s: Seeder) -> dict[str, tuple[str, tuple[str, ...]]]:
     s.event("stuck-no-decision", 0, "applied")
     expected["stuck-no-decision"] = ("stuck_no_decision", ())
 
+    # Both steps have something to confirm; step 1 never reports `committed`.
     s.request("stuck-commit", ("bank", "shop"))
-    s.event("stuck-commit", 0, "applied")
-    s.event("stuck-commit", 1, "applied")
+    s.event("stuck-commit", 0, "applied", confirm=True)
+    s.event("stuck-commit", 1, "applied", confirm=True)
     s.decision("stuck-commit", "commit")
     s.event("stuck-commit", 0, "committed", OLD + 3_000)
     expected["stuck-commit"] = ("stuck_unfinished", ())
@@ -677,8 +707,8 @@ def test_replay_republishes_the_original_records(
         s.request("stuck-no-decision", ("bank", "shop"))
         s.event("stuck-no-decision", 0, "applied")
         s.request("stuck-commit", ("bank", "shop"))
-        s.event("stuck-commit", 0, "applied")
-        s.event("stuck-commit", 1, "applied")
+        s.event("stuck-commit", 0, "applied", confirm=True)
+        s.event("stuck-commit", 1, "applied", confirm=True)
         s.decision("stuck-commit", "commit")
         producer.flush(30)
     t = settings.topics

@@ -6,6 +6,8 @@ verdicts, the replay plan, the JDBC address, the benchmark's mix.
 
 from __future__ import annotations
 
+import os
+import time
 from pathlib import Path
 
 import pytest
@@ -30,6 +32,7 @@ from streams.reconcile._config import parse_offsets, parse_since
 from streams.reconcile._dlq import DeadLetter, TxFacts, judge, rejected_at
 from streams.reconcile._replay import plan_resends
 from streams.reconcile._sources import jdbc_address
+from streams.reconcile._spark import SMALL_LOG, class_archive_options, shuffle_partitions_for
 from streams.reconcile.bench import expected_classes
 
 pytestmark = pytest.mark.unit
@@ -288,6 +291,40 @@ def test_benchmark_mix_adds_up() -> None:
         "compensation_failed": 5,
         "violation": 5,
     }
+
+
+def test_shuffle_partitions_follow_the_size_of_the_log() -> None:
+    """Two for the demo's log (one per core of a small machine), eight for millions."""
+    assert shuffle_partitions_for(0) == 2
+    assert shuffle_partitions_for(16_053) == 2
+    assert shuffle_partitions_for(SMALL_LOG) == 4
+    assert shuffle_partitions_for(5_875_000) == 8
+
+
+def test_the_class_archive_is_written_once_then_used(tmp_path: Path) -> None:
+    """No archive yet: the JVM is asked to write one (a name of its own); once there,
+    to map it; a jar that changed asks for a new one and the old one goes."""
+    jar = tmp_path / "extra.jar"
+    jar.write_bytes(b"x")
+    environ = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
+    first = class_archive_options([jar], environ)
+    assert "-Xlog:cds*=off" in first
+    [write] = [o for o in first if o.startswith("-XX:ArchiveClassesAtExit=")]
+    archive = Path(write.split("=", 1)[1])
+    assert archive.parent == tmp_path / "cache" / "saga-olep"
+    assert class_archive_options([jar], environ) == []  # the first run's JVM will write it
+    archive.write_bytes(b"archive")  # what the JVM does as it exits
+    assert class_archive_options([jar], environ) == []  # it may still be writing
+    os.utime(archive, (time.time() - 60, time.time() - 60))
+    assert f"-XX:SharedArchiveFile={archive}" in class_archive_options([jar], environ)
+    jar.write_bytes(b"changed")
+    again = class_archive_options([jar], environ)
+    assert any(o.startswith("-XX:ArchiveClassesAtExit=") for o in again)
+    assert not archive.exists()
+    assert [p.suffix for p in archive.parent.iterdir()] == [".claim"]
+    # A cache folder that cannot be made: no archive, no failure.
+    (tmp_path / "file").write_bytes(b"")
+    assert class_archive_options([jar], {"XDG_CACHE_HOME": str(tmp_path / "file")}) == []
 
 
 def test_public_names() -> None:
