@@ -12,7 +12,12 @@ Rules (docs/architecture.md §2, §6):
   a decision -> ``rollback``; a step reported ``compensated`` before any
   decision also forces ``rollback`` (a commit could no longer hold);
 * at most one decision per transaction, ever: later inputs never change it;
-* after ``commit`` the saga is ``committed`` once every step is ``committed``;
+* after ``commit`` the saga is ``committed`` once every step is ``committed``. A step
+  whose ``applied`` event did not say ``confirm`` has nothing to confirm: its
+  participant does nothing on commit and sends no ``committed`` event, so the
+  machine marks it ``committed`` itself when it decides. A commit in which no step
+  said ``confirm`` is therefore ``committed`` at once: the decision and the final
+  status leave in the same Kafka transaction (no ``committing`` record);
   after ``rollback`` it is ``rolled_back`` once every step is ``compensated``,
   or ``failed`` when a compensation could not be completed;
 * an operator's ``saga.resolve`` of a ``failed`` saga marks a step whose
@@ -31,13 +36,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from coordinator._machine_io import (
+    AbortRequested,
+    Ignored,
+    Input,
+    Output,
+    RequestReceived,
+    ResolveRequested,
+    StepReported,
+    Tick,
+    input_of,
+    tx_of,
+)
 from streams import (
     MAX_REASON_CHARS,
     Decision,
     Mode,
     Outcome,
-    Record,
-    SagaAbort,
     SagaRequest,
     SagaResolve,
     SagaState,
@@ -46,6 +61,22 @@ from streams import (
     StepProgress,
     StepStatus,
 )
+
+__all__ = [
+    "UNKNOWN_PARTICIPANT",
+    "AbortRequested",
+    "Ignored",
+    "Input",
+    "Output",
+    "RequestReceived",
+    "ResolveRequested",
+    "Saga",
+    "StepReported",
+    "Tick",
+    "decide",
+    "input_of",
+    "tx_of",
+]
 
 UNKNOWN_PARTICIPANT = "?"
 """Participant name of a step known only from an early event's index."""
@@ -70,104 +101,6 @@ _RANK = {
 _CLOSED_BY_ROLLBACK = (StepStatus.COMPENSATED, StepStatus.RESOLVED)
 
 
-# ---------------------------------------------------------------- inputs
-
-
-@dataclass(frozen=True, slots=True)
-class RequestReceived:
-    """A request; ``known`` lists the participants that exist, when the coordinator knows.
-
-    A step naming a participant outside ``known`` can never be applied: the
-    transaction rolls back at once and that step counts as compensated. In a
-    sequential saga the machine also reports that step ``compensated`` on the
-    events topic (a :class:`~streams.StepEvent` output): the step before it waits
-    for that event before it compensates, and its participant will never send it.
-    ``unknown_why`` (e.g. "no participant of that name has announced itself on
-    saga.participants") leads the rollback reason, before the part that names them.
-    """
-
-    request: SagaRequest
-    at_ms: int
-    known: frozenset[str] | None = None
-    unknown_why: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class StepReported:
-    event: StepEvent
-    at_ms: int
-
-
-@dataclass(frozen=True, slots=True)
-class AbortRequested:
-    abort: SagaAbort
-
-
-@dataclass(frozen=True, slots=True)
-class ResolveRequested:
-    """An operator says a failed compensation was handled by hand (``saga.resolve``)."""
-
-    resolve: SagaResolve
-
-
-@dataclass(frozen=True, slots=True)
-class Tick:
-    """Time has reached ``now_ms``: deadlines up to it have passed."""
-
-    now_ms: int
-
-
-Input = RequestReceived | StepReported | AbortRequested | ResolveRequested | Tick
-
-
-def input_of(
-    record: Record,
-    now_ms: int,
-    participants: frozenset[str] | None,
-) -> Input | None:
-    """The machine's input for a validated record read at ``now_ms`` (a decision: none).
-
-    The coordinator reads its own decisions only to screen them; ``participants`` is
-    the set of names that exist (``None``: any name is accepted).
-    """
-    if isinstance(record, SagaRequest):
-        return RequestReceived(record, now_ms, participants)
-    if isinstance(record, SagaAbort):
-        return AbortRequested(record)
-    if isinstance(record, SagaResolve):
-        return ResolveRequested(record)
-    if isinstance(record, StepEvent):
-        return StepReported(record, now_ms)
-    return None
-
-
-def tx_of(inp: Input) -> str:
-    """The transaction an input is about (a tick is about none: TypeError)."""
-    if isinstance(inp, RequestReceived):
-        return inp.request.tx_id
-    if isinstance(inp, StepReported):
-        return inp.event.tx_id
-    if isinstance(inp, AbortRequested):
-        return inp.abort.tx_id
-    if isinstance(inp, ResolveRequested):
-        return inp.resolve.tx_id
-    raise TypeError(inp)
-
-
-# ---------------------------------------------------------------- outputs
-
-
-@dataclass(frozen=True, slots=True)
-class Ignored:
-    """An input that changes nothing and deserves a word in the log or the DLQ."""
-
-    tx_id: str
-    reason: str
-
-
-Output = Decision | SagaStatus | StepEvent | Ignored
-
-
 # ---------------------------------------------------------------- state
 
 
@@ -189,6 +122,9 @@ class Saga:
     fingerprint: str | None
     early: tuple[StepEvent, ...] = ()
     """Step events seen before the request, checked and counted when it arrives."""
+    confirms: tuple[bool, ...] = ()
+    """Per step: the event that moved it said ``confirm`` (only ``applied`` events do: a
+    ``committed`` event will follow a commit). Empty is read as all false."""
 
     @property
     def decided(self) -> bool:
@@ -201,8 +137,8 @@ class Saga:
             saga=self.saga,
             state=self.state,
             steps=tuple(
-                StepProgress(participant=p, status=s)
-                for p, s in zip(self.participants, self.steps, strict=True)
+                StepProgress(participant=p, status=s, confirm=self.confirm_of(i))
+                for i, (p, s) in enumerate(zip(self.participants, self.steps, strict=True))
             ),
             reason=self.reason,
             created_ms=self.created_ms,
@@ -210,6 +146,10 @@ class Saga:
             deadline_ms=self.deadline_ms,
             fingerprint=self.fingerprint,
         )
+
+    def confirm_of(self, step: int) -> bool:
+        """Whether ``step``'s ``applied`` event said it has something to confirm."""
+        return step < len(self.confirms) and self.confirms[step]
 
     @classmethod
     def from_status(cls, status: SagaStatus) -> Saga:
@@ -221,12 +161,13 @@ class Saga:
             outcome = Outcome.ROLLBACK
         else:
             outcome = None
-        return cls(
+        saga = cls(
             tx_id=status.tx_id,
             saga=status.saga,
             request_seen=status.fingerprint is not None,
             participants=tuple(s.participant for s in status.steps),
             steps=tuple(s.status for s in status.steps),
+            confirms=tuple(s.confirm for s in status.steps),
             outcome=outcome,
             state=status.state,
             reason=status.reason,
@@ -237,11 +178,16 @@ class Saga:
             early=()
             if status.fingerprint is not None
             else tuple(
-                StepEvent(status.tx_id, i, p.participant, p.status, status.updated_ms)
+                StepEvent(
+                    status.tx_id, i, p.participant, p.status, status.updated_ms, confirm=p.confirm
+                )
                 for i, p in enumerate(status.steps)
                 if p.status is not StepStatus.PENDING and p.participant != UNKNOWN_PARTICIPANT
             ),
         )
+        # A status written before steps said `confirm` (an older coordinator) waits for a
+        # `committed` event from every step; the steps' participants send none now.
+        return _committed_if_nothing_to_confirm(saga, saga.updated_ms)
 
 
 def _new_from_request(request: SagaRequest, at_ms: int) -> Saga:
@@ -251,6 +197,7 @@ def _new_from_request(request: SagaRequest, at_ms: int) -> Saga:
         request_seen=True,
         participants=tuple(s.participant for s in request.steps),
         steps=(StepStatus.PENDING,) * len(request.steps),
+        confirms=(False,) * len(request.steps),
         outcome=None,
         state=SagaState.PENDING,
         reason=None,
@@ -452,7 +399,13 @@ def _on_step(saga: Saga | None, inp: StepReported) -> Saga | Ignored:
     steps[event.step] = event.status
     participants = list(saga.participants)
     participants[event.step] = event.participant
-    saga = replace(saga, steps=tuple(steps), participants=tuple(participants), updated_ms=inp.at_ms)
+    saga = replace(
+        saga,
+        steps=tuple(steps),
+        participants=tuple(participants),
+        confirms=_with_confirm(saga, event),
+        updated_ms=inp.at_ms,
+    )
 
     if not saga.decided:
         if event.status is StepStatus.FAILED:
@@ -481,21 +434,58 @@ def _remember_early(saga: Saga, event: StepEvent, at_ms: int) -> Saga:
     ):
         return saga
     steps, participants = list(saga.steps), list(saga.participants)
+    confirms = [saga.confirm_of(i) for i in range(len(steps))]
     if event.step >= len(steps):
         grow = event.step + 1 - len(steps)
         steps += [StepStatus.PENDING] * grow
         participants += [UNKNOWN_PARTICIPANT] * grow
+        confirms += [False] * grow
     same = participants[event.step] == event.participant
     if not same or _advances(steps[event.step], event.status):
         steps[event.step] = event.status
         participants[event.step] = event.participant
+        # The published placeholder carries the flag, so a restore keeps it with the event.
+        confirms[event.step] = event.confirm
     return replace(
         saga,
         steps=tuple(steps),
         participants=tuple(participants),
+        confirms=tuple(confirms),
         early=(*saga.early, event),
         updated_ms=at_ms,
     )
+
+
+def _with_confirm(saga: Saga, event: StepEvent) -> tuple[bool, ...]:
+    """``saga.confirms`` after ``event`` moved its step: the flag is the moving event's.
+
+    Only an ``applied`` event says ``confirm``, so the flag is set while the step is
+    applied and cleared when it moves on; a restore, which sees only each step's
+    latest state, rebuilds the same flags.
+    """
+    confirms = [saga.confirm_of(i) for i in range(len(saga.steps))]
+    confirms[event.step] = event.confirm
+    return tuple(confirms)
+
+
+def _committed_if_nothing_to_confirm(saga: Saga, at_ms: int) -> Saga:
+    """After a commit decision: a step applied with nothing to confirm is ``committed`` now.
+
+    Its participant does nothing on commit and reports nothing, so the decision itself
+    is what commits it; the saga is ``committed`` once no step has a confirmation left.
+    """
+    if saga.outcome is not Outcome.COMMIT:
+        return saga
+    steps = tuple(
+        StepStatus.COMMITTED if s is StepStatus.APPLIED and not saga.confirm_of(i) else s
+        for i, s in enumerate(saga.steps)
+    )
+    state = saga.state
+    if steps and all(s is StepStatus.COMMITTED for s in steps):
+        state = SagaState.COMMITTED
+    if steps == saga.steps and state is saga.state:
+        return saga
+    return replace(saga, steps=steps, state=state, updated_ms=at_ms)
 
 
 def _advances(current: StepStatus, new: StepStatus) -> bool:
@@ -524,9 +514,8 @@ def _settle(saga: Saga, at_ms: int) -> Saga:
         return saga
     state = saga.state
     if saga.outcome is Outcome.COMMIT:
-        if all(s is StepStatus.COMMITTED for s in saga.steps):
-            state = SagaState.COMMITTED
-    elif all(s in _CLOSED_BY_ROLLBACK for s in saga.steps):
+        return _committed_if_nothing_to_confirm(saga, at_ms)
+    if all(s in _CLOSED_BY_ROLLBACK for s in saga.steps):
         state = SagaState.ROLLED_BACK
     elif all(s in (*_CLOSED_BY_ROLLBACK, StepStatus.COMPENSATION_FAILED) for s in saga.steps):
         state = SagaState.FAILED
@@ -569,6 +558,7 @@ def _published_view(saga: Saga) -> tuple[object, ...]:
         saga.request_seen,
         saga.participants,
         saga.steps,
+        saga.confirms,
         saga.outcome,
         saga.state,
         saga.reason,

@@ -380,6 +380,14 @@ class BuiltinActions(Actions[NativeT]):
     def confirm(self, native: NativeT, action: str, args: Mapping[str, Any]) -> None:
         """Nothing to do: a built-in action holds nothing beyond its local commit."""
 
+    def has_confirm(self, action: str) -> bool:
+        """False: no built-in action holds a lock or anything else past its local commit,
+        so a commit decision leaves its step as it is."""
+        return False
+
+    def confirms_any(self) -> bool:
+        return False
+
 
 def check_identifier(name: Any, what: str) -> None:
     """Raise :class:`~streams.ConfigurationError` unless ``name`` is an :data:`IDENTIFIER`

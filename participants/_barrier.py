@@ -32,8 +32,23 @@ Guarantees:
   coordinator sends it to the DLQ). Entries written before fingerprints existed
   have none and match every request.
 
+Commit. A step with nothing to confirm (``Decided.confirm`` false: every built-in
+action, a custom handler without ``confirm``) is not touched by a commit decision:
+its entry stays ``applied`` and nothing is reported (its ``applied`` event said so,
+and the coordinator counts it committed when it decides). Only a step with a
+confirmation is confirmed, moved to ``committed`` and reported. The ledger therefore
+does not tell a committed step from one whose decision has not come: a rollback
+decision would still compensate it. That is safe because a transaction gets one
+decision, ever (I1, the coordinator's); the entry is kept as long as any decision
+may still come (below).
+
 Retention. A finished entry (see :func:`finished_ms`) is removed once
-``now >= max(deadline_ms, updated_ms) + retention``. That keeps the guarantees:
+``now >= max(deadline_ms, updated_ms) + retention``. An ``applied`` entry (not
+waiting to be compensated) is finished at that time too: its decision is taken by
+its deadline at the latest, and the retention must exceed the longest time a
+decision may take to reach the participant after the deadline (a coordinator or
+participant down for longer than the retention breaks this, as it breaks the
+coordinator's own memory of the saga). That keeps the guarantees:
 the request of a removed entry has a deadline in the past (``deadline_ms`` is
 part of the request, and every copy of it carries the same one), so a duplicate
 that arrives after the removal meets the deadline check above and is never
@@ -111,15 +126,16 @@ def finished_ms(entry: LedgerEntry) -> int | None:
     """When ``entry``'s transaction finished for this participant, or ``None`` if it has not.
 
     Final entries (committed, compensated, failed, the transaction-level markers)
-    finish at ``max(deadline_ms, updated_ms)``; so does an ``applied`` step of a
-    parallel saga: nothing more is owed to it once its deadline passed, and the
-    coordinator forgets the saga at the same horizon. Waiting steps, applied steps
-    of sequential sagas and failed compensations (an operator must act) never
-    finish on their own. The entry may be removed ``retention`` after this.
+    finish at ``max(deadline_ms, updated_ms)``; so does an ``applied`` step, in
+    either mode, unless its rollback waits for its successor: its decision comes by
+    the deadline (a commit leaves it ``applied``), and the coordinator forgets the
+    saga at the same horizon. Waiting steps, steps whose rollback waits for their
+    successor and failed compensations (an operator must act) never finish on their
+    own. The entry may be removed ``retention`` after this.
     """
     final = entry.status in _FINAL or entry.step < 0
     if not final and entry.status is LedgerStatus.APPLIED:
-        final = entry.mode is Mode.PARALLEL and not entry.rollback_pending
+        final = not entry.rollback_pending
     return max(entry.deadline_ms, entry.updated_ms) if final else None
 
 
@@ -153,10 +169,14 @@ class PredecessorApplied:
 
 @dataclass(frozen=True, slots=True)
 class Decided:
+    """The decision for the step's transaction. ``confirm``: the step's action has
+    something to confirm (a commit of a step without is not acted on)."""
+
     tx_id: str
     step: int
     outcome: Outcome
     now_ms: int
+    confirm: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -312,6 +332,8 @@ def _on_decision(entry: LedgerEntry | None, s: Decided) -> Plan:
         if entry is None or entry.status is LedgerStatus.WAITING:
             return _nothing(f"commit of {s.tx_id} step {s.step}, which was never applied here")
         if entry.status is LedgerStatus.APPLIED:
+            if not s.confirm:
+                return _nothing()  # nothing to confirm: the step stays as it is, unreported
             committed = replace(entry, status=LedgerStatus.COMMITTED, updated_ms=s.now_ms)
             return Plan(Effect.CONFIRM, committed, StepStatus.COMMITTED)
         return _reemit(entry)

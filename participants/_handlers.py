@@ -105,6 +105,18 @@ class WithHandlers(Actions[NativeT]):
         elif handler.confirm is not None:
             handler.confirm(native, args)
 
+    def has_confirm(self, action: str) -> bool:
+        """A handler has something to confirm when it has a ``confirm`` function."""
+        handler = self.handlers.get(action)
+        if handler is None:
+            return self.builtin.has_confirm(action)
+        return handler.confirm is not None
+
+    def confirms_any(self) -> bool:
+        return self.builtin.confirms_any() or any(
+            h.confirm is not None for h in self.handlers.values()
+        )
+
 
 class BuiltinsFirst(Actions[NativeT]):
     """Built-in action names run built in; every other name goes to ``custom``."""
@@ -126,6 +138,12 @@ class BuiltinsFirst(Actions[NativeT]):
 
     def confirm(self, native: NativeT, action: str, args: Mapping[str, Any]) -> None:
         self._for(action).confirm(native, action, args)
+
+    def has_confirm(self, action: str) -> bool:
+        return self._for(action).has_confirm(action)
+
+    def confirms_any(self) -> bool:
+        return self.builtin.confirms_any() or self.custom.confirms_any()
 
 
 def combine(

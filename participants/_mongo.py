@@ -563,7 +563,8 @@ class MongoStorage(LedgerStorage[MongoSession, None]):
         """Sequential transactions with a step waiting for its predecessor, or applied or
         failed and not decided yet (its rollback may wait for its successor's
         compensation, and the predecessor's event, read again after a crash, reports it
-        again).
+        again). A commit leaves an applied step as it is, so a committed sequential saga
+        stays listed until its entries are pruned.
 
         The runtime calls this at start-up and after every partition assignment, so
         the storage also forgets the ledger state it remembered (see *Cache* in the

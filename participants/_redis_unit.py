@@ -58,6 +58,7 @@ def may_wait(entry: LedgerEntry) -> bool:
         return True
     # Applied or failed and not decided: its rollback may wait for its successor's
     # compensation, and the predecessor's event, read again after a crash, reports it again.
+    # (A commit leaves an applied step as it is, so it stays listed until it is pruned.)
     return entry.status in (LedgerStatus.APPLIED, LedgerStatus.FAILED)
 
 

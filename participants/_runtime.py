@@ -315,6 +315,7 @@ class ParticipantRuntime(Stoppable):
                 at_ms=now,
                 # a handler's or a driver's text: cut to what the contract allows
                 reason=r.reason[:MAX_REASON_CHARS] if r.reason is not None else None,
+                confirm=r.confirm,
             )
             trace = self.observer.event_headers(r)
             self._producer.produce(self.topics.events, r.tx_id, encode(event), trace)

@@ -255,7 +255,8 @@ class SqlStorage(LedgerStorage[SqlSession, SqlBatch]):
         neighbour's event: one waiting for its predecessor to be applied, or one applied
         or failed and not decided yet (its rollback may wait for its successor's
         compensation, and the predecessor's event, read again after a crash, reports it
-        again)."""
+        again). A commit leaves an applied step as it is (nothing to confirm), so a
+        committed sequential saga stays listed until its entries are pruned."""
         c = self.ledger_table.c
         waiting = c.status == str(LedgerStatus.WAITING)
         may_wait = c.status.in_((str(LedgerStatus.APPLIED), str(LedgerStatus.FAILED)))
@@ -334,15 +335,15 @@ class SqlStorage(LedgerStorage[SqlSession, SqlBatch]):
                 if "finished_ms" in added:
                     c = self.ledger_table.c
                     final = [str(status) for status in FINAL_STATUSES]
-                    parallel_applied = and_(
+                    # as finished_ms(): an applied step not waiting to be compensated
+                    applied = and_(
                         c.status == str(LedgerStatus.APPLIED),
-                        c.mode == str(Mode.PARALLEL),
                         c.rollback_pending.is_(False),
                     )
                     latest = case((c.deadline_ms > c.updated_ms, c.deadline_ms), else_=c.updated_ms)
                     connection.execute(
                         update(self.ledger_table)
-                        .where(c.status.in_(final) | (c.step < 0) | parallel_applied)
+                        .where(c.status.in_(final) | (c.step < 0) | applied)
                         .values(finished_ms=latest)
                     )
                 index = next(i for i in self.ledger_table.indexes if i.name and "finish" in i.name)

@@ -369,6 +369,12 @@ class DriverErrors(Actions[SqlSession]):
         with _rejected_by_database(native, f"the confirmation of {action}"):
             self.inner.confirm(native, action, args)
 
+    def has_confirm(self, action: str) -> bool:
+        return self.inner.has_confirm(action)
+
+    def confirms_any(self) -> bool:
+        return self.inner.confirms_any()
+
 
 @contextmanager
 def _rejected_by_database(session: SqlSession, what: str) -> Iterator[None]:

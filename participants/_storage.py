@@ -100,12 +100,17 @@ WorkItem = Requested | PredecessorApplied | SuccessorCompensated | DecisionArriv
 
 @dataclass(frozen=True, slots=True)
 class Report:
-    """A step event to emit once the batch is committed."""
+    """A step event to emit once the batch is committed.
+
+    ``confirm`` (with ``applied`` only): the step's action has something to confirm,
+    so a commit decision will be answered by ``committed`` (the event says so).
+    """
 
     tx_id: str
     step: int
     status: StepStatus
     reason: str | None = None
+    confirm: bool = False
 
 
 class Actions(ABC, Generic[NativeT]):
@@ -126,6 +131,22 @@ class Actions(ABC, Generic[NativeT]):
 
     @abstractmethod
     def confirm(self, native: NativeT, action: str, args: Mapping[str, Any]) -> None: ...
+
+    def has_confirm(self, action: str) -> bool:
+        """Whether a step of ``action`` has something to confirm on commit.
+
+        A step without (every built-in action) is left as it is by a commit decision:
+        no local transaction, no ledger change, no ``committed`` event; its ``applied``
+        event says so. The answer must not change while a saga using ``action`` is in
+        flight. By default true, the safe side for an :class:`Actions` of unknown
+        handlers: every step is confirmed, as before steps could say otherwise.
+        """
+        return True
+
+    def confirms_any(self) -> bool:
+        """Whether any action here has something to confirm (``False``: a commit decision
+        needs no work at all). Consistent with :meth:`has_confirm`; by default true."""
+        return True
 
 
 class Unit(ABC, Generic[NativeT]):
@@ -231,6 +252,17 @@ class Storage(ABC):
         :mod:`participants._barrier` for why that is safe.
         """
 
+    def has_confirm(self, action: str) -> bool:
+        """Whether a step of ``action`` has something to confirm on commit (see
+        :meth:`Actions.has_confirm`); by default true."""
+        return True
+
+    def needs_decision(self, outcome: Outcome) -> bool:
+        """Whether a decision with ``outcome`` may need work here. ``False`` for a commit
+        when no action has anything to confirm: such a decision can be dropped unread by
+        the storage (a cheap predicate for the runtime; by default true)."""
+        return True
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections."""
 
@@ -325,8 +357,25 @@ class LedgerStorage(Storage, Generic[NativeT, BatchT]):
         self.prepare()
         self._ready = True
 
+    def has_confirm(self, action: str) -> bool:
+        return self.actions.has_confirm(action)
+
+    def needs_decision(self, outcome: Outcome) -> bool:
+        return outcome is not Outcome.COMMIT or self.actions.confirms_any()
+
     def execute(self, items: Sequence[WorkItem]) -> list[Report]:
-        """Run the batch (see :meth:`Storage.execute` and the class doc)."""
+        """Run the batch (see :meth:`Storage.execute` and the class doc).
+
+        Commit decisions are dropped first when no action here has anything to
+        confirm (:meth:`needs_decision`): a batch of only those costs no round trip.
+        """
+        items = [
+            item
+            for item in items
+            if not isinstance(item, DecisionArrived) or self.needs_decision(item.outcome)
+        ]
+        if not items:
+            return []
         if not self._ready:
             self.setup()
         attempt = 0
@@ -426,7 +475,8 @@ def run_item(
             return []
         reports: list[Report] = []
         for known in entries:
-            signal = Decided(item.tx_id, known.step, item.outcome, item.now_ms)
+            confirm = known.action is not None and actions.has_confirm(known.action)
+            signal = Decided(item.tx_id, known.step, item.outcome, item.now_ms, confirm)
             reports.extend(_run_signal(unit, actions, known, signal, faults))
         return reports
     return _run_signal(unit, actions, unit.entry(item.tx_id, item.step), item, faults)
@@ -491,7 +541,16 @@ def _run_signal(
     reason = target.reason if target is not None else (entry.reason if entry else None)
     if p.emit not in (StepStatus.FAILED, StepStatus.COMPENSATION_FAILED):
         reason = None
-    return [Report(signal.tx_id, signal.step, p.emit, reason)]
+    # `applied` says whether a commit will be confirmed; a repeat says it again, the same
+    # way, from the recorded action (the answer is a property of the configured actions).
+    recorded = target if target is not None else entry
+    confirm = (
+        p.emit is StepStatus.APPLIED
+        and recorded is not None
+        and recorded.action is not None
+        and actions.has_confirm(recorded.action)
+    )
+    return [Report(signal.tx_id, signal.step, p.emit, reason, confirm)]
 
 
 def unique(items: Iterable[WorkItem]) -> list[WorkItem]:

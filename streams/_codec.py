@@ -269,6 +269,7 @@ def _build_step(data: dict[str, Any]) -> StepEvent:
         status=StepStatus(data["status"]),
         at_ms=int(data["at_ms"]),
         reason=data.get("reason"),
+        confirm=data.get("confirm", False),
     )
 
 
@@ -286,7 +287,10 @@ def _build_status(data: dict[str, Any]) -> SagaStatus:
         tx_id=data["tx_id"],
         saga=data["saga"],
         state=SagaState(data["state"]),
-        steps=tuple(StepProgress(s["participant"], StepStatus(s["status"])) for s in data["steps"]),
+        steps=tuple(
+            StepProgress(s["participant"], StepStatus(s["status"]), s.get("confirm", False))
+            for s in data["steps"]
+        ),
         reason=data["reason"],
         created_ms=int(data["created_ms"]),
         updated_ms=int(data["updated_ms"]),
@@ -517,6 +521,8 @@ def _step_dict(r: StepEvent) -> dict[str, Any]:
     }
     if r.reason is not None:
         data["reason"] = r.reason
+    if r.confirm:  # absent when false: such an event is byte for byte what it always was
+        data["confirm"] = True
     return data
 
 
@@ -538,7 +544,7 @@ def _status_dict(r: SagaStatus) -> dict[str, Any]:
         "tx_id": r.tx_id,
         "saga": r.saga,
         "state": str(r.state),
-        "steps": [{"participant": s.participant, "status": str(s.status)} for s in r.steps],
+        "steps": [_progress_dict(s) for s in r.steps],
         "reason": r.reason,
         "created_ms": r.created_ms,
         "updated_ms": r.updated_ms,
@@ -546,6 +552,13 @@ def _status_dict(r: SagaStatus) -> dict[str, Any]:
     }
     if r.fingerprint is not None:
         data["fingerprint"] = r.fingerprint
+    return data
+
+
+def _progress_dict(s: StepProgress) -> dict[str, Any]:
+    data: dict[str, Any] = {"participant": s.participant, "status": str(s.status)}
+    if s.confirm:
+        data["confirm"] = True
     return data
 
 

@@ -150,6 +150,11 @@ class StepEvent:
     status: StepStatus
     at_ms: int
     reason: str | None = None
+    confirm: bool = False
+    """Only with ``applied``: the step has something to confirm (a custom ``confirm``
+    handler), so a commit decision is answered by a ``committed`` event for it. False
+    (absent on the wire): nothing happens to the step on commit and no ``committed``
+    event comes."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,10 +171,17 @@ class Decision:
 
 @dataclass(frozen=True, slots=True)
 class StepProgress:
-    """One entry of a status record's ``steps`` list."""
+    """One entry of a status record's ``steps`` list.
+
+    ``confirm`` (absent on the wire when false): set while the step is ``applied`` and
+    its ``applied`` event said it has something to confirm, so the saga is
+    ``committed`` only once this step reports ``committed``. An applied step without
+    it shows ``committed`` as soon as the saga is decided ``commit``.
+    """
 
     participant: str
     status: StepStatus
+    confirm: bool = False
 
 
 @dataclass(frozen=True, slots=True)

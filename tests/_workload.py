@@ -260,7 +260,8 @@ def check_invariants(
     assert orders(system) == {DUPLICATE_ORDER} | {t.order for t in committed}
 
     # The ledgers agree with the log: one entry per step (the primary key allows no
-    # more), committed with effect for committed sagas; compensated or failed otherwise.
+    # more), applied with effect for committed sagas (built-in steps: a commit leaves
+    # them as they are); compensated or failed otherwise.
     rows: dict[str, dict[int, tuple[str, str, bool]]] = defaultdict(dict)
     for participant, tx_id, step, status, effect in ledger_rows(system):
         assert step not in rows[tx_id], f"{tx_id} step {step} has two ledger entries"
@@ -270,7 +271,7 @@ def check_invariants(
         assert sorted(entries) == [0, 1, 2], f"{t.tx_id}: ledger steps {entries}"
         assert [entries[i][0] for i in range(3)] == ["bank", "bank", "shop"], entries
         if finals[t.tx_id].state is SagaState.COMMITTED:
-            assert all(e[1:] == ("committed", True) for e in entries.values()), entries
+            assert all(e[1:] == ("applied", True) for e in entries.values()), entries
         else:
             for _, status, effect in entries.values():
                 assert status in ("compensated", "failed"), (t, entries)

@@ -39,7 +39,9 @@ be (``e``: 1 after ``commit``, 0 after ``rollback``). The counts:
     poison records not in the DLQ exactly once, with their original bytes;
 ``unfinished_sagas``
     sagas in the log without a decision, a step without its final event
-    (``committed`` or ``compensated``), or a status that is not final; or that were
+    (``compensated`` after a rollback; after a commit ``committed`` for a step whose
+    ``applied`` event said ``confirm``, and ``applied`` for any other: a commit leaves
+    such a step alone and reports nothing), or a status that is not final; or that were
     not final when their recovery window ended, even if something (a replay) finished
     them later.
 """
@@ -119,6 +121,14 @@ def _in_effect(opening: int, balance: int | None, amount: int, sign: int) -> int
     return delta // amount if delta % amount == 0 else None
 
 
+def _finished(log: LogView, tx: str, step: int, final: str) -> bool:
+    """Whether the step reported what its saga's decision asks of it (``final``)."""
+    reported = log.events.get((tx, step), set())
+    if final == "committed" and (tx, step) not in log.confirms:
+        return "committed" in reported or "applied" in reported  # nothing to confirm
+    return final in reported
+
+
 def check(inp: CheckInput) -> Verdict:
     tally = _Tally()
     log = inp.log
@@ -155,7 +165,7 @@ def check(inp: CheckInput) -> Verdict:
                 unfinished = "no decision"
             else:
                 final = "committed" if outcome == "commit" else "compensated"
-                missing = [s for s in (0, 1) if final not in log.events.get((tx, s), set())]
+                missing = [s for s in (0, 1) if not _finished(log, tx, s, final)]
                 if missing:
                     unfinished = f"{outcome}, step(s) {missing} never reported {final}"
                 elif status is None or not status.state.final:

@@ -356,6 +356,8 @@ class LogView:
     aborts: set[str] = field(default_factory=set)
     decisions: dict[str, list[DecisionRecord]] = field(default_factory=lambda: defaultdict(list))
     events: dict[tuple[str, int], set[str]] = field(default_factory=lambda: defaultdict(set))
+    confirms: set[tuple[str, int]] = field(default_factory=set)
+    """Steps whose ``applied`` event said ``confirm``: only they report ``committed``."""
     dlq: list[DeadLetter] = field(default_factory=list)
     statuses: dict[str, SagaStatus] = field(default_factory=dict)
     records: dict[str, int] = field(default_factory=dict)
@@ -401,6 +403,8 @@ def read_log(settings: KafkaSettings, keys: Keyring | None = None) -> LogView:
             continue
         if _keyed(m, event.tx_id):
             view.events[(event.tx_id, event.step)].add(str(event.status))
+            if event.confirm:
+                view.confirms.add((event.tx_id, event.step))
     view.records["events"] = n
     n = 0
     for m in read_messages(settings, t.decisions):

@@ -159,7 +159,12 @@ def test_lost_and_unfinished_sagas() -> None:
     [
         ({"decisions": []}, {"unfinished_sagas": 1}),
         ({"events": {"committed", "applied"}}, {}),
-        ({"events": {"applied"}}, {"unfinished_sagas": 1}),
+        # a committed step with nothing to confirm reports nothing after `applied` ...
+        ({"events": {"applied"}}, {}),
+        # ... one whose `applied` said confirm must report `committed`
+        ({"events": {"applied"}, "confirm": True}, {"unfinished_sagas": 1}),
+        ({"events": {"applied", "committed"}, "confirm": True}, {}),
+        ({"events": set()}, {"unfinished_sagas": 1}),
         ({"status": SagaState.COMMITTING}, {"unfinished_sagas": 1}),
     ],
 )
@@ -171,6 +176,8 @@ def test_unfinished_variants(change: dict[str, Any], expected: dict[str, int]) -
         expected = {**expected, "money_not_conserved": 2}
     if "events" in change:
         inp.log.events[("t-ok", 1)] = change["events"]
+    if change.get("confirm"):
+        inp.log.confirms.add(("t-ok", 1))
     if "status" in change:
         inp.log.statuses["t-ok"] = _status("t-ok", change["status"])
     assert nonzero(inp) == expected

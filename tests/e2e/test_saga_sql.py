@@ -78,7 +78,9 @@ def transfer(amount: int, order: str) -> list[Step]:
 
 
 def test_commit_path(system: SagaSystem) -> None:
-    """Every step applied -> commit -> every step committed; the stores show the change once."""
+    """Every step applied -> commit -> the saga and its steps show committed; the stores
+    show the change once. Built-in steps have nothing to confirm: the ledger keeps them
+    applied, and no participant reports `committed`."""
     running(system)
     with system.client() as client:
         tx = client.submit(transfer(30, "o-1"), saga="transfer", timeout=60)
@@ -87,8 +89,11 @@ def test_commit_path(system: SagaSystem) -> None:
     assert [s.status for s in final.steps] == [StepStatus.COMMITTED] * 3
     assert balances(system) == {"alice": 70, "bob": 80}
     assert orders(system) == ["o-1"]
-    assert set(ledger(system, tx).values()) == {("committed", True)}
+    assert set(ledger(system, tx).values()) == {("applied", True)}
     assert [d.outcome for d in system.decisions(tx)] == [Outcome.COMMIT]
+    events = system.events(tx)
+    assert sorted(e.status for e in events) == [StepStatus.APPLIED] * 3
+    assert not any(e.confirm for e in events)
 
 
 def test_business_rejection_rolls_back_and_compensates(system: SagaSystem) -> None:
@@ -172,14 +177,16 @@ def test_duplicated_request_and_decision_take_effect_once(system: SagaSystem) ->
         producer.produce(system.settings.topics.decisions, decision.tx_id, encode(decision))
         producer.produce(system.settings.topics.requests, request.tx_id, encode(request))
         producer.flush(10)
-        # the participants re-emit `committed` for the replayed decision
+        # the participants re-emit `applied` for the replayed request; the replayed commit
+        # needs nothing (built-in steps) and is answered by nothing
         eventually(
             lambda: (
-                sum(e.status is StepStatus.COMMITTED for e in system.events(request.tx_id)) >= 6
+                sum(e.status is StepStatus.APPLIED for e in system.events(request.tx_id)) >= 6
             ),
             timeout=60,
-            message="the replayed decision was not answered",
+            message="the replayed request was not answered",
         )
+        assert not any(e.status is StepStatus.COMMITTED for e in system.events(request.tx_id))
     assert balances(system) == {"alice": 80, "bob": 70}
     assert orders(system) == ["o-6"]
     assert len(system.decisions(request.tx_id)) == 2  # the original and our replay

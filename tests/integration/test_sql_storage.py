@@ -250,8 +250,15 @@ def commit(tx_id: str, now_ms: int = NOW + 1_000) -> DecisionArrived:
     return DecisionArrived(tx_id, Outcome.COMMIT, now_ms)
 
 
-def report(tx_id: str, status: StepStatus, step: int = 0, reason: str | None = None) -> Report:
-    return Report(tx_id, step, status, reason)
+def report(
+    tx_id: str,
+    status: StepStatus,
+    step: int = 0,
+    reason: str | None = None,
+    *,
+    confirm: bool = False,
+) -> Report:
+    return Report(tx_id, step, status, reason, confirm)
 
 
 def only_status(reports: list[Report]) -> list[tuple[str, int, StepStatus]]:

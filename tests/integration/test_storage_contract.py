@@ -69,7 +69,7 @@ from participants._open import open_storage
 from participants._redis import RedisSession, RedisStorage
 from participants._sql import SqlSession, SqlStorage
 from participants._storage import RequestSeen, Storage
-from streams import ConfigurationError, Mode, StepStatus, TransientError
+from streams import ConfigurationError, Mode, Outcome, StepStatus, TransientError
 from tests._infra import Services
 
 pytestmark = pytest.mark.integration
@@ -515,23 +515,30 @@ class TestStorageContract:
         assert (entry.status, entry.effect) == (LedgerStatus.COMPENSATED, True)
 
     @pytest.mark.parametrize(("action", "args", "expected"), ACTION_CASES)
-    def test_commit_confirms_and_keeps_the_change(
+    def test_commit_leaves_a_builtin_step_as_it_is_and_keeps_the_change(
         self,
         storage: Harness,
         action: str,
         args: dict[str, Any],
         expected: tuple[str, Any, Fields | None],
     ) -> None:
-        storage.storage.execute([requested("tx-1", action, args)])
-        assert storage.storage.execute([commit("tx-1")]) == [report("tx-1", StepStatus.COMMITTED)]
+        """A built-in step has nothing to confirm: its `applied` report says so, and a
+        commit (repeated or not) changes nothing, writes nothing and reports nothing."""
+        assert not storage.storage.has_confirm(action)
+        assert not storage.storage.needs_decision(Outcome.COMMIT)
+        assert storage.storage.needs_decision(Outcome.ROLLBACK)
+        applied = storage.storage.execute([requested("tx-1", action, args)])
+        assert applied == [report("tx-1", StepStatus.APPLIED)]
+        ledger = storage.storage.ledger("tx-1")
+        snapshot = storage.snapshot()
+        assert storage.storage.execute([commit("tx-1")]) == []
+        assert storage.storage.execute([commit("tx-1"), commit("tx-1")]) == []
         target, key, record = expected
         assert storage.record(target, key) == record
-        [entry] = storage.storage.ledger("tx-1")
-        assert entry.status is LedgerStatus.COMMITTED
-        # A repeated commit re-reports; a rollback after the commit changes nothing.
-        assert storage.storage.execute([commit("tx-1")]) == [report("tx-1", StepStatus.COMMITTED)]
-        assert storage.storage.execute([rollback("tx-1")]) == []
-        assert storage.record(target, key) == record
+        assert storage.snapshot() == snapshot
+        assert storage.storage.ledger("tx-1") == ledger
+        [entry] = ledger
+        assert entry.status is LedgerStatus.APPLIED
 
     def test_before_image_is_json_and_names_the_old_record(self, storage: Harness) -> None:
         storage.storage.execute(
@@ -779,10 +786,10 @@ class TestStorageContract:
         # the predecessor's event (read again) reports it again.
         assert "tx-1" in storage.storage.in_flight_sequential()
         assert storage.storage.execute([go]) == [report("tx-1", StepStatus.APPLIED, step=1)]
-        assert storage.storage.execute([commit("tx-1")]) == [
-            report("tx-1", StepStatus.COMMITTED, step=1)
-        ]
-        assert "tx-1" not in storage.storage.in_flight_sequential()
+        # A commit leaves it applied (nothing to confirm), and listed until it is pruned.
+        assert storage.storage.execute([commit("tx-1")]) == []
+        [entry] = storage.storage.ledger("tx-1")
+        assert entry.status is LedgerStatus.APPLIED
 
     def test_sequential_request_after_its_predecessor_applies_at_once(
         self, storage: Harness
@@ -933,7 +940,7 @@ class TestStorageContract:
         # tx-1 wrote, then rejected: its write is undone with it.
         assert reports == [
             report("tx-1", StepStatus.FAILED, reason="the handler changed its mind"),
-            report("tx-2", StepStatus.APPLIED),
+            report("tx-2", StepStatus.APPLIED, confirm=True),  # the handler has a confirm
             report("tx-3", StepStatus.APPLIED),
             report("tx-4", StepStatus.FAILED, reason="order o-9 does not exist"),
         ]
@@ -949,10 +956,18 @@ class TestStorageContract:
         ]
         assert storage.snapshot() == before
 
+        # A handler with a confirm says so when applied; a commit confirms and reports it.
+        assert shop.has_confirm("reserve") and shop.needs_decision(Outcome.COMMIT)
         assert shop.execute([requested("tx-5", "reserve", {"order": "o-1"})]) == [
-            report("tx-5", StepStatus.APPLIED)
+            report("tx-5", StepStatus.APPLIED, confirm=True)
         ]
         assert shop.execute([commit("tx-5")]) == [report("tx-5", StepStatus.COMMITTED)]
+        [entry] = shop.ledger("tx-5")
+        assert entry.status is LedgerStatus.COMMITTED
+        # A repeated commit reports it again, and a repeated request reports `committed`.
+        assert shop.execute([commit("tx-5")]) == [report("tx-5", StepStatus.COMMITTED)]
+        again = requested("tx-5", "reserve", {"order": "o-1"})
+        assert shop.execute([again]) == [report("tx-5", StepStatus.COMMITTED)]
         assert storage.record("orders", "o-1") == {
             "item": "confirmed",
             "qty": 0,
@@ -964,7 +979,7 @@ class TestStorageContract:
         shop.setup()
         args = {"order": "o-1", "refuse_confirm": True}
         assert shop.execute([requested("tx-1", "reserve", args)]) == [
-            report("tx-1", StepStatus.APPLIED)
+            report("tx-1", StepStatus.APPLIED, confirm=True)
         ]
         assert shop.execute([commit("tx-1")]) == []
         [entry] = shop.ledger("tx-1")
@@ -1012,7 +1027,7 @@ class TestFingerprintsAndRetention:
     def test_a_request_with_another_fingerprint_applies_nothing(self, storage: Harness) -> None:
         first = fingerprinted(requested("tx-1", "increment", BY_10), FP_A)
         assert storage.storage.execute([first]) == [report("tx-1", StepStatus.APPLIED)]
-        assert storage.storage.execute([commit("tx-1")]) == [report("tx-1", StepStatus.COMMITTED)]
+        assert storage.storage.execute([commit("tx-1")]) == []
         before = storage.snapshot()
         other = fingerprinted(requested("tx-1", "increment", {**BY_10, "by": 99}, n_steps=2), FP_B)
         unknown_step = replace(other, step=1, args={**BY_10, "key": 1})
@@ -1020,9 +1035,9 @@ class TestFingerprintsAndRetention:
         assert storage.make().execute([unknown_step, other]) == []  # a restarted worker too
         assert storage.snapshot() == before
         [entry] = storage.storage.ledger("tx-1")
-        assert (entry.status, entry.fingerprint) == (LedgerStatus.COMMITTED, FP_A)
+        assert (entry.status, entry.fingerprint) == (LedgerStatus.APPLIED, FP_A)
         # The same request again keeps behaving as before: it reports its step again.
-        assert storage.storage.execute([first]) == [report("tx-1", StepStatus.COMMITTED)]
+        assert storage.storage.execute([first]) == [report("tx-1", StepStatus.APPLIED)]
         assert storage.record("accounts", 2) == {"owner": "bob", "balance": 60}
 
     def test_a_request_without_a_local_step_leaves_a_seen_marker(self, storage: Harness) -> None:
@@ -1057,7 +1072,7 @@ class TestFingerprintsAndRetention:
         assert storage.record("accounts", 2) == {"owner": "bob", "balance": 60}
 
     def _finished_and_unfinished(self, storage: Harness) -> None:
-        """Entries finishing at DEADLINE (five), later (one) and never (two)."""
+        """Entries finishing at DEADLINE (six), later (one) and never (one)."""
         later = DEADLINE + 100_000
         run = storage.storage.execute
         run([fingerprinted(requested("committed", "increment", BY_10), FP_A)])
@@ -1079,10 +1094,11 @@ class TestFingerprintsAndRetention:
         everything = {(e.tx_id, e.step) for e in storage.storage.ledger()}
         assert storage.storage.prune(NOW, 1000) == 0
         assert {(e.tx_id, e.step) for e in storage.storage.ledger()} == everything
-        # committed, compensated, applied (parallel), the seen and the rollback marker
-        assert storage.storage.prune(DEADLINE, 1000) == 5
+        # committed (left applied by its commit), compensated, applied (parallel and
+        # sequential: decided by the deadline), the seen and the rollback marker
+        assert storage.storage.prune(DEADLINE, 1000) == 6
         left = {(e.tx_id, e.step) for e in storage.storage.ledger()}
-        assert left == {("young", 0), ("waiting", 1), ("sequential", 0)}
+        assert left == {("young", 0), ("waiting", 1)}
         assert storage.storage.prune(DEADLINE, 1000) == 0
         # The young one goes later, a bounded number at a time; unfinished entries stay.
         removed = []
@@ -1090,10 +1106,7 @@ class TestFingerprintsAndRetention:
             removed.append(storage.make().prune(DEADLINE + 10**9, 1))
         assert sum(removed) == 1
         assert removed[0] == 1
-        assert {(e.tx_id, e.step) for e in storage.storage.ledger()} == {
-            ("waiting", 1),
-            ("sequential", 0),
-        }
+        assert {(e.tx_id, e.step) for e in storage.storage.ledger()} == {("waiting", 1)}
 
     def test_a_duplicate_request_after_pruning_is_not_applied(self, storage: Harness) -> None:
         first = fingerprinted(requested("tx-1", "increment", BY_10), FP_A)
@@ -1247,27 +1260,31 @@ class TestMongo:
             ("insert", "saga_ledger", ["bank:tx-3:0"]),
         ]
         seen.clear()
+        # Commits of built-in steps: nothing to confirm, not one command.
         decisions = [commit("tx-1"), commit("tx-2"), commit("tx-3")]
-        assert [r.status for r in storage.execute(decisions)] == [StepStatus.COMMITTED] * 3
-        assert seen == [
-            ("findAndModify", "saga_ledger", ["bank:tx-1:0"]),
-            ("findAndModify", "saga_ledger", ["bank:tx-2:0"]),
+        assert storage.execute(decisions) == []
+        assert seen == []
+        # A rollback costs one update of the step document and the compensating write.
+        assert [r.status for r in storage.execute([rollback("tx-3")])] == [StepStatus.COMPENSATED]
+        assert [c for c in seen if c[1] == "saga_ledger"] == [
+            ("findAndModify", "saga_ledger", ["bank:tx-3:0"]),
             ("findAndModify", "saga_ledger", ["bank:tx-3:0"]),
         ]
         seen.clear()
         # A decision in the batch of its request: the record goes in before it changes.
-        both = [bump("tx-4", "orders", "o-1", "qty"), commit("tx-4")]
+        both = [bump("tx-4", "orders", "o-1", "qty"), rollback("tx-4")]
         assert [r.status for r in storage.execute(both)] == [
             StepStatus.APPLIED,
-            StepStatus.COMMITTED,
+            StepStatus.COMPENSATED,
         ]
-        assert seen[-2:] == [
-            ("insert", "saga_ledger", ["bank:tx-4:0"]),
-            ("findAndModify", "saga_ledger", ["bank:tx-4:0"]),
-        ]
-        assert mongo.record("accounts", 2) == {"owner": "bob", "balance": 52}
-        assert mongo.record("orders", "o-1") == {"item": "book", "qty": 3, "price": Decimal("9.99")}
-        assert [e.status for e in storage.ledger()] == [LedgerStatus.COMMITTED] * 4
+        assert ("insert", "saga_ledger", ["bank:tx-4:0"]) in seen
+        assert seen.index(("insert", "saga_ledger", ["bank:tx-4:0"])) < seen.index(
+            ("findAndModify", "saga_ledger", ["bank:tx-4:0"])
+        )
+        assert mongo.record("accounts", 2) == {"owner": "bob", "balance": 51}
+        assert mongo.record("orders", "o-1") == {"item": "book", "qty": 2, "price": Decimal("9.99")}
+        statuses = [e.status for e in storage.ledger()]
+        assert statuses == [LedgerStatus.APPLIED] * 2 + [LedgerStatus.COMPENSATED] * 2
 
     def test_a_write_that_finds_the_document_changed_is_put_back_and_retried(
         self, mongo: MongoHarness
@@ -1436,9 +1453,11 @@ class TestMongo:
         assert entry.status is LedgerStatus.APPLIED
         marked = mongo.db["accounts"].find_one({"_id": 1})
         assert marked is not None and marked["_saga"].endswith("!deleted")
-        # Nothing reads accounts/1 again; the decision loads the step, which names it.
+        # Nothing reads accounts/1 again, and a commit does not load the step (nothing to
+        # confirm); the request, re-delivered after the crash, loads the step, which names it.
         restarted = mongo.make()
-        assert restarted.execute([commit("tx-1")]) == [report("tx-1", StepStatus.COMMITTED)]
+        assert restarted.execute([commit("tx-1")]) == []
+        assert restarted.execute([delete]) == [report("tx-1", StepStatus.APPLIED)]
         assert mongo.db["accounts"].find_one({"_id": 1}) is None
         step = mongo.db["saga_ledger"].find_one({"_id": "bank:tx-1:0"})
         assert step is not None and "purge" not in step
@@ -1471,7 +1490,7 @@ class TestMongo:
         # A new process: nothing in memory.
         restarted = mongo.make(intent_lease_ms=0, shared=SharedState())
         # A decision finds its step through the transaction document...
-        assert restarted.execute([commit("tx-1")]) == [report("tx-1", StepStatus.COMMITTED)]
+        assert restarted.execute([rollback("tx-1")]) == [report("tx-1", StepStatus.COMPENSATED)]
         # ...a re-delivered request through its own step...
         assert restarted.execute([steps[1]]) == [report("tx-2", StepStatus.APPLIED)]
         # ...and the next write of a document through the marker the document carries.
@@ -1481,14 +1500,14 @@ class TestMongo:
         assert restarted.execute([other]) == [report("tx-4", StepStatus.APPLIED)]
         statuses = {e.tx_id: e.status for e in restarted.ledger()}
         assert statuses == {
-            "tx-1": LedgerStatus.COMMITTED,
+            "tx-1": LedgerStatus.COMPENSATED,
             "tx-2": LedgerStatus.APPLIED,
             "tx-3": LedgerStatus.APPLIED,
             "tx-4": LedgerStatus.APPLIED,
         }
         assert mongo.record("accounts", 1) == {
             "owner": "alice",
-            "balance": 101,
+            "balance": 100,
             "credit": Decimal("10.50"),
         }
         assert mongo.record("accounts", 2) == {"owner": "bob", "balance": 52}
@@ -1509,23 +1528,23 @@ class TestMongo:
             ),
         ]
         assert len(first.execute(steps)) == 2
-        # Another worker of the participant decides both while the first one remembers them
-        # as applied (a partition moved, then moved back).
-        assert len(second.execute([commit("tx-1"), commit("tx-2")])) == 2
+        # Another worker of the participant rolls both back while the first one remembers
+        # them as applied (a partition moved, then moved back).
+        assert len(second.execute([rollback("tx-1"), rollback("tx-2")])) == 2
         with pytest.raises(TransientError, match="at the same time"):
             first.execute([rollback("tx-1")])
-        # The conflict made it forget: the retry reads the commit, and changes nothing.
-        assert first.execute([rollback("tx-1")]) == []
-        assert mongo.record("accounts", 2) == {"owner": "bob", "balance": 60}
+        # The conflict made it forget: the retry reads the compensation, and only reports it.
+        assert first.execute([rollback("tx-1")]) == [report("tx-1", StepStatus.COMPENSATED)]
+        assert mongo.record("accounts", 2) == {"owner": "bob", "balance": 50}
         # What the runtime calls after a partition assignment also forgets.
         first.in_flight_sequential()
-        assert first.execute([rollback("tx-2")]) == []
+        assert first.execute([rollback("tx-2")]) == [report("tx-2", StepStatus.COMPENSATED)]
         assert mongo.record("accounts", 1) == {
             "owner": "alice",
-            "balance": 101,
+            "balance": 100,
             "credit": Decimal("10.50"),
         }
-        assert {e.status for e in first.ledger()} == {LedgerStatus.COMMITTED}
+        assert {e.status for e in first.ledger()} == {LedgerStatus.COMPENSATED}
 
     def test_concurrent_steps_on_one_document_lose_no_update(self, mongo: MongoHarness) -> None:
         """FerretDB updates are read-then-write; the per-document lock serialises them."""

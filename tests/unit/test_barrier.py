@@ -348,6 +348,20 @@ def test_commit_on_applied_confirms() -> None:
     assert p.entry == replace(entry, status=LedgerStatus.COMMITTED, updated_ms=NOW + 9)
 
 
+@pytest.mark.parametrize("mode", list(Mode))
+def test_commit_of_a_step_with_nothing_to_confirm_leaves_it_applied_and_says_nothing(
+    mode: Mode,
+) -> None:
+    entry = entry_in(LedgerStatus.APPLIED, mode=mode)
+    signal = replace(commit(now=NOW + 9), confirm=False)
+    assert nothing(plan(entry, False, signal))
+    # the step is still closed for a repeated request (hanging prevention, idempotency) ...
+    again = plan(entry, False, requested(now=NOW + 10))
+    assert (again.effect, again.entry, again.emit) == (Effect.NONE, None, StepStatus.APPLIED)
+    # ... and finishes at its deadline, so the retention removes it
+    assert finished_ms(entry) == max(entry.deadline_ms, entry.updated_ms)
+
+
 def test_a_repeated_commit_reemits_committed() -> None:
     p = plan(entry_in(LedgerStatus.COMMITTED), False, commit())
     assert (p.effect, p.entry, p.emit) == (Effect.NONE, None, StepStatus.COMMITTED)
@@ -649,7 +663,7 @@ def test_only_requests_look_at_fingerprints() -> None:
         (LedgerStatus.COMPENSATED, Mode.SEQUENTIAL, {}, True),
         (LedgerStatus.FAILED, Mode.SEQUENTIAL, {}, True),
         (LedgerStatus.APPLIED, Mode.PARALLEL, {}, True),
-        (LedgerStatus.APPLIED, Mode.SEQUENTIAL, {}, False),
+        (LedgerStatus.APPLIED, Mode.SEQUENTIAL, {}, True),
         (LedgerStatus.APPLIED, Mode.SEQUENTIAL, {"rollback_pending": True}, False),
         (LedgerStatus.WAITING, Mode.SEQUENTIAL, {}, False),
         (LedgerStatus.COMPENSATION_FAILED, Mode.PARALLEL, {}, False),
@@ -726,6 +740,7 @@ class Model:
     nodes: list[Node]
     rejects: list[bool]  # per step: the action is a business rejection
     comp_fails: list[bool]  # per step: its first compensation fails
+    confirms: list[bool] = field(default_factory=list)  # per step: its action has a confirm
     clock: int = 0
     requests: int = 1  # records on the requests topic (duplicates of one request)
     conflicts: set[int] = field(default_factory=set)  # offsets of requests with another payload
@@ -744,6 +759,7 @@ class Model:
         self.undone = [0] * self.n
         self.confirmed = [0] * self.n
         self.emitted = {i: [] for i in range(self.n)}
+        self.confirms = self.confirms or [False] * self.n
 
     def owner(self, step: int) -> Node:
         return next(node for node in self.nodes if step in node.steps)
@@ -869,7 +885,8 @@ class Model:
                 node.marker = True
             return
         for entry in entries:
-            self.run_signal(node, entry, Decided(TX, entry.step, outcome, now))
+            confirm = self.confirms[entry.step]
+            self.run_signal(node, entry, Decided(TX, entry.step, outcome, now, confirm))
 
     def run_signal(self, node: Node, entry: LedgerEntry | None, signal: Signal) -> None:
         """``_run_signal``, then: a repeated request or decision reports the step again."""
@@ -888,6 +905,8 @@ class Model:
         ):
             if isinstance(signal, Decided) and signal.outcome is Outcome.COMMIT:
                 expected = {LedgerStatus.COMMITTED: StepStatus.COMMITTED}.get(now.status)
+                if not signal.confirm:  # nothing to confirm: untouched and unreported
+                    assert (said, now) == ([], entry), (signal, said, entry, now)
             else:
                 expected = StepStatus(str(now.status))
             if expected is not None:
@@ -935,6 +954,7 @@ class Model:
             self.undone[step] += 1
         elif p.effect is Effect.CONFIRM:
             assert self.outcome is Outcome.COMMIT
+            assert self.confirms[step], f"step {step} has nothing to confirm"
             assert self.applied[step] == 1
             self.confirmed[step] += 1
         if target is not None:
@@ -1021,13 +1041,22 @@ class Model:
         for step in range(self.n):
             entry = self.owner(step).ledger.get(step)
             last = self.emitted[step][-1] if self.emitted[step] else None
-            if self.outcome is Outcome.COMMIT:
+            if self.outcome is Outcome.COMMIT and self.confirms[step]:
                 assert entry is not None
                 assert entry.status is LedgerStatus.COMMITTED, (step, entry)
                 assert self.applied[step] == 1
                 assert self.confirmed[step] == 1
                 assert self.undone[step] == 0
                 assert last is StepStatus.COMMITTED
+            elif self.outcome is Outcome.COMMIT:
+                # nothing to confirm: the commit left the step applied, and said nothing
+                assert entry is not None
+                assert entry.status is LedgerStatus.APPLIED, (step, entry)
+                assert self.applied[step] == 1
+                assert self.confirmed[step] == 0
+                assert self.undone[step] == 0
+                assert last is StepStatus.APPLIED
+                assert StepStatus.COMMITTED not in self.emitted[step]
             elif step in stuck and last is not StepStatus.COMPENSATED:
                 # BUG (see test_successor_compensated_while_waiting_is_not_lost): the step
                 # waits for a successor event it consumed before it was applied, and the
@@ -1070,6 +1099,7 @@ def run_model(data: st.DataObject, *, single: bool) -> Model:
         nodes=nodes,
         rejects=data.draw(st.lists(rare, min_size=n, max_size=n), label="rejects"),
         comp_fails=data.draw(st.lists(st.booleans(), min_size=n, max_size=n), label="comp"),
+        confirms=data.draw(st.lists(st.booleans(), min_size=n, max_size=n), label="confirms"),
     )
     may_abort = data.draw(st.booleans(), label="operator")
     for _ in range(data.draw(st.integers(0, 80), label="length")):

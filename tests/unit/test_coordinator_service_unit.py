@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -114,15 +114,20 @@ def submit(log: InMemoryLog, clock: ManualClock, *txs: str, timeout_ms: int = 60
     send(log, TOPICS.requests, *(request(tx, clock, timeout_ms=timeout_ms) for tx in txs))
 
 
-def report(log: InMemoryLog, clock: ManualClock, tx: str, status: StepStatus, *steps: int) -> None:
+def report(
+    log: InMemoryLog,
+    clock: ManualClock,
+    tx: str,
+    status: StepStatus,
+    *steps: int,
+    confirm: bool = False,
+) -> None:
     names = ("bank", "shop")
+    reason = "no" if status == "failed" else None
     send(
         log,
         TOPICS.events,
-        *(
-            StepEvent(tx, s, names[s], status, clock(), "no" if status == "failed" else None)
-            for s in steps
-        ),
+        *(StepEvent(tx, s, names[s], status, clock(), reason, confirm) for s in steps),
     )
 
 
@@ -189,16 +194,44 @@ def test_all_steps_applied_commit_and_the_offsets_commit_with_the_decision(
     submit(log, clock, tx)
     stepper.step()
     assert state(log, tx) is SagaState.PENDING and decisions(log) == []
-    report(log, clock, tx, StepStatus.APPLIED, 0, 1)
+    report(log, clock, tx, StepStatus.APPLIED, 0)
+    report(log, clock, tx, StepStatus.APPLIED, 1, confirm=True)
     stepper.step()
     assert decisions(log) == [(tx, Outcome.COMMIT)]
-    assert state(log, tx) is SagaState.COMMITTING
-    report(log, clock, tx, StepStatus.COMMITTED, 0, 1)
+    assert state(log, tx) is SagaState.COMMITTING  # step 1 has something to confirm
+    report(log, clock, tx, StepStatus.COMMITTED, 1)
     stepper.step()
     assert state(log, tx) is SagaState.COMMITTED
     assert log.committed_offset(GROUP, TOPICS.requests, 1) == 1
     assert log.committed_offset(GROUP, TOPICS.events, 1) == log.end_offset(TOPICS.events, 1)
     assert (service.stats.commits, service.stats.rollbacks, service.stats.dlq) == (1, 0, 0)
+
+
+def test_a_commit_with_nothing_to_confirm_writes_its_decision_and_final_status_together(
+    log: InMemoryLog, clock: ManualClock, coordinators: Running
+) -> None:
+    """The records a two-step saga costs the coordinator: a status for the request's
+    batch, then, in the batch that reads the last `applied`, the decision and the
+    `committed` status in one transaction (one status per saga per batch)."""
+    _, stepper = coordinators.start()
+    tx = tx_on(0)
+    submit(log, clock, tx)
+    stepper.step()
+    report(log, clock, tx, StepStatus.APPLIED, 0, 1)
+    stepper.step()
+    assert decisions(log) == [(tx, Outcome.COMMIT)]
+    written = [
+        decode_as(m.value, SagaStatus) for m in log.records(TOPICS.status) if m.key == tx.encode()
+    ]
+    assert [cast(SagaStatus, s).state for s in written] == [
+        SagaState.PENDING,
+        SagaState.COMMITTED,
+    ]
+    assert [p.status for p in cast(SagaStatus, written[-1]).steps] == [StepStatus.COMMITTED] * 2
+    # a `committed` event of an older participant changes nothing and writes nothing
+    report(log, clock, tx, StepStatus.COMMITTED, 0, 1)
+    stepper.step()
+    assert len([m for m in log.records(TOPICS.status) if m.key == tx.encode()]) == 2
 
 
 def test_a_failed_step_rolls_back_and_an_abort_before_a_decision_too(
@@ -244,7 +277,7 @@ def test_records_of_a_partition_revoked_in_the_poll_that_returned_them_go_to_its
     report(log, clock, kept, StepStatus.APPLIED, 0, 1)
     stepper_a.step()
     stepper_b.step()
-    assert state(log, moved) is SagaState.COMMITTING, "the moved saga stayed undecided"
+    assert state(log, moved) is SagaState.COMMITTED, "the moved saga stayed undecided"
     assert sorted(decisions(log)) == sorted([(kept, Outcome.COMMIT), (moved, Outcome.COMMIT)])
     assert (a.stats.commits, b.stats.commits) == (1, 1)
 
@@ -271,7 +304,7 @@ def test_a_rebalance_between_read_and_commit_aborts_the_batch_and_nothing_is_los
         stepper_b.step()
     assert sorted(decisions(log)) == sorted((tx, Outcome.COMMIT) for tx in txs)
     assert a.stats.commits == 3 and a.sagas_in_memory == 3  # partition 0
-    assert all(state(log, tx) is SagaState.COMMITTING for tx in txs)
+    assert all(state(log, tx) is SagaState.COMMITTED for tx in txs)
 
 
 # ---------------------------------------------------------------- aborted transactions
@@ -341,7 +374,7 @@ def test_a_restarted_coordinator_restores_its_sagas_from_the_status_topic(
     done, open_ = tx_on(0), tx_on(1)
     submit(log, clock, done, open_, timeout_ms=1_000)
     stepper.step()
-    report(log, clock, done, StepStatus.APPLIED, 0, 1)
+    report(log, clock, done, StepStatus.APPLIED, 0, 1, confirm=True)
     report(log, clock, open_, StepStatus.APPLIED, 0)
     stepper.step()
     report(log, clock, done, StepStatus.COMMITTED, 0, 1)

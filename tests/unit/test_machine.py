@@ -110,9 +110,10 @@ def ev(
     participant: str | None = None,
     reason: str | None = None,
     tx: str = TX,
+    confirm: bool = False,
 ) -> StepReported:
     who = participant if participant is not None else owner(step)
-    return StepReported(StepEvent(tx, step, who, status, at, reason), at)
+    return StepReported(StepEvent(tx, step, who, status, at, reason, confirm), at)
 
 
 def abort(reason: str = "", at: int = CREATED + 5, tx: str = TX) -> AbortRequested:
@@ -150,8 +151,8 @@ def started(n: int = 2, **kw: Any) -> Saga:
     return saga
 
 
-def all_applied(n: int, at: int = CREATED + 10) -> list[Input]:
-    return [ev(i, StepStatus.APPLIED, at=at + i) for i in range(n)]
+def all_applied(n: int, at: int = CREATED + 10, *, confirm: bool = False) -> list[Input]:
+    return [ev(i, StepStatus.APPLIED, at=at + i, confirm=confirm) for i in range(n)]
 
 
 def live(saga: Saga | None) -> Saga:
@@ -226,7 +227,7 @@ def test_duplicate_request_with_the_same_payload_changes_nothing() -> None:
 
 def test_duplicate_request_after_the_decision_changes_nothing() -> None:
     req = request(1)
-    saga, _ = feed(None, received(req), ev(0, StepStatus.APPLIED))
+    saga, _ = feed(None, received(req), ev(0, StepStatus.APPLIED, confirm=True))
     assert live(saga).state is SagaState.COMMITTING
     again, out = decide(saga, received(req, at=DEADLINE * 2))
     assert out == []
@@ -285,20 +286,86 @@ def test_partial_applies_publish_progress_without_a_decision() -> None:
 
 
 def test_all_steps_applied_decides_commit_exactly_once() -> None:
-    _, out = feed(started(3), *all_applied(3, at=CREATED + 100))
+    _, out = feed(started(3), *all_applied(3, at=CREATED + 100, confirm=True))
     (decision,) = decisions(out)
     assert decision == Decision(TX, Outcome.COMMIT, "all steps applied", CREATED + 102)
     final = statuses(out)[-1]
     assert final.state is SagaState.COMMITTING
     assert final.reason == "all steps applied"
     assert step_states(final) == [StepStatus.APPLIED] * 3
+    assert [s.confirm for s in final.steps] == [True] * 3
     # the decision is produced by the input that completed the set, in the same output batch
     _, last = decide(feed(started(3), *all_applied(3)[:2])[0], all_applied(3)[2])
     assert [type(o) for o in last] == [Decision, SagaStatus]
 
 
+def test_a_commit_with_nothing_to_confirm_is_committed_with_its_decision() -> None:
+    """No step said confirm: the decision and the final status leave together, and the
+    steps show committed (their participants send nothing more)."""
+    saga, out = feed(started(3), *all_applied(3, at=CREATED + 100))
+    assert [type(o) for o in out] == [SagaStatus, SagaStatus, Decision, SagaStatus]
+    final = statuses(out)[-1]
+    assert final.state is SagaState.COMMITTED
+    assert final.reason == "all steps applied"
+    assert step_states(final) == [StepStatus.COMMITTED] * 3
+    assert final.updated_ms == CREATED + 102
+    assert live(saga).outcome is Outcome.COMMIT
+    # a late or repeated report changes nothing, a `committed` from an older participant neither
+    for inp in (ev(1, StepStatus.APPLIED, at=CREATED + 200), ev(0, StepStatus.COMMITTED)):
+        again, more = decide(saga, inp)
+        assert (again, more) == (saga, [])
+
+
+def test_only_the_steps_that_said_confirm_are_waited_for() -> None:
+    saga, out = feed(
+        started(3),
+        ev(0, StepStatus.APPLIED),
+        ev(1, StepStatus.APPLIED, confirm=True),
+        ev(2, StepStatus.APPLIED),
+    )
+    assert len(decisions(out)) == 1
+    status = statuses(out)[-1]
+    assert status.state is SagaState.COMMITTING
+    assert step_states(status) == [StepStatus.COMMITTED, StepStatus.APPLIED, StepStatus.COMMITTED]
+    assert [s.confirm for s in status.steps] == [False, True, False]
+    # a restart in between waits for the same step
+    restored = Saga.from_status(status)
+    assert restored == replace(saga, early=())
+    saga, out = feed(restored, ev(1, StepStatus.COMMITTED, at=CREATED + 50))
+    (status,) = statuses(out)
+    assert status.state is SagaState.COMMITTED
+    assert step_states(status) == [StepStatus.COMMITTED] * 3
+
+
+def test_the_confirm_flag_survives_a_restart_before_the_decision() -> None:
+    _, out = feed(started(2), ev(1, StepStatus.APPLIED, confirm=True))
+    restored = Saga.from_status(statuses(out)[-1])
+    assert restored.confirms == (False, True)
+    _, out = feed(restored, ev(0, StepStatus.APPLIED))
+    assert statuses(out)[-1].state is SagaState.COMMITTING
+
+
+def test_a_status_of_an_older_coordinator_waiting_for_every_step_commits_on_restore() -> None:
+    """Written before steps said confirm: `committing` with every step applied, none of
+    which will send `committed` now. Restored, the saga is committed."""
+    status = SagaStatus(
+        TX,
+        "transfer",
+        SagaState.COMMITTING,
+        (StepProgress("ledger", StepStatus.APPLIED), StepProgress("shop", StepStatus.COMMITTED)),
+        "all steps applied",
+        1,
+        2,
+        3,
+        "fp",
+    )
+    saga = Saga.from_status(status)
+    assert saga.state is SagaState.COMMITTED
+    assert saga.steps == (StepStatus.COMMITTED, StepStatus.COMMITTED)
+
+
 def test_commit_then_all_committed_reaches_committed() -> None:
-    saga, _ = feed(started(2), *all_applied(2))
+    saga, _ = feed(started(2), *all_applied(2, confirm=True))
     saga, out = feed(saga, ev(0, StepStatus.COMMITTED, at=CREATED + 200))
     assert decisions(out) == []
     assert statuses(out)[-1].state is SagaState.COMMITTING
@@ -314,7 +381,9 @@ def test_commit_then_all_committed_reaches_committed() -> None:
 
 def test_nothing_happens_after_committed() -> None:
     saga, _ = feed(
-        started(1), ev(0, StepStatus.APPLIED), ev(0, StepStatus.COMMITTED, at=CREATED + 20)
+        started(1),
+        ev(0, StepStatus.APPLIED, confirm=True),
+        ev(0, StepStatus.COMMITTED, at=CREATED + 20),
     )
     assert live(saga).state is SagaState.COMMITTED
     for inp in (
@@ -612,7 +681,7 @@ def test_events_before_the_request_are_kept_in_a_placeholder() -> None:
 
 
 def test_all_steps_applied_before_the_request_commit_when_it_arrives() -> None:
-    saga, out = feed(None, *all_applied(2))
+    saga, out = feed(None, *all_applied(2, confirm=True))
     assert decisions(out) == []
     assert live(saga).state is SagaState.PENDING
     saga, out = decide(saga, received(request(2), at=CREATED + 50))
@@ -696,7 +765,8 @@ def test_an_invalid_early_event_does_not_mask_the_real_one(real: StepStatus) -> 
     )
     expected = Outcome.COMMIT if real is StepStatus.APPLIED else Outcome.ROLLBACK
     assert live(saga).outcome is expected
-    assert live(saga).steps == (real,)
+    # an applied step with nothing to confirm is committed by the decision
+    assert live(saga).steps == (StepStatus.COMMITTED if real is StepStatus.APPLIED else real,)
 
 
 def test_an_event_for_a_step_that_does_not_exist_is_ignored() -> None:
@@ -823,7 +893,7 @@ SCENARIOS: dict[str, list[Input]] = {
     "commit": [
         received(request(3)),
         ev(0, StepStatus.APPLIED),
-        ev(2, StepStatus.APPLIED, at=CREATED + 20),
+        ev(2, StepStatus.APPLIED, at=CREATED + 20, confirm=True),
         ev(1, StepStatus.APPLIED, at=CREATED + 30),
         ev(1, StepStatus.COMMITTED, at=CREATED + 40),
         ev(0, StepStatus.COMMITTED, at=CREATED + 50),
@@ -849,7 +919,7 @@ SCENARIOS: dict[str, list[Input]] = {
         ev(0, StepStatus.COMPENSATED, at=DEADLINE + 3),
     ],
     "early_events": [
-        ev(1, StepStatus.APPLIED, at=CREATED),
+        ev(1, StepStatus.APPLIED, at=CREATED, confirm=True),
         ev(0, StepStatus.APPLIED, at=CREATED + 1),
         Tick(DEADLINE * 2),
         received(request(3), at=CREATED + 2),
@@ -927,9 +997,8 @@ def test_from_status_of_a_placeholder_is_a_placeholder() -> None:
 def test_from_status_derives_the_outcome_from_the_state(
     state: SagaState, outcome: Outcome | None
 ) -> None:
-    status = SagaStatus(
-        TX, "transfer", state, (StepProgress("ledger", StepStatus.APPLIED),), "r", 1, 2, 3, "fp"
-    )
+    step = StepProgress("ledger", StepStatus.APPLIED, confirm=True)
+    status = SagaStatus(TX, "transfer", state, (step,), "r", 1, 2, 3, "fp")
     saga = Saga.from_status(status)
     assert saga.outcome is outcome
     assert saga.request_seen
@@ -948,6 +1017,7 @@ class World:
     req: SagaRequest
     kinds: list[str]  # per step: "applied", "failed" or "silent" (never answers the request)
     comp_fails: list[bool]  # per step: its first compensation fails
+    confirms: list[bool]  # per step: its applied event says confirm (a committed follows)
     clock: int = 0
     saga: Saga | None = None
     twin: Saga | None = None  # the same inputs, never restarted
@@ -1002,9 +1072,10 @@ class World:
         self.saga = Saga.from_status(self.last_status) if self.last_status else None
 
     def send(self, step: int, status: StepStatus, reason: str | None = None) -> None:
+        who = self.req.steps[step].participant
+        confirm = status is StepStatus.APPLIED and self.confirms[step]
         inp = StepReported(
-            StepEvent(TX, step, self.req.steps[step].participant, status, self.clock, reason),
-            self.clock,
+            StepEvent(TX, step, who, status, self.clock, reason, confirm), self.clock
         )
         self.sent.append(inp)
         self.feed(inp)
@@ -1025,7 +1096,8 @@ class World:
         if self.decision is None or i in self.closed:
             return False
         if self.decision.outcome is Outcome.COMMIT:
-            return i in self.reported and self.kinds[i] == "applied"
+            # a step with nothing to confirm hears the commit and says nothing
+            return i in self.reported and self.kinds[i] == "applied" and self.confirms[i]
         return True
 
     def follow_up(self, i: int) -> None:
@@ -1138,6 +1210,11 @@ class World:
             assert "operator must act" in (s.reason or "")
         if s.fingerprint is not None and outcome is Outcome.COMMIT:
             assert (s.state is SagaState.COMMITTED) == (states == [StepStatus.COMMITTED] * self.n)
+            # I2: only a step that said confirm waits for its `committed`
+            for i, step in enumerate(s.steps):
+                assert step.status is StepStatus.COMMITTED or step.confirm, (i, step)
+            if all(i in self.closed or not self.confirms[i] for i in range(self.n)):
+                assert s.state is SagaState.COMMITTED, "every confirmation came, not committed"
         if s.fingerprint is not None and outcome is Outcome.ROLLBACK:
             assert (s.state is SagaState.ROLLED_BACK) == (
                 states == [StepStatus.COMPENSATED] * self.n
@@ -1161,6 +1238,7 @@ def test_random_interleavings_keep_the_invariants(data: st.DataObject) -> None:
         req=req,
         kinds=data.draw(st.lists(KIND, min_size=n, max_size=n), label="kinds"),
         comp_fails=data.draw(st.lists(st.booleans(), min_size=n, max_size=n)),
+        confirms=data.draw(st.lists(st.booleans(), min_size=n, max_size=n), label="confirms"),
     )
     for _ in range(data.draw(st.integers(0, 40), label="length")):
         world.clock += data.draw(st.integers(0, 120))

@@ -97,16 +97,22 @@ def sample(
 
 
 def request(
-    tx: str, clock: ManualClock, participants: tuple[str, ...] = ("bank", "shop")
+    tx: str,
+    clock: ManualClock,
+    participants: tuple[str, ...] = ("bank", "shop"),
+    *,
+    confirmed: bool = False,
 ) -> SagaRequest:
+    """``confirmed``: a custom action with a confirm (tests.confirm_handlers), which a
+    commit confirms and reports; else a built-in increment, which a commit leaves alone."""
+    increment = {"target": "accounts", "key": "alice", "field": "balance", "by": 1}
+    credit = {"key": "alice", "by": 1}
     return SagaRequest(
         tx_id=tx,
         saga="transfer",
         mode=Mode.PARALLEL,
         steps=tuple(
-            Step(
-                p, "increment", {"target": "accounts", "key": "alice", "field": "balance", "by": 1}
-            )
+            Step(p, "credit_confirmed", credit) if confirmed else Step(p, "increment", increment)
             for p in participants
         ),
         deadline_ms=clock() + 60_000,
@@ -263,7 +269,9 @@ def test_a_participant_continues_the_trace_of_the_request_and_of_the_decision(
         connection.execute(sa.text("CREATE TABLE accounts (id TEXT PRIMARY KEY, balance INTEGER)"))
         connection.execute(sa.text("INSERT INTO accounts VALUES ('alice', 10)"))
     engine.dispose()
-    storage = open_storage("sql", name="bank", url=url, targets=["accounts"])
+    storage = open_storage(
+        "sql", name="bank", url=url, targets=["accounts"], handlers="tests.confirm_handlers"
+    )
     runtime = ParticipantRuntime("bank", storage, SETTINGS, log=log, clock=clock)
     runtime.observer.sample_every_s = 0
     runtime.observer.enable_metrics(new_registry())
@@ -271,7 +279,12 @@ def test_a_participant_continues_the_trace_of_the_request_and_of_the_decision(
     try:
         tx, other = key_on(1, PARTITIONS), key_on(1, PARTITIONS, 1)
         start = new_trace()
-        send(log, TOPICS.requests, request(tx, clock, ("bank",)), headers=start.headers())
+        send(
+            log,
+            TOPICS.requests,
+            request(tx, clock, ("bank",), confirmed=True),
+            headers=start.headers(),
+        )
         send(log, TOPICS.requests, request(other, clock, ("shop",)))
         stepper.step()
         decided = start.child()

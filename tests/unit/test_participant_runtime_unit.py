@@ -16,13 +16,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import sqlalchemy as sa
 
 from participants import (
     LedgerEntry,
+    LedgerStatus,
     ParticipantRuntime,
     Report,
     Requested,
@@ -193,6 +194,17 @@ def reported(log: InMemoryLog, tx: str | None = None) -> list[tuple[int, StepSta
     return out
 
 
+def applied_events(log: InMemoryLog, tx: str) -> list[StepEvent]:
+    """The `applied` events ``bank`` reported for ``tx``, in order."""
+    events = [decode_as(m.value, StepEvent) for m in log.records(TOPICS.events)]
+    return [
+        e
+        for e in events
+        if isinstance(e, StepEvent)
+        and (e.participant, e.tx_id, e.status) == ("bank", tx, StepStatus.APPLIED)
+    ]
+
+
 def committed(log: InMemoryLog, topic: str, partition: int) -> int | None:
     return log.committed_offset(GROUP, topic, partition)
 
@@ -200,20 +212,71 @@ def committed(log: InMemoryLog, topic: str, partition: int) -> int | None:
 # ---------------------------------------------------------------- the request and decision path
 
 
-def test_a_step_is_applied_then_committed_and_requests_offsets_commit_at_once(
-    log: InMemoryLog, clock: ManualClock, runtimes: Runtimes, database: str
+def test_a_step_is_applied_then_left_alone_on_commit_and_requests_offsets_commit_at_once(
+    log: InMemoryLog,
+    clock: ManualClock,
+    runtimes: Runtimes,
+    database: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    _, stepper = runtimes.start(sqlite_storage(database))
+    storage = sqlite_storage(database)
+    opened: list[Sequence[WorkItem]] = []
+    open_batch = cast(Any, storage).open_batch
+
+    def counted(items: Sequence[WorkItem], attempt: int) -> Any:
+        opened.append(items)
+        return open_batch(items, attempt)
+
+    monkeypatch.setattr(storage, "open_batch", counted)
+    _, stepper = runtimes.start(storage)
     tx = tx_on(1)
     submit(log, clock, tx, [move(), shop_step()], Mode.PARALLEL)
     stepper.step()
     assert reported(log, tx) == [(0, StepStatus.APPLIED)]
     assert balance(database) == 105
     assert committed(log, TOPICS.requests, 1) == 1
+    assert len(opened) == 1
     decide(log, clock, tx, Outcome.COMMIT)
     stepper.step(2)  # its own `applied` event, then the decision
-    assert reported(log, tx) == [(0, StepStatus.APPLIED), (0, StepStatus.COMMITTED)]
+    # A built-in step has nothing to confirm: its `applied` event said so, and the commit
+    # leaves it alone: no event, no ledger change, not even a batch of the storage.
+    assert reported(log, tx) == [(0, StepStatus.APPLIED)]
+    assert not applied_events(log, tx)[0].confirm
+    assert [e.status for e in storage.ledger(tx)] == [LedgerStatus.APPLIED]
+    assert len(opened) == 1
     assert balance(database) == 105
+
+
+def test_a_step_with_a_confirm_says_so_and_is_confirmed_and_reported_on_commit(
+    log: InMemoryLog, clock: ManualClock, runtimes: Runtimes, database: str
+) -> None:
+    storage = open_storage(
+        "sql", name="bank", url=database, targets=["accounts"], handlers="tests.confirm_handlers"
+    )
+    assert storage.has_confirm("credit_confirmed")
+    assert not storage.has_confirm("credit") and not storage.has_confirm("increment")
+    assert storage.needs_decision(Outcome.COMMIT)
+    _, stepper = runtimes.start(storage)
+    tx = tx_on(0)
+    credit = {"key": "alice", "by": 1}
+    steps = [Step("bank", "credit", credit), Step("bank", "credit_confirmed", credit), move()]
+    submit(log, clock, tx, steps, Mode.PARALLEL)
+    stepper.step()
+    assert balance(database) == 107
+    flags = [(0, False), (1, True), (2, False)]
+    assert [(e.step, e.confirm) for e in applied_events(log, tx)] == flags
+    # a repeated request reports the same `applied` events, the flag included
+    send(log, TOPICS.requests, tx, log.records(TOPICS.requests)[0].value)
+    stepper.step()
+    assert [(e.step, e.confirm) for e in applied_events(log, tx)] == flags * 2
+    assert balance(database) == 107
+    decide(log, clock, tx, Outcome.COMMIT)
+    stepper.step(3)
+    # only the step with a confirm is confirmed (its bonus) and reported committed
+    assert reported(log, tx)[6:] == [(1, StepStatus.COMMITTED)]
+    assert balance(database) == 1107
+    ledger = {e.step: e.status for e in storage.ledger(tx)}
+    assert ledger == {0: LedgerStatus.APPLIED, 1: LedgerStatus.COMMITTED, 2: LedgerStatus.APPLIED}
 
 
 # ---------------------------------------------------------------- trailing offsets

@@ -333,12 +333,26 @@ def rejected_steps(fx: Mapping[str, Any], participant: str) -> dict[int, str | N
     return {s: v.get("reason") for s, v in first.items() if v["status"] == StepStatus.FAILED}
 
 
+def confirmed_steps(fx: Mapping[str, Any], participant: str) -> set[int]:
+    """Steps whose action has something to confirm: their ``applied`` event said so.
+
+    Like a rejection, that is the storage's answer (its configured actions), which the
+    recording holds; the barrier then decides what a commit does to the step.
+    """
+    return {
+        int(r["value"]["step"])
+        for r in emitted(fx, participant)
+        if r["value"]["status"] == StepStatus.APPLIED and r["value"].get("confirm")
+    }
+
+
 def run_participant_batch(
     fx: Mapping[str, Any], state: ParticipantState, batch: Mapping[str, Any]
 ) -> list[str]:
     """One participant batch through ``plan``; the events it emits, one line each."""
     now = int(batch["at_ms"])
     rejected = rejected_steps(fx, state.name)
+    confirms = confirmed_steps(fx, state.name)
     items: list[Item] = []
     keys: set[tuple[object, ...]] = set()
     for i in batch["inputs"]:
@@ -372,7 +386,7 @@ def run_participant_batch(
             if not state.entries and item.outcome is Outcome.ROLLBACK:
                 state.rolled_back = True
             for step in sorted(state.entries):
-                run(Decided(item.tx_id, step, item.outcome, now))
+                run(Decided(item.tx_id, step, item.outcome, now, step in confirms))
         else:
             run(item)
     return lines

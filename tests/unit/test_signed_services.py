@@ -221,9 +221,16 @@ def send(log: InMemoryLog, signer: Keyring | None, topic: str, *records: Record)
 
 
 def event(
-    tx: str, step: int, participant: str, status: StepStatus, clock: ManualClock
+    tx: str,
+    step: int,
+    participant: str,
+    status: StepStatus,
+    clock: ManualClock,
+    *,
+    confirm: bool = False,
 ) -> StepEvent:
-    return StepEvent(tx, step, participant, status, clock(), "no" if status == "failed" else None)
+    reason = "no" if status == "failed" else None
+    return StepEvent(tx, step, participant, status, clock(), reason, confirm)
 
 
 def decisions(log: InMemoryLog) -> list[tuple[str, Outcome, bool]]:
@@ -301,13 +308,16 @@ def test_with_keys_a_saga_commits_and_every_record_is_signed_by_whom_may_write_i
     bank.step()
     c.step()
     assert balance(database) == 105 and real_state(log, keys, tx) is SagaState.PENDING
-    send(log, keys.shop, TOPICS.events, event(tx, 1, "shop", StepStatus.APPLIED, clock))
+    # shop's step has something to confirm: the saga is committed once shop confirms it
+    applied = event(tx, 1, "shop", StepStatus.APPLIED, clock, confirm=True)
+    send(log, keys.shop, TOPICS.events, applied)
     c.step()
     assert real_decisions(log, keys) == [(tx, Outcome.COMMIT)]
+    assert real_state(log, keys, tx) is SagaState.COMMITTING
     bank.step(2)
     send(log, keys.shop, TOPICS.events, event(tx, 1, "shop", StepStatus.COMMITTED, clock))
     c.step()
-    assert bank_reported(log, tx) == [(0, StepStatus.APPLIED), (0, StepStatus.COMMITTED)]
+    assert bank_reported(log, tx) == [(0, StepStatus.APPLIED)]  # nothing to confirm
     assert real_state(log, keys, tx) is SagaState.COMMITTED
     assert coordinator.stats.dlq == 0 and coordinator.stats.unauthenticated == 0
     for topic in (TOPICS.requests, TOPICS.events, TOPICS.decisions, TOPICS.status):
@@ -396,12 +406,14 @@ def test_a_forged_decision_is_ignored_by_the_participant_and_dead_lettered(
         (TOPICS.decisions, "record is not signed: expected a signature by coordinator"),
         (TOPICS.decisions, "record is signed by participant-bank, not by coordinator"),
     ]
-    # The real path goes on: shop applied, the coordinator commits, bank confirms.
+    # The real path goes on: shop applied, the coordinator commits (bank has nothing to
+    # confirm: its built-in step is left as it is).
     send(log, keys.shop, TOPICS.events, event(tx, 1, "shop", StepStatus.APPLIED, clock))
     c.step()
     bank.step(2)
     assert real_decisions(log, keys) == [(tx, Outcome.COMMIT)]
-    assert bank_reported(log, tx) == [(0, StepStatus.APPLIED), (0, StepStatus.COMMITTED)]
+    assert real_state(log, keys, tx) is SagaState.COMMITTED
+    assert bank_reported(log, tx) == [(0, StepStatus.APPLIED)]
     assert balance(database) == 105
     assert coordinator.stats.dlq == 2  # its own decision was not dead-lettered
 
@@ -569,7 +581,7 @@ def test_a_restore_skips_forged_status_records_it_finds_on_top(
     send(log, keys.shop, TOPICS.events, event(tx, 1, "shop", StepStatus.APPLIED, clock))
     c2.step()
     assert real_decisions(log, keys) == [(tx, Outcome.COMMIT)]
-    assert real_state(log, keys, tx) is SagaState.COMMITTING
+    assert real_state(log, keys, tx) is SagaState.COMMITTED
 
 
 def test_a_restore_believes_the_coordinators_tombstone(
