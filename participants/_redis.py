@@ -1,4 +1,4 @@
-"""The Redis storage: hash records and the step ledger, changed together in one MULTI/EXEC.
+"""The Redis storage: hash records and the step ledger, changed together (a script or MULTI/EXEC).
 
 redis-py is imported by this adapter's modules only: :mod:`participants._redis_session`
 (the native session), :mod:`participants._redis_actions` (the built-in actions),
@@ -26,30 +26,36 @@ is finished (:func:`participants._barrier.finished_ms`) at or before the horizon
 the sorted set only proposes candidates (its scores may be stale), the hash read
 under WATCH decides.
 
-Atomicity: optimistic, with WATCH/MULTI/EXEC, and the barrier decided in Python.
+Two paths. New steps of the built-in ``increment`` (on integer fields) go to Redis
+in runs, one Lua script call per run of up to 500 steps (:mod:`participants._redis_batch`:
+the barrier stays here in Python, the script only checks that the ledger knows nothing
+of each step, applies it and writes its entry, in batch order). Everything else (repeats,
+decisions, neighbours' signals, the other actions, decimals, custom handlers) takes the
+per-step path below, which is also where the script hands back a step it cannot do.
+
+Per-step path: optimistic, with WATCH/MULTI/EXEC, and the barrier decided in Python.
 A unit WATCHes the transaction's ledger hash and reads it, the action WATCHes and
 reads the record it needs and *queues* its writes (nothing is written yet), and
 :meth:`RedisUnit.write` sends ``MULTI``, the queued writes, the ledger entry and the
 in-flight set update, ``EXEC``. When another client changed a watched key in
-between, ``EXEC`` does nothing and the item is run again from the start (up to
-``max_attempts`` times, then a :class:`~streams.TransientError`). Each ledger
-write ends one such round; a decision covering several steps runs one round per
-step, and the next round checks that the ledger it read is unchanged. Each WATCH and
+between (a script call included), ``EXEC`` does nothing and the item is run again
+from the start (up to ``max_attempts`` times, then a :class:`~streams.TransientError`).
+Each ledger write ends one such round; a decision covering several steps runs one round
+per step, and the next round checks that the ledger it read is unchanged. Each WATCH and
 the read it guards go out together
-(:func:`participants._redis_session.watch_hgetall`), so a new step costs three
+(:func:`participants._redis_session.watch_hgetall`), so a step costs three
 round trips: the ledger, the record, ``MULTI``...``EXEC``.
 
-Why not one Lua script per action: the barrier (:func:`participants._barrier.plan`)
-and the custom handlers are Python; rewriting the barrier in Lua would give the
+Why the barrier is not in Lua: the barrier (:func:`participants._barrier.plan`) and
+the custom handlers are Python; rewriting the barrier in Lua would give the
 guarantees two implementations to keep equal, and handlers could not run inside
-a script. WATCH gives the same all-or-nothing effect per step, keeps one barrier,
-and no script text exists at all, so no user string can ever be evaluated: values
-only travel as command arguments.
+a script. The script is a constant text: values only travel as command arguments
+(``KEYS``/``ARGV``), so no user string can ever be evaluated.
 
-A batch is not one atomic unit here (``atomic_batch`` is false): every step
-commits on its own (so one item's rejection never touches another's). When Redis becomes unreachable
-mid-batch, the finished steps stay done and the retried batch re-reports them from
-the ledger.
+A batch is not one atomic unit here (``atomic_batch`` is false): every step (or
+script call) commits on its own (so one item's rejection never touches another's).
+When Redis becomes unreachable mid-batch, the finished steps stay done and the
+retried batch re-reports them from the ledger.
 
 Key parts are validated: the prefix (no whitespace, control or glob characters
 ``*?[]\\``, not ending in ``:``), participant names (1-64 of ``[A-Za-z0-9._-]``),
@@ -123,8 +129,10 @@ class RedisStorage(LedgerStorage[RedisSession]):
     the key prefixes steps may touch (the allow-list). ``handlers`` as for
     :class:`~participants._sql.SqlStorage`; handlers receive a :class:`RedisSession`
     as ``native``. ``max_attempts`` bounds how often one item is run again after
-    losing a WATCH race. :meth:`execute` acts on every item in order, repeats
-    included.
+    losing a WATCH race. ``scripts`` false keeps every step on the per-step path
+    (see :mod:`participants._redis_batch`: for a Redis that refuses ``EVALSHA`` to
+    this user, or a cluster whose keys would span hash slots). :meth:`execute` acts
+    on every item in order, repeats included.
     """
 
     driver_errors = (redis_errors.RedisError,)
@@ -140,6 +148,7 @@ class RedisStorage(LedgerStorage[RedisSession]):
         handlers: Actions[Any] | Mapping[str, Handler] | None = None,
         max_attempts: int = DEFAULT_MAX_ATTEMPTS,
         timeout_s: float = 10.0,
+        scripts: bool = True,
         faults: Faults = NO_FAULTS,
     ) -> None:
         super().__init__(faults=faults)
@@ -185,7 +194,7 @@ class RedisStorage(LedgerStorage[RedisSession]):
         self.finished_key = self.keys.finished
         self._finished_ready = False
         self.actions = combine(RedisActions(self.targets), handlers)
-        self.batch_script = RedisBatch(self.client, self.keys)
+        self.batch_script = RedisBatch(self.client, self.keys) if scripts else None
 
     def ledger_key(self, tx_id: str) -> str:
         return self.keys.tx(tx_id)
@@ -212,7 +221,9 @@ class RedisStorage(LedgerStorage[RedisSession]):
         item at a time; every other item, and every step the script leaves, runs on
         the per-step path, in batch order."""
         reports: list[Report] = []
-        fast_ok = not self.faults.unsafe("barrier-off")
+        script = self.batch_script
+        if script is None or self.faults.unsafe("barrier-off"):
+            return super()._batch(items, attempt)
         with self.open_batch(items, attempt) as batch:
             seen: list[RequestSeen] = []
             run: list[Prepared] = []
@@ -223,27 +234,23 @@ class RedisStorage(LedgerStorage[RedisSession]):
             for item in items:
                 if isinstance(item, RequestSeen):
                     if run:
-                        reports.extend(self.batch_script.run(run, slow))
+                        reports.extend(script.run(run, slow))
                         run = []
                     seen.append(item)
                     continue
                 if seen:  # before any item that may read those ledgers
                     self.mark_seen(batch, seen)
                     seen = []
-                ready = (
-                    prepare(item, self.actions, self.keys, self.prefix, self.targets)
-                    if fast_ok
-                    else None
-                )
+                ready = prepare(item, self.actions, self.keys, self.prefix, self.targets)
                 if ready is not None:
                     run.append(ready)
                     continue
                 if run:
-                    reports.extend(self.batch_script.run(run, slow))
+                    reports.extend(script.run(run, slow))
                     run = []
                 reports.extend(self.run_one(batch, item))
             if run:
-                reports.extend(self.batch_script.run(run, slow))
+                reports.extend(script.run(run, slow))
             if seen:
                 self.mark_seen(batch, seen)
         return reports
