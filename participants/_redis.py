@@ -2,7 +2,8 @@
 
 redis-py is imported by this adapter's modules only: :mod:`participants._redis_session`
 (the native session), :mod:`participants._redis_actions` (the built-in actions),
-:mod:`participants._redis_unit` (one item's rounds) and this one (the storage).
+:mod:`participants._redis_unit` (one item's rounds), :mod:`participants._redis_batch`
+(the script path; its Lua is :mod:`participants._redis_script`) and this one.
 Keys (``prefix`` defaults to ``saga``; the ledger's are
 :class:`participants._ledger.RedisLedgerKeys`, which the reconciliation job reads too)::
 
@@ -26,12 +27,14 @@ is finished (:func:`participants._barrier.finished_ms`) at or before the horizon
 the sorted set only proposes candidates (its scores may be stale), the hash read
 under WATCH decides.
 
-Two paths. New steps of the built-in ``increment`` (on integer fields) go to Redis
-in runs, one Lua script call per run of up to 500 steps (:mod:`participants._redis_batch`:
-the barrier stays here in Python, the script only checks that the ledger knows nothing
-of each step, applies it and writes its entry, in batch order). Everything else (repeats,
-decisions, neighbours' signals, the other actions, decimals, custom handlers) takes the
-per-step path below, which is also where the script hands back a step it cannot do.
+Two paths. New steps of the built-in ``increment`` (on integer fields) and rollback
+decisions of transactions with at most one such step here go to Redis in runs, one Lua
+script call per run of up to 500 steps (:mod:`participants._redis_batch`: the barrier
+stays here in Python; the script checks that the ledger is what the plan assumed,
+applies or compensates each step and writes its entry, in batch order). Everything
+else (repeats, commit decisions, neighbours' signals, the other actions, decimals,
+custom handlers) takes the per-step path below, which is also where the script hands
+back a step whose check failed.
 
 Per-step path: optimistic, with WATCH/MULTI/EXEC, and the barrier decided in Python.
 A unit WATCHes the transaction's ledger hash and reads it, the action WATCHes and
@@ -93,7 +96,7 @@ from participants._barrier import LedgerEntry, finished_ms
 from participants._handlers import Handler, combine
 from participants._ledger import SEEN_FIELD, RedisLedgerKeys, entry_json, seen_marker
 from participants._redis_actions import RedisActions, value_text
-from participants._redis_batch import Prepared, RedisBatch, prepare
+from participants._redis_batch import Planner, RedisBatch
 from participants._redis_session import (
     UNSAFE,
     RedisSession,
@@ -194,7 +197,8 @@ class RedisStorage(LedgerStorage[RedisSession]):
         self.finished_key = self.keys.finished
         self._finished_ready = False
         self.actions = combine(RedisActions(self.targets), handlers)
-        self.batch_script = RedisBatch(self.client, self.keys) if scripts else None
+        planner = Planner(self.actions, self.keys, prefix, self.targets)
+        self.batch_script = RedisBatch(self.client, planner) if scripts else None
 
     def ledger_key(self, tx_id: str) -> str:
         return self.keys.tx(tx_id)
@@ -216,21 +220,20 @@ class RedisStorage(LedgerStorage[RedisSession]):
     # -- work
 
     def _batch(self, items: Sequence[WorkItem], attempt: int) -> list[Report]:
-        """The batch loop of :class:`LedgerStorage`, with runs of new steps sent to the
-        script of :mod:`participants._redis_batch` (one call per run) instead of one
-        item at a time; every other item, and every step the script leaves, runs on
-        the per-step path, in batch order."""
-        reports: list[Report] = []
+        """The batch loop of :class:`LedgerStorage`, with the items between two runs of
+        seen markers handed to :class:`participants._redis_batch.RedisBatch` (script
+        calls for what it can plan, the per-step path for the rest, in batch order)."""
         script = self.batch_script
         if script is None or self.faults.unsafe("barrier-off"):
             return super()._batch(items, attempt)
+        reports: list[Report] = []
         with self.open_batch(items, attempt) as batch:
-            seen: list[RequestSeen] = []
-            run: list[Prepared] = []
 
             def slow(item: WorkItem) -> list[Report]:
                 return self.run_one(batch, item)
 
+            seen: list[RequestSeen] = []
+            run: list[WorkItem] = []
             for item in items:
                 if isinstance(item, RequestSeen):
                     if run:
@@ -241,14 +244,7 @@ class RedisStorage(LedgerStorage[RedisSession]):
                 if seen:  # before any item that may read those ledgers
                     self.mark_seen(batch, seen)
                     seen = []
-                ready = prepare(item, self.actions, self.keys, self.prefix, self.targets)
-                if ready is not None:
-                    run.append(ready)
-                    continue
-                if run:
-                    reports.extend(script.run(run, slow))
-                    run = []
-                reports.extend(self.run_one(batch, item))
+                run.append(item)
             if run:
                 reports.extend(script.run(run, slow))
             if seen:

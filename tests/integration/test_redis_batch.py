@@ -233,3 +233,89 @@ def test_a_ledger_key_of_another_type_stops_before_any_write(pair: Pair) -> None
         pair.fast.execute([requested("tx-1", "increment", bump(1, 1))])
     assert pair.record(pair.fast, 1)["balance"] == "0"
     assert pair.fast.ledger() == []
+
+
+def test_a_run_of_rollbacks_is_one_read_and_one_call(pair: Pair) -> None:
+    pair.seed(1, {"owner": "alice", "balance": "100"})
+    txs = [f"tx-{n}" for n in range(20)]
+    pair.both([requested(tx, "increment", bump(1, 5, max=180)) for tx in txs])
+    pair.calls = 0
+    got = pair.both([rollback(tx) for tx in txs])
+    assert [r.status for r in got] == [StepStatus.COMPENSATED] * 20  # 4 failed: null ones
+    assert pair.calls == 1
+    assert pair.record(pair.fast, 1)["balance"] == "100"
+
+
+def test_a_failed_compensation_and_its_retry_match_the_per_step_path(pair: Pair) -> None:
+    pair.seed(1, {"owner": "alice", "balance": "100"})
+    pair.both([requested("tx-1", "increment", bump(1, 5))])
+    for storage in (pair.fast, pair.slow):
+        pair.client.delete(storage.record_key("accounts", 1))
+    [got] = pair.both([rollback("tx-1")])
+    assert got.status is StepStatus.COMPENSATION_FAILED
+    assert got.reason == (
+        "compensation failed: accounts/1 no longer exists, so its increment of balance "
+        "cannot be undone"
+    )
+    pair.seed(1, {"owner": "alice", "balance": "105"})
+    [got] = pair.both([rollback("tx-1", NOW + 2_000)])
+    assert got.status is StepStatus.COMPENSATED
+    assert pair.record(pair.fast, 1)["balance"] == "100"
+
+
+def test_sequential_rollbacks_match_the_per_step_path(pair: Pair) -> None:
+    pair.seed(1, {"owner": "alice", "balance": "100"})
+    first = requested("tx-1", "increment", bump(1, 5), mode=Mode.SEQUENTIAL, n_steps=2)
+    pair.both([first, rollback("tx-2")])
+    pair.both([rollback("tx-1")])  # waits for its successor's compensation
+    assert pair.fast.in_flight_sequential() == {"tx-1"}
+    later = requested("tx-2", "increment", bump(1, 1), step=1, mode=Mode.SEQUENTIAL, n_steps=2)
+    pair.both([later, rollback("tx-1", NOW + 5_000)])
+
+
+def test_a_ledger_changed_after_the_read_leaves_the_rollback_to_the_per_step_path(
+    pair: Pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pair.seed(1, {"owner": "alice", "balance": "100"})
+    pair.fast.execute([requested("tx-1", "increment", bump(1, 5))])
+    script = pair.fast.batch_script
+    assert script is not None
+    planned = script._plan
+
+    def meddle(items: Any) -> Any:
+        steps = planned(items)
+        pair.client.hset(pair.fast.ledger_key("tx-1"), "seen", '{"meddled": true}')
+        pair.client.hdel(pair.fast.ledger_key("tx-1"), "seen")
+        pair.client.hset(pair.fast.record_key("accounts", 1), "balance", "205")
+        return steps
+
+    monkeypatch.setattr(script, "_plan", meddle)
+    slow: list[object] = []
+    per_step = pair.fast.run_one
+
+    def counted(batch: Any, item: Any) -> Any:
+        slow.append(item)
+        return per_step(batch, item)
+
+    monkeypatch.setattr(pair.fast, "run_one", counted)
+    [got] = pair.fast.execute([rollback("tx-1")])
+    assert got.status is StepStatus.COMPENSATED
+    assert pair.record(pair.fast, 1)["balance"] == "200"
+    assert slow == []  # the hash is the same again: the planned rollback still holds
+    monkeypatch.setattr(script, "_plan", planned)
+    pair.fast.execute([requested("tx-2", "increment", bump(1, 5))])
+
+    def change(items: Any) -> Any:
+        steps = planned(items)
+        entry = pair.client.hget(pair.fast.ledger_key("tx-2"), "0")
+        assert isinstance(entry, str)
+        pair.client.hset(
+            pair.fast.ledger_key("tx-2"), "0", entry.replace('"n_steps":1', '"n_steps":1 ')
+        )
+        return steps
+
+    monkeypatch.setattr(script, "_plan", change)
+    [got] = pair.fast.execute([rollback("tx-2")])
+    assert got.status is StepStatus.COMPENSATED
+    assert len(slow) == 1  # the entry's text changed since the read: per step
+    assert pair.record(pair.fast, 1)["balance"] == "200"
