@@ -80,13 +80,15 @@ from participants._ledger import (
     MARKER_STEP,
     RedisLedgerKeys,
     entry_json,
+    entry_of_json,
     field_of_step,
     rolled_back_marker,
+    step_of_field,
 )
 from participants._redis_actions import RedisActions
 from participants._redis_script import SCRIPT, WIDTH
 from participants._redis_session import record_key, strings
-from participants._redis_unit import TX_ID, may_wait, steps_of, tx_finished_ms
+from participants._redis_unit import TX_ID, may_wait
 from participants._storage import Actions, DecisionArrived, Report, WorkItem
 from streams import BusinessRejection, Outcome, StepStatus
 
@@ -132,10 +134,12 @@ def _flags(entry: LedgerEntry) -> str:
     return ("w" if may_wait(entry) else "n") + ("-" if done is None else str(done))
 
 
-def _hash_flags(fields: Mapping[str, str]) -> str:
-    """:func:`_flags` of a whole transaction hash (as :meth:`RedisUnit.write` decides)."""
-    done = tx_finished_ms(fields)
-    wait = any(may_wait(step) for step in steps_of(fields))
+def _hash_flags(fields: Mapping[str, LedgerEntry]) -> str:
+    """:func:`_flags` of a whole transaction hash, decoded (as :meth:`RedisUnit.write`
+    decides with :func:`~participants._redis_unit.tx_finished_ms` and ``may_wait``)."""
+    finished = [finished_ms(entry) for entry in fields.values()]
+    done = None if None in finished else max(cast(list[int], finished), default=None)
+    wait = any(may_wait(e) for name, e in fields.items() if step_of_field(name) is not None)
     return ("w" if wait else "n") + ("-" if done is None else str(done))
 
 
@@ -253,12 +257,16 @@ class Planner:
         if planned is None:
             return None
         try:
-            entries = steps_of(fields)
+            decoded = {name: entry_of_json(text) for name, text in fields.items()}
         except (ValueError, KeyError, TypeError):
             return None  # the per-step path reports what is wrong with the ledger
+        entries = sorted(
+            (e for name, e in decoded.items() if step_of_field(name) is not None),
+            key=lambda e: e.step,
+        )
         if not entries:
             marker = rolled_back_marker(item.tx_id, item.now_ms)
-            after = {**fields, field_of_step(MARKER_STEP): entry_json(marker)}
+            after = {**decoded, field_of_step(MARKER_STEP): marker}
             return self._put(item, MARKER_STEP, marker, _hash_flags(after), "", planned, None)
         if len(entries) != 1:
             return None
@@ -279,7 +287,7 @@ class Planner:
                     (args[0], item.tx_id, "", "", *args[1:]),
                     emit,
                 )
-            after = {**fields, field_of_step(entry.step): entry_json(target)}
+            after = {**decoded, field_of_step(entry.step): target}
             return self._put(item, entry.step, target, _hash_flags(after), "", planned, emit)
         if p.effect is not Effect.COMPENSATE or target is None:
             return None
@@ -288,7 +296,7 @@ class Planner:
         if isinstance(parsed, BusinessRejection):
             reason = f"compensation failed: {parsed.reason}"
             stuck = replace(stuck, reason=reason)
-            after = {**fields, field_of_step(entry.step): entry_json(stuck)}
+            after = {**decoded, field_of_step(entry.step): stuck}
             report = Report(item.tx_id, entry.step, StepStatus.COMPENSATION_FAILED, reason)
             return self._put(item, entry.step, stuck, _hash_flags(after), "", planned, report)
         if parsed is None:
@@ -310,8 +318,8 @@ class Planner:
             f"{head}{where} no longer exists, so its increment of {name} cannot be undone",
             f"{head}{where} has no value in {name}",
         )
-        done_flags = _hash_flags({**fields, field: entry_json(target)})
-        stuck_flags = _hash_flags({**fields, field: entry_json(replace(stuck, reason=""))})
+        done_flags = _hash_flags({**decoded, field: target})
+        stuck_flags = _hash_flags({**decoded, field: stuck})
         return self._op(
             "dec",
             item,
