@@ -99,8 +99,9 @@ INT64_MIN: Final = -(2**63)
 INT64_MAX: Final = 2**63 - 1
 
 _SPLICE: Final = "\u2063saga-splice\u2063"
-"""Where the script puts a value into Python's JSON (never a valid step value: see
-:func:`_halves`, which refuses a text holding it twice)."""
+"""Where the script puts a value into Python's JSON. A step's own values may hold it
+too (a key, a fingerprint): :func:`_halves` then finds it twice and the step takes the
+per-step path."""
 
 
 @dataclass(frozen=True, slots=True)
