@@ -221,9 +221,20 @@ def test_lua_looking_values_stay_values(pair: Pair) -> None:
             fingerprint=evil + _redis_batch._SPLICE,
         ),
     ]
+    marker = _redis_batch._SPLICE  # the splice marker as a key: the per-step path takes it
+    pair.seed(marker, {"owner": "eve", "balance": "1"})
+    items += [
+        requested("tx-3", "increment", bump(marker, 1)),
+        requested("tx-4", "increment", bump(marker, 1, max=2)),
+        rollback("tx-3"),
+    ]
     got = pair.both(items)
-    assert [r.status for r in got] == [StepStatus.APPLIED, StepStatus.APPLIED]
+    assert [r.status for r in got] == [StepStatus.APPLIED] * 3 + [
+        StepStatus.FAILED,
+        StepStatus.COMPENSATED,
+    ]
     assert pair.record(pair.fast, evil)["balance"] == "3"
+    assert pair.record(pair.fast, marker)["balance"] == "1"
 
 
 def test_a_ledger_key_of_another_type_stops_before_any_write(pair: Pair) -> None:
