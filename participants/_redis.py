@@ -1,8 +1,9 @@
-"""The Redis storage: hash records and the step ledger, changed together in one MULTI/EXEC.
+"""The Redis storage: hash records and the step ledger, changed together (a script or MULTI/EXEC).
 
 redis-py is imported by this adapter's modules only: :mod:`participants._redis_session`
 (the native session), :mod:`participants._redis_actions` (the built-in actions),
-:mod:`participants._redis_unit` (one item's rounds) and this one (the storage).
+:mod:`participants._redis_unit` (one item's rounds), :mod:`participants._redis_batch`
+(the script path; its Lua is :mod:`participants._redis_script`) and this one.
 Keys (``prefix`` defaults to ``saga``; the ledger's are
 :class:`participants._ledger.RedisLedgerKeys`, which the reconciliation job reads too)::
 
@@ -26,30 +27,38 @@ is finished (:func:`participants._barrier.finished_ms`) at or before the horizon
 the sorted set only proposes candidates (its scores may be stale), the hash read
 under WATCH decides.
 
-Atomicity: optimistic, with WATCH/MULTI/EXEC, and the barrier decided in Python.
+Two paths. New steps of the built-in ``increment`` (on integer fields) and rollback
+decisions of transactions with at most one such step here go to Redis in runs, one Lua
+script call per run of up to 500 steps (:mod:`participants._redis_batch`: the barrier
+stays here in Python; the script checks that the ledger is what the plan assumed,
+applies or compensates each step and writes its entry, in batch order). Everything
+else (repeats, commit decisions, neighbours' signals, the other actions, decimals,
+custom handlers) takes the per-step path below, which is also where the script hands
+back a step whose check failed.
+
+Per-step path: optimistic, with WATCH/MULTI/EXEC, and the barrier decided in Python.
 A unit WATCHes the transaction's ledger hash and reads it, the action WATCHes and
 reads the record it needs and *queues* its writes (nothing is written yet), and
 :meth:`RedisUnit.write` sends ``MULTI``, the queued writes, the ledger entry and the
 in-flight set update, ``EXEC``. When another client changed a watched key in
-between, ``EXEC`` does nothing and the item is run again from the start (up to
-``max_attempts`` times, then a :class:`~streams.TransientError`). Each ledger
-write ends one such round; a decision covering several steps runs one round per
-step, and the next round checks that the ledger it read is unchanged. Each WATCH and
+between (a script call included), ``EXEC`` does nothing and the item is run again
+from the start (up to ``max_attempts`` times, then a :class:`~streams.TransientError`).
+Each ledger write ends one such round; a decision covering several steps runs one round
+per step, and the next round checks that the ledger it read is unchanged. Each WATCH and
 the read it guards go out together
-(:func:`participants._redis_session.watch_hgetall`), so a new step costs three
+(:func:`participants._redis_session.watch_hgetall`), so a step costs three
 round trips: the ledger, the record, ``MULTI``...``EXEC``.
 
-Why not one Lua script per action: the barrier (:func:`participants._barrier.plan`)
-and the custom handlers are Python; rewriting the barrier in Lua would give the
+Why the barrier is not in Lua: the barrier (:func:`participants._barrier.plan`) and
+the custom handlers are Python; rewriting the barrier in Lua would give the
 guarantees two implementations to keep equal, and handlers could not run inside
-a script. WATCH gives the same all-or-nothing effect per step, keeps one barrier,
-and no script text exists at all, so no user string can ever be evaluated: values
-only travel as command arguments.
+a script. The script is a constant text: values only travel as command arguments
+(``KEYS``/``ARGV``), so no user string can ever be evaluated.
 
-A batch is not one atomic unit here (``atomic_batch`` is false): every step
-commits on its own (so one item's rejection never touches another's). When Redis becomes unreachable
-mid-batch, the finished steps stay done and the retried batch re-reports them from
-the ledger.
+A batch is not one atomic unit here (``atomic_batch`` is false): every step (or
+script call) commits on its own (so one item's rejection never touches another's).
+When Redis becomes unreachable mid-batch, the finished steps stay done and the
+retried batch re-reports them from the ledger.
 
 Key parts are validated: the prefix (no whitespace, control or glob characters
 ``*?[]\\``, not ending in ``:``), participant names (1-64 of ``[A-Za-z0-9._-]``),
@@ -87,6 +96,7 @@ from participants._barrier import LedgerEntry, finished_ms
 from participants._handlers import Handler, combine
 from participants._ledger import SEEN_FIELD, RedisLedgerKeys, entry_json, seen_marker
 from participants._redis_actions import RedisActions, value_text
+from participants._redis_batch import Planner, RedisBatch
 from participants._redis_session import (
     UNSAFE,
     RedisSession,
@@ -97,7 +107,14 @@ from participants._redis_session import (
     watch,
 )
 from participants._redis_unit import TX_ID, RedisUnit, steps_of, tx_finished_ms
-from participants._storage import Actions, LedgerStorage, RequestSeen, Unit, WorkItem
+from participants._storage import (
+    Actions,
+    LedgerStorage,
+    Report,
+    RequestSeen,
+    Unit,
+    WorkItem,
+)
 from streams import ConfigurationError, InvalidRecord, TransientError
 from streams._faults import NO_FAULTS, Faults
 from streams._secrets import redact, redact_url
@@ -115,8 +132,10 @@ class RedisStorage(LedgerStorage[RedisSession]):
     the key prefixes steps may touch (the allow-list). ``handlers`` as for
     :class:`~participants._sql.SqlStorage`; handlers receive a :class:`RedisSession`
     as ``native``. ``max_attempts`` bounds how often one item is run again after
-    losing a WATCH race. :meth:`execute` acts on every item in order, repeats
-    included.
+    losing a WATCH race. ``scripts`` false keeps every step on the per-step path
+    (see :mod:`participants._redis_batch`: for a Redis that refuses ``EVALSHA`` to
+    this user, or a cluster whose keys would span hash slots). :meth:`execute` acts
+    on every item in order, repeats included.
     """
 
     driver_errors = (redis_errors.RedisError,)
@@ -132,6 +151,7 @@ class RedisStorage(LedgerStorage[RedisSession]):
         handlers: Actions[Any] | Mapping[str, Handler] | None = None,
         max_attempts: int = DEFAULT_MAX_ATTEMPTS,
         timeout_s: float = 10.0,
+        scripts: bool = True,
         faults: Faults = NO_FAULTS,
     ) -> None:
         super().__init__(faults=faults)
@@ -177,6 +197,8 @@ class RedisStorage(LedgerStorage[RedisSession]):
         self.finished_key = self.keys.finished
         self._finished_ready = False
         self.actions = combine(RedisActions(self.targets), handlers)
+        planner = Planner(self.actions, self.keys, prefix, self.targets)
+        self.batch_script = RedisBatch(self.client, planner) if scripts else None
 
     def ledger_key(self, tx_id: str) -> str:
         return self.keys.tx(tx_id)
@@ -196,6 +218,38 @@ class RedisStorage(LedgerStorage[RedisSession]):
         self.client.close()
 
     # -- work
+
+    def _batch(self, items: Sequence[WorkItem], attempt: int) -> list[Report]:
+        """The batch loop of :class:`LedgerStorage`, with the items between two runs of
+        seen markers handed to :class:`participants._redis_batch.RedisBatch` (script
+        calls for what it can plan, the per-step path for the rest, in batch order)."""
+        script = self.batch_script
+        if script is None or self.faults.unsafe("barrier-off"):
+            return super()._batch(items, attempt)
+        reports: list[Report] = []
+        with self.open_batch(items, attempt) as batch:
+
+            def slow(item: WorkItem) -> list[Report]:
+                return self.run_one(batch, item)
+
+            seen: list[RequestSeen] = []
+            run: list[WorkItem] = []
+            for item in items:
+                if isinstance(item, RequestSeen):
+                    if run:
+                        reports.extend(script.run(run, slow))
+                        run = []
+                    seen.append(item)
+                    continue
+                if seen:  # before any item that may read those ledgers
+                    self.mark_seen(batch, seen)
+                    seen = []
+                run.append(item)
+            if run:
+                reports.extend(script.run(run, slow))
+            if seen:
+                self.mark_seen(batch, seen)
+        return reports
 
     @contextmanager
     def open_batch(self, items: Sequence[WorkItem], attempt: int) -> Iterator[None]:
