@@ -8,7 +8,8 @@ ledger codec (:mod:`participants._ledger`), plus ``participant`` and
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any, Final, cast
 
 from sqlalchemy import (
@@ -36,6 +37,7 @@ from participants._barrier import LedgerEntry, LedgerStatus, finished_ms
 from participants._ledger import ENTRY_FIELDS, MARKER_STEP, entry_fields, entry_of
 from participants._sql_actions import NeedsSavepoints
 from participants._sql_errors import detail
+from participants._sql_rows import array_statement, array_values
 from participants._sql_session import SqlSession, close_savepoint
 from participants._storage import Unit
 from streams import BusinessRejection, TransientError
@@ -190,8 +192,11 @@ class BatchLedger:
                 self._dirty[key] = dirty
 
     def flush(self) -> None:
-        """Write the changed entries: new ones inserted, known ones updated."""
+        """Write the changed entries: new ones inserted, known ones updated (on PostgreSQL
+        one statement each, the rows bound as arrays: :func:`array_statement`)."""
         name = self._participant
+        if self._connection.dialect.name == "postgresql" and self._flush_arrays():
+            return
         inserts = [row_of(name, e) for key, e in self._dirty.items() if not self._existed.get(key)]
         updates = [
             {f"v_{column}": value for column, value in row_of(name, e).items()}
@@ -199,13 +204,8 @@ class BatchLedger:
             if self._existed.get(key)
         ]
         if inserts:
-            try:
+            with self._collision():
                 self._connection.execute(insert(self._table), inserts)
-            except sa_exc.IntegrityError as exc:
-                raise TransientError(
-                    f"participant {name!r}: another worker recorded a step of this batch "
-                    f"({detail(exc)}) at the same time; the batch will be retried"
-                ) from exc
         if updates:
             c = self._table.c
             statement = (
@@ -223,10 +223,53 @@ class BatchLedger:
                 )
             )
             self._connection.execute(statement, updates)
+        self._flushed()
+
+    def _flushed(self) -> None:
         for key in self._dirty:
             self._existed[key] = True
         self._dirty.clear()
         self._journal.clear()
+
+    def _flush_arrays(self) -> bool:
+        """:meth:`flush` in two statements whatever the batch size; ``False`` when a column
+        type cannot be named (then ``executemany`` does it)."""
+        name = self._participant
+        keys = LEDGER_COLUMNS[:3]
+        columns = (*LEDGER_COLUMNS[3:], *ADDED_COLUMNS)
+        dialect = self._connection.dialect
+        fresh = array_statement(dialect, self._table, keys, columns, insert=True)
+        known = array_statement(dialect, self._table, keys, columns)
+        if fresh is None or known is None:
+            return False
+        inserts = [row_of(name, e) for key, e in self._dirty.items() if not self._existed.get(key)]
+        updates = [row_of(name, e) for key, e in self._dirty.items() if self._existed.get(key)]
+        for rows, statement in ((inserts, fresh), (updates, known)):
+            if not rows:
+                continue
+            params = {
+                f"{prefix}{i}": array_values(self._table.c[column], [r[column] for r in rows])
+                for prefix, names in (("k", keys), ("c", columns))
+                for i, column in enumerate(names)
+            }
+            if statement is fresh:
+                with self._collision():
+                    self._connection.execute(statement, params)
+            else:
+                self._connection.execute(statement, params)
+        self._flushed()
+        return True
+
+    @contextmanager
+    def _collision(self) -> Iterator[None]:
+        """An insert colliding with the primary key: another worker wrote the entry first."""
+        try:
+            yield
+        except sa_exc.IntegrityError as exc:
+            raise TransientError(
+                f"participant {self._participant!r}: another worker recorded a step of this "
+                f"batch ({detail(exc)}) at the same time; the batch will be retried"
+            ) from exc
 
 
 class SqlUnit(Unit[SqlSession]):

@@ -8,8 +8,8 @@ a constant number per batch and target table::
     SELECT * FROM accounts WHERE id IN (...) ORDER BY id FOR UPDATE   -- every row, locked
     -- each increment / its compensation, in batch order, on the rows in memory
     UPDATE accounts AS t SET balance = v.c0                           -- the final values
-      FROM unnest(CAST(:k AS bigint[]), CAST(:c0 AS numeric(12,2)[])) AS v(k, c0)
-     WHERE t.id = v.k
+      FROM unnest(CAST(:k0 AS bigint[]), CAST(:c0 AS numeric(12,2)[])) AS v(k0, c0)
+     WHERE t.id = v.k0
 
 Why this is safe:
 
@@ -38,13 +38,25 @@ text does not change, so psycopg prepares it once); elsewhere (SQLite) it is one
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Mapping
 from contextlib import suppress
 from decimal import ROUND_HALF_UP, Context, Decimal
 from enum import Enum
+from functools import lru_cache
 from typing import Any, Final, Literal
 
-from sqlalchemy import Column, Connection, Table, TextClause, bindparam, select, text, update
+from sqlalchemy import (
+    Column,
+    Connection,
+    Dialect,
+    Table,
+    TextClause,
+    bindparam,
+    select,
+    text,
+    update,
+)
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.sql import sqltypes
 
@@ -151,7 +163,7 @@ class BatchRows:
             statement = self._array_update(table, columns) if self._postgresql else None
             if statement is not None:
                 keys = list(changed)
-                params: dict[str, Any] = {"k": keys}
+                params: dict[str, Any] = {"k0": keys}
                 for i, column in enumerate(columns):
                     params[f"c{i}"] = [self._value(name, key, column) for key in keys]
                 self._connection.execute(statement, params)
@@ -177,28 +189,53 @@ class BatchRows:
         return row[column]
 
     def _array_update(self, table: Table, columns: list[str]) -> TextClause | None:
-        """``UPDATE ... FROM unnest(arrays)`` for these columns, or ``None`` when a type
-        cannot be named in SQL (then ``executemany`` does it)."""
-        dialect = self._connection.dialect
-        quote = dialect.identifier_preparer.quote
-        pk = _pk(table)
-        try:
-            types = [_sql_type(pk, dialect)] + [
-                _sql_type(table.c[column], dialect) for column in columns
-            ]
-        except sa_exc.CompileError:
-            return None
-        names = ["k"] + [f"c{i}" for i in range(len(columns))]
-        arrays = ", ".join(f"CAST(:{n} AS {t}[])" for n, t in zip(names, types, strict=True))
-        sets = ", ".join(f"{quote(c)} = v.c{i}" for i, c in enumerate(columns))
-        # Names come from the reflected table and are quoted by the dialect; values are
-        # bound: nothing of a step's arguments becomes SQL text.
-        target = dialect.identifier_preparer.format_table(table)
-        statement = (
-            f"UPDATE {target} AS t SET {sets} FROM unnest({arrays}) AS v({', '.join(names)}) "  # noqa: S608
-            f"WHERE t.{quote(pk.name)} = v.k"
-        )
-        return text(statement)
+        return array_statement(self._connection.dialect, table, (_pk(table).name,), tuple(columns))
+
+
+@lru_cache(maxsize=256)
+def array_statement(
+    dialect: Dialect,
+    table: Table,
+    keys: tuple[str, ...],
+    columns: tuple[str, ...],
+    *,
+    insert: bool = False,
+) -> TextClause | None:
+    """PostgreSQL: one statement for any number of rows, each column's values bound as one
+    array (:func:`array_values`) and cast to the column's type. ``insert``: ``INSERT ...
+    SELECT FROM unnest(...)`` of ``keys`` and ``columns``; else ``UPDATE ... FROM
+    unnest(...)`` setting ``columns`` where every key column matches (built once per
+    table and columns: the text is the same whatever the number of rows). Parameters are
+    ``k0, k1, ...`` for the keys and ``c0, c1, ...`` for the columns. ``None`` when a
+    column's type cannot be named in SQL (the caller uses ``executemany``)."""
+    quote = dialect.identifier_preparer.quote
+    try:
+        types = [_sql_type(table.c[name], dialect) for name in (*keys, *columns)]
+    except sa_exc.CompileError:
+        return None
+    names = [f"k{i}" for i in range(len(keys))] + [f"c{i}" for i in range(len(columns))]
+    arrays = ", ".join(f"CAST(:{n} AS {t}[])" for n, t in zip(names, types, strict=True))
+    # Names come from the reflected table and are quoted by the dialect; values are
+    # bound: nothing of a step's arguments becomes SQL text.
+    target = dialect.identifier_preparer.format_table(table)
+    if insert:
+        listed = ", ".join(quote(name) for name in (*keys, *columns))
+        return text(f"INSERT INTO {target} ({listed}) SELECT * FROM unnest({arrays})")  # noqa: S608
+    sets = ", ".join(f"{quote(c)} = v.c{i}" for i, c in enumerate(columns))
+    match = " AND ".join(f"t.{quote(k)} = v.k{i}" for i, k in enumerate(keys))
+    statement = (
+        f"UPDATE {target} AS t SET {sets} FROM unnest({arrays}) AS v({', '.join(names)}) "  # noqa: S608
+        f"WHERE {match}"
+    )
+    return text(statement)
+
+
+def array_values(column: Column[Any], values: Iterable[Any]) -> list[Any]:
+    """``values`` of ``column`` as :func:`array_statement` binds them: JSON as its text
+    (``None`` is SQL ``NULL``, as ``JSON(none_as_null=True)`` stores it)."""
+    if isinstance(column.type, sqltypes.JSON):
+        return [None if value is None else json.dumps(value) for value in values]
+    return list(values)
 
 
 def _pk(table: Table) -> Column[Any]:
