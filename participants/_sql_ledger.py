@@ -37,7 +37,7 @@ from participants._barrier import LedgerEntry, LedgerStatus, finished_ms
 from participants._ledger import ENTRY_FIELDS, MARKER_STEP, entry_fields, entry_of
 from participants._sql_actions import NeedsSavepoints
 from participants._sql_errors import detail
-from participants._sql_rows import array_statement, array_values
+from participants._sql_rows import array_statement, array_values, one_of
 from participants._sql_session import SqlSession, close_savepoint
 from participants._storage import Unit
 from streams import BusinessRejection, TransientError
@@ -121,11 +121,14 @@ class BatchLedger:
 
     def load(self, tx_ids: Iterable[str]) -> None:
         wanted = sorted(set(tx_ids) - self._loaded)
+        if not wanted:
+            return
         c = self._table.c
+        pg = self._connection.dialect.name == "postgresql"
         for chunk in (wanted[i : i + 1000] for i in range(0, len(wanted), 1000)):
             query = (
                 select(self._table)
-                .where(c.participant == self._participant, c.tx_id.in_(chunk))
+                .where(c.participant == self._participant, one_of(c.tx_id, chunk, postgresql=pg))
                 .order_by(c.tx_id, c.step)
                 .with_for_update()
             )

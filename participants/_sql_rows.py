@@ -48,16 +48,19 @@ from typing import Any, Final, Literal
 
 from sqlalchemy import (
     Column,
+    ColumnElement,
     Connection,
     Dialect,
     Table,
     TextClause,
+    any_,
     bindparam,
     select,
     text,
     update,
 )
 from sqlalchemy import exc as sa_exc
+from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.sql import sqltypes
 
 
@@ -118,7 +121,8 @@ class BatchRows:
 
     def _read(self, table: Table, keys: list[Any]) -> None:
         pk = _pk(table)
-        query = select(table).where(pk.in_(keys)).order_by(pk).with_for_update()
+        match = one_of(pk, keys, postgresql=self._postgresql)
+        query = select(table).where(match).order_by(pk).with_for_update()
         wanted = set(keys)
         strangers = False
         for found in self._connection.execute(query).mappings():
@@ -236,6 +240,15 @@ def array_values(column: Column[Any], values: Iterable[Any]) -> list[Any]:
     if isinstance(column.type, sqltypes.JSON):
         return [None if value is None else json.dumps(value) for value in values]
     return list(values)
+
+
+def one_of(column: Column[Any], values: list[Any], *, postgresql: bool) -> ColumnElement[bool]:
+    """``column IN values``; on PostgreSQL ``column = ANY(:array::type[])``, whose
+    text does not change with the number of values (so psycopg prepares it once)."""
+    if not postgresql:
+        return column.in_(values)
+    array = ARRAY(column.type)
+    return column == any_(bindparam(None, values, type_=array))  # psycopg casts it
 
 
 def _pk(table: Table) -> Column[Any]:
