@@ -23,6 +23,24 @@ savepoint, opened by the first statement an action runs through the
 So a rejected step undoes exactly its own change and still records ``failed``,
 and its neighbours in the batch are untouched.
 
+A batch of built-in actions only (no custom handlers) runs without those
+savepoints, and its increments on the batch's locked copy of their rows
+(:mod:`participants._sql_rows`); on PostgreSQL it costs the same statements
+whatever its size::
+
+    BEGIN
+      SELECT pg_advisory_xact_lock(...)            -- the batch's transactions
+      SELECT ... FROM ledger WHERE tx_id = ANY(...) FOR UPDATE
+      SELECT ... FROM accounts WHERE id = ANY(...) FOR UPDATE   -- per target table
+      UPDATE accounts ... FROM json_to_recordset(...)           -- per target table
+      INSERT INTO ledger ... / UPDATE ledger ...   -- new and changed entries
+    COMMIT
+
+Any other built-in action runs its own statements, after the copy is written
+back. When the database refuses a statement (which aborts a PostgreSQL
+transaction), the batch runs again *carefully*, as above, and only the refused
+step fails.
+
 Two workers may briefly act on one transaction (a rebalance: a zombie and its
 successor). On PostgreSQL a batch first takes transaction-scoped advisory locks
 on its transactions (for this participant), so the two act one after the other

@@ -32,7 +32,6 @@ from participants._actions import (
     BuiltinActions,
     Increment,
     RecordOps,
-    parse_action,
 )
 from participants._barrier import LedgerEntry, Requested
 from participants._sql_errors import detail
@@ -305,15 +304,22 @@ def increment_keys(
     actions = [(item.action, item.args) for item in items if isinstance(item, Requested)]
     actions += [(e.action, e.args) for e in entries if e.action is not None and e.args]
     for name, args in actions:
-        if name != "increment":
+        if name != "increment" or not isinstance(args, Mapping):
+            continue
+        # Only the target and the key matter here (the action validates the whole step
+        # when it runs): reading a row a rejected step names costs nothing but the lock.
+        target, key = args.get("target"), args.get("key")
+        if not isinstance(target, str) or isinstance(key, bool) or not isinstance(key, str | int):
+            continue
+        table = tables.get(target)
+        if table is None:
             continue
         try:
-            parsed = parse_action(name, args, frozenset(tables))
-            pk = next(iter(tables[parsed.target].primary_key.columns))
-            key = _coerce(pk, parsed.key, "key")
+            coerced = _coerce(next(iter(table.primary_key.columns)), key, "key")
         except BusinessRejection:
             continue
-        wanted.setdefault(parsed.target, set()).add(key)
+        if coerced is not None:
+            wanted.setdefault(target, set()).add(coerced)
     return wanted
 
 

@@ -37,7 +37,7 @@ from participants._barrier import LedgerEntry, LedgerStatus, finished_ms
 from participants._ledger import ENTRY_FIELDS, MARKER_STEP, entry_fields, entry_of
 from participants._sql_actions import NeedsSavepoints
 from participants._sql_errors import detail
-from participants._sql_rows import array_statement, array_values, one_of
+from participants._sql_rows import bulk_rows, bulk_statement, one_of
 from participants._sql_session import SqlSession, close_savepoint
 from participants._storage import Unit
 from streams import BusinessRejection, TransientError
@@ -196,7 +196,7 @@ class BatchLedger:
 
     def flush(self) -> None:
         """Write the changed entries: new ones inserted, known ones updated (on PostgreSQL
-        one statement each, the rows bound as arrays: :func:`array_statement`)."""
+        one statement each, the rows bound as one JSON text: :func:`bulk_statement`)."""
         name = self._participant
         if self._connection.dialect.name == "postgresql" and self._flush_arrays():
             return
@@ -241,25 +241,17 @@ class BatchLedger:
         keys = LEDGER_COLUMNS[:3]
         columns = (*LEDGER_COLUMNS[3:], *ADDED_COLUMNS)
         dialect = self._connection.dialect
-        fresh = array_statement(dialect, self._table, keys, columns, insert=True)
-        known = array_statement(dialect, self._table, keys, columns)
+        fresh = bulk_statement(dialect, self._table, keys, columns, insert=True)
+        known = bulk_statement(dialect, self._table, keys, columns)
         if fresh is None or known is None:
             return False
         inserts = [row_of(name, e) for key, e in self._dirty.items() if not self._existed.get(key)]
         updates = [row_of(name, e) for key, e in self._dirty.items() if self._existed.get(key)]
-        for rows, statement in ((inserts, fresh), (updates, known)):
-            if not rows:
-                continue
-            params = {
-                f"{prefix}{i}": array_values(self._table.c[column], [r[column] for r in rows])
-                for prefix, names in (("k", keys), ("c", columns))
-                for i, column in enumerate(names)
-            }
-            if statement is fresh:
-                with self._collision():
-                    self._connection.execute(statement, params)
-            else:
-                self._connection.execute(statement, params)
+        if inserts:
+            with self._collision():
+                self._connection.execute(fresh, bulk_rows(inserts))
+        if updates:
+            self._connection.execute(known, bulk_rows(updates))
         self._flushed()
         return True
 

@@ -7,9 +7,9 @@ a constant number per batch and target table::
 
     SELECT * FROM accounts WHERE id IN (...) ORDER BY id FOR UPDATE   -- every row, locked
     -- each increment / its compensation, in batch order, on the rows in memory
-    UPDATE accounts AS t SET balance = v.c0                           -- the final values
-      FROM unnest(CAST(:k0 AS bigint[]), CAST(:c0 AS numeric(12,2)[])) AS v(k0, c0)
-     WHERE t.id = v.k0
+    UPDATE accounts AS t SET balance = v.balance                      -- the final values
+      FROM json_to_recordset(:rows) AS v(id bigint, balance numeric(12,2))
+     WHERE t.id = v.id
 
 Why this is safe:
 
@@ -164,13 +164,14 @@ class BatchRows:
             table = self._tables[name]
             changed = dirty[name]
             columns = sorted(set().union(*changed.values()))
-            statement = self._array_update(table, columns) if self._postgresql else None
+            statement = self._bulk_update(table, columns) if self._postgresql else None
             if statement is not None:
-                keys = list(changed)
-                params: dict[str, Any] = {"k0": keys}
-                for i, column in enumerate(columns):
-                    params[f"c{i}"] = [self._value(name, key, column) for key in keys]
-                self._connection.execute(statement, params)
+                pk = _pk(table).name
+                values = [
+                    {pk: key, **{column: self._value(name, key, column) for column in columns}}
+                    for key in changed
+                ]
+                self._connection.execute(statement, bulk_rows(values))
             else:
                 many, rows = _many_update(table, columns)
                 self._connection.execute(
@@ -192,12 +193,12 @@ class BatchRows:
         assert row is not None
         return row[column]
 
-    def _array_update(self, table: Table, columns: list[str]) -> TextClause | None:
-        return array_statement(self._connection.dialect, table, (_pk(table).name,), tuple(columns))
+    def _bulk_update(self, table: Table, columns: list[str]) -> TextClause | None:
+        return bulk_statement(self._connection.dialect, table, (_pk(table).name,), tuple(columns))
 
 
 @lru_cache(maxsize=256)
-def array_statement(
+def bulk_statement(
     dialect: Dialect,
     table: Table,
     keys: tuple[str, ...],
@@ -205,41 +206,41 @@ def array_statement(
     *,
     insert: bool = False,
 ) -> TextClause | None:
-    """PostgreSQL: one statement for any number of rows, each column's values bound as one
-    array (:func:`array_values`) and cast to the column's type. ``insert``: ``INSERT ...
-    SELECT FROM unnest(...)`` of ``keys`` and ``columns``; else ``UPDATE ... FROM
-    unnest(...)`` setting ``columns`` where every key column matches (built once per
-    table and columns: the text is the same whatever the number of rows). Parameters are
-    ``k0, k1, ...`` for the keys and ``c0, c1, ...`` for the columns. ``None`` when a
-    column's type cannot be named in SQL (the caller uses ``executemany``)."""
+    """PostgreSQL: one statement for any number of rows, bound as one JSON array of
+    objects (:func:`bulk_rows`) that ``json_to_recordset`` turns into rows of the
+    columns' own types. ``insert``: ``INSERT ... SELECT`` of ``keys`` and ``columns``;
+    else ``UPDATE ... FROM`` setting ``columns`` where every key column matches. Built
+    once per table and columns (the text is the same whatever the number of rows, so
+    psycopg prepares it). ``None`` when a column's type cannot be named in SQL (the
+    caller uses ``executemany``).
+
+    One JSON text rather than an array per column: psycopg quotes array elements one
+    by one in Python, where ``json.dumps`` runs in C."""
     quote = dialect.identifier_preparer.quote
+    names = (*keys, *columns)
     try:
-        types = [_sql_type(table.c[name], dialect) for name in (*keys, *columns)]
+        types = [_sql_type(table.c[name], dialect) for name in names]
     except sa_exc.CompileError:
         return None
-    names = [f"k{i}" for i in range(len(keys))] + [f"c{i}" for i in range(len(columns))]
-    arrays = ", ".join(f"CAST(:{n} AS {t}[])" for n, t in zip(names, types, strict=True))
+    record = ", ".join(f"{quote(n)} {t}" for n, t in zip(names, types, strict=True))
+    rows = f"json_to_recordset(CAST(:rows AS json)) AS v({record})"
     # Names come from the reflected table and are quoted by the dialect; values are
     # bound: nothing of a step's arguments becomes SQL text.
     target = dialect.identifier_preparer.format_table(table)
+    listed = ", ".join(quote(name) for name in names)
     if insert:
-        listed = ", ".join(quote(name) for name in (*keys, *columns))
-        return text(f"INSERT INTO {target} ({listed}) SELECT * FROM unnest({arrays})")  # noqa: S608
-    sets = ", ".join(f"{quote(c)} = v.c{i}" for i, c in enumerate(columns))
-    match = " AND ".join(f"t.{quote(k)} = v.k{i}" for i, k in enumerate(keys))
-    statement = (
-        f"UPDATE {target} AS t SET {sets} FROM unnest({arrays}) AS v({', '.join(names)}) "  # noqa: S608
-        f"WHERE {match}"
-    )
-    return text(statement)
+        return text(f"INSERT INTO {target} ({listed}) SELECT {listed} FROM {rows}")  # noqa: S608
+    sets = ", ".join(f"{quote(c)} = v.{quote(c)}" for c in columns)
+    match = " AND ".join(f"t.{quote(k)} = v.{quote(k)}" for k in keys)
+    return text(f"UPDATE {target} AS t SET {sets} FROM {rows} WHERE {match}")  # noqa: S608
 
 
-def array_values(column: Column[Any], values: Iterable[Any]) -> list[Any]:
-    """``values`` of ``column`` as :func:`array_statement` binds them: JSON as its text
-    (``None`` is SQL ``NULL``, as ``JSON(none_as_null=True)`` stores it)."""
-    if isinstance(column.type, sqltypes.JSON):
-        return [None if value is None else json.dumps(value) for value in values]
-    return list(values)
+def bulk_rows(rows: Iterable[Mapping[str, Any]]) -> dict[str, str]:
+    """The parameters of a :func:`bulk_statement`: ``rows`` (column name -> value) as
+    JSON. ``None`` is SQL ``NULL`` (in a JSON column too, as ``JSON(none_as_null=True)``
+    stores it); decimals, UUIDs and times go as their text, which the column's type reads
+    exactly."""
+    return {"rows": json.dumps(list(rows), default=str, separators=(",", ":"))}
 
 
 def one_of(column: Column[Any], values: list[Any], *, postgresql: bool) -> ColumnElement[bool]:
