@@ -180,9 +180,7 @@ def test_duplicated_request_and_decision_take_effect_once(system: SagaSystem) ->
         # the participants re-emit `applied` for the replayed request; the replayed commit
         # needs nothing (built-in steps) and is answered by nothing
         eventually(
-            lambda: (
-                sum(e.status is StepStatus.APPLIED for e in system.events(request.tx_id)) >= 6
-            ),
+            lambda: sum(e.status is StepStatus.APPLIED for e in system.events(request.tx_id)) >= 6,
             timeout=60,
             message="the replayed request was not answered",
         )
