@@ -9,7 +9,7 @@ a constant number per batch and target table::
     -- each increment / its compensation, in batch order, on the rows in memory
     UPDATE accounts AS t SET balance = v.balance                      -- the final values
       FROM json_to_recordset(:rows) AS v(id bigint, balance numeric(12,2))
-     WHERE t.id = v.id
+     WHERE t.id = v.id AND t.id = ANY(:keys)
 
 Why this is safe:
 
@@ -171,7 +171,7 @@ class BatchRows:
                     {pk: key, **{column: self._value(name, key, column) for column in columns}}
                     for key in changed
                 ]
-                self._connection.execute(statement, bulk_rows(values))
+                self._connection.execute(statement, bulk_rows(values, pk))
             else:
                 many, rows = _many_update(table, columns)
                 self._connection.execute(
@@ -232,15 +232,22 @@ def bulk_statement(
         return text(f"INSERT INTO {target} ({listed}) SELECT {listed} FROM {rows}")  # noqa: S608
     sets = ", ".join(f"{quote(c)} = v.{quote(c)}" for c in columns)
     match = " AND ".join(f"t.{quote(k)} = v.{quote(k)}" for k in keys)
-    return text(f"UPDATE {target} AS t SET {sets} FROM {rows} WHERE {match}")  # noqa: S608
+    # The planner guesses 100 rows for json_to_recordset and would scan the whole table
+    # to join them; the key values as an array (:keys, the last key column's) let it
+    # find the rows by the index.
+    lookup = f"t.{quote(keys[-1])} = ANY(CAST(:keys AS {types[len(keys) - 1]}[]))"
+    return text(f"UPDATE {target} AS t SET {sets} FROM {rows} WHERE {match} AND {lookup}")  # noqa: S608
 
 
-def bulk_rows(rows: Iterable[Mapping[str, Any]]) -> dict[str, str]:
+def bulk_rows(rows: list[dict[str, Any]], lookup: str | None = None) -> dict[str, Any]:
     """The parameters of a :func:`bulk_statement`: ``rows`` (column name -> value) as
-    JSON. ``None`` is SQL ``NULL`` (in a JSON column too, as ``JSON(none_as_null=True)``
-    stores it); decimals, UUIDs and times go as their text, which the column's type reads
-    exactly."""
-    return {"rows": json.dumps(list(rows), default=str, separators=(",", ":"))}
+    JSON, and for an update (``lookup``: its last key column) that column's values. ``None``
+    is SQL ``NULL`` (in a JSON column too, as ``JSON(none_as_null=True)`` stores it);
+    decimals, UUIDs and times go as their text, which the column's type reads exactly."""
+    params: dict[str, Any] = {"rows": json.dumps(rows, default=str, separators=(",", ":"))}
+    if lookup is not None:
+        params["keys"] = sorted({row[lookup] for row in rows}, key=str)
+    return params
 
 
 def one_of(column: Column[Any], values: list[Any], *, postgresql: bool) -> ColumnElement[bool]:
