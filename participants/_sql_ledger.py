@@ -238,7 +238,7 @@ class BatchLedger:
         """:meth:`flush` in two statements whatever the batch size; ``False`` when a column
         type cannot be named (then ``executemany`` does it)."""
         name = self._participant
-        keys = ("participant", "step", "tx_id")  # tx_id last: the updates look rows up by it
+        keys = LEDGER_COLUMNS[:3]
         columns = (*LEDGER_COLUMNS[3:], *ADDED_COLUMNS)
         dialect = self._connection.dialect
         fresh = bulk_statement(dialect, self._table, keys, columns, insert=True)
@@ -251,7 +251,7 @@ class BatchLedger:
             with self._collision():
                 self._connection.execute(fresh, bulk_rows(inserts))
         if updates:
-            self._connection.execute(known, bulk_rows(updates, keys[-1]))
+            self._connection.execute(known, bulk_rows(updates, keys))
         self._flushed()
         return True
 

@@ -9,7 +9,7 @@ a constant number per batch and target table::
     -- each increment / its compensation, in batch order, on the rows in memory
     UPDATE accounts AS t SET balance = v.balance                      -- the final values
       FROM json_to_recordset(:rows) AS v(id bigint, balance numeric(12,2))
-     WHERE t.id = v.id AND t.id = ANY(:keys)
+     WHERE t.id = v.id AND t.id = ANY(:keys0)
 
 Why this is safe:
 
@@ -171,7 +171,7 @@ class BatchRows:
                     {pk: key, **{column: self._value(name, key, column) for column in columns}}
                     for key in changed
                 ]
-                self._connection.execute(statement, bulk_rows(values, pk))
+                self._connection.execute(statement, bulk_rows(values, (pk,)))
             else:
                 many, rows = _many_update(table, columns)
                 self._connection.execute(
@@ -233,20 +233,22 @@ def bulk_statement(
     sets = ", ".join(f"{quote(c)} = v.{quote(c)}" for c in columns)
     match = " AND ".join(f"t.{quote(k)} = v.{quote(k)}" for k in keys)
     # The planner guesses 100 rows for json_to_recordset and would scan the whole table
-    # to join them; the key values as an array (:keys, the last key column's) let it
-    # find the rows by the index.
-    lookup = f"t.{quote(keys[-1])} = ANY(CAST(:keys AS {types[len(keys) - 1]}[]))"
+    # to join them; each key column's values as an array (:keys0, ...) let it find the
+    # rows through the primary key's index.
+    lookup = " AND ".join(
+        f"t.{quote(k)} = ANY(CAST(:keys{i} AS {types[i]}[]))" for i, k in enumerate(keys)
+    )
     return text(f"UPDATE {target} AS t SET {sets} FROM {rows} WHERE {match} AND {lookup}")  # noqa: S608
 
 
-def bulk_rows(rows: list[dict[str, Any]], lookup: str | None = None) -> dict[str, Any]:
+def bulk_rows(rows: list[dict[str, Any]], keys: tuple[str, ...] = ()) -> dict[str, Any]:
     """The parameters of a :func:`bulk_statement`: ``rows`` (column name -> value) as
-    JSON, and for an update (``lookup``: its last key column) that column's values. ``None``
-    is SQL ``NULL`` (in a JSON column too, as ``JSON(none_as_null=True)`` stores it);
-    decimals, UUIDs and times go as their text, which the column's type reads exactly."""
+    JSON, and for an update the values of each of its ``keys`` columns. ``None`` is SQL
+    ``NULL`` (in a JSON column too, as ``JSON(none_as_null=True)`` stores it); decimals,
+    UUIDs and times go as their text, which the column's type reads exactly."""
     params: dict[str, Any] = {"rows": json.dumps(rows, default=str, separators=(",", ":"))}
-    if lookup is not None:
-        params["keys"] = sorted({row[lookup] for row in rows}, key=str)
+    for i, key in enumerate(keys):
+        params[f"keys{i}"] = sorted({row[key] for row in rows}, key=str)
     return params
 
 
