@@ -23,6 +23,24 @@ savepoint, opened by the first statement an action runs through the
 So a rejected step undoes exactly its own change and still records ``failed``,
 and its neighbours in the batch are untouched.
 
+A batch of built-in actions only (no custom handlers) runs without those
+savepoints, and its increments on the batch's locked copy of their rows
+(:mod:`participants._sql_rows`); on PostgreSQL it costs the same statements
+whatever its size::
+
+    BEGIN
+      SELECT pg_advisory_xact_lock(...)            -- the batch's transactions
+      SELECT ... FROM ledger WHERE tx_id = ANY(...) FOR UPDATE
+      SELECT ... FROM accounts WHERE id = ANY(...) FOR UPDATE   -- per target table
+      UPDATE accounts ... FROM json_to_recordset(...)           -- per target table
+      INSERT INTO ledger ... / UPDATE ledger ...   -- new and changed entries
+    COMMIT
+
+Any other built-in action runs its own statements, after the copy is written
+back. When the database refuses a statement (which aborts a PostgreSQL
+transaction), the batch runs again *carefully*, as above, and only the refused
+step fails.
+
 Two workers may briefly act on one transaction (a rebalance: a zombie and its
 successor). On PostgreSQL a batch first takes transaction-scoped advisory locks
 on its transactions (for this participant), so the two act one after the other
@@ -75,7 +93,7 @@ from sqlalchemy import exc as sa_exc
 from participants._actions import check_identifier
 from participants._barrier import LedgerEntry, LedgerStatus
 from participants._handlers import Handler, combine
-from participants._sql_actions import DriverErrors, SqlActions
+from participants._sql_actions import DriverErrors, NeedsSavepoints, SqlActions, increment_keys
 from participants._sql_errors import (
     describe,
     detail,
@@ -94,6 +112,7 @@ from participants._sql_ledger import (
     define_ledger,
     entry_of_row,
 )
+from participants._sql_rows import BatchRows
 from participants._sql_session import SqlSession
 from participants._storage import Actions, LedgerStorage, Unit, WorkItem
 from streams import ConfigurationError, Mode, TransientError
@@ -108,6 +127,8 @@ class SqlBatch:
     ledger: BatchLedger
     careful: bool
     """Each item in its own savepoint (else none: built-in steps only)."""
+    rows: BatchRows | None = None
+    """Not careful: the batch's copy of the rows its increments touch."""
 
 
 class SqlStorage(LedgerStorage[SqlSession, SqlBatch]):
@@ -212,7 +233,11 @@ class SqlStorage(LedgerStorage[SqlSession, SqlBatch]):
         transaction), the batch is rolled back and run again *carefully*: each item
         in its own savepoint and each effect in another, as custom handlers always
         run. The ledger entries of the batch's transactions are read in one
-        statement and the changed ones written in two, before the commit.
+        statement and the changed ones written in two, before the commit. Without
+        savepoints the rows the batch's increments touch are read (and locked) in one
+        statement per table after the ledger, and written in one per table before it
+        (:mod:`participants._sql_rows`); should the database refuse that write, the
+        batch runs again carefully, where the step it refuses fails alone.
 
         A :class:`TransientError` (the database unavailable, a lost conflict) means
         nothing of the batch took effect (or, when the connection broke during the
@@ -226,7 +251,19 @@ class SqlStorage(LedgerStorage[SqlSession, SqlBatch]):
                 connection.execute(tx_locks(self.name, tx_ids))
             ledger = BatchLedger(self.name, self.ledger_table, connection)
             ledger.load(tx_ids)
-            yield SqlBatch(connection, ledger, careful)
+            rows = None
+            if not careful:
+                rows = BatchRows(connection, self._tables, postgresql=self._lock_transactions)
+                entries = [e for tx_id in sorted(tx_ids) for e in ledger.entries(tx_id)]
+                rows.preload(increment_keys(items, entries, self._tables))
+            yield SqlBatch(connection, ledger, careful, rows)
+            if rows is not None:
+                try:
+                    rows.flush()
+                except (sa_exc.IntegrityError, sa_exc.DataError) as exc:
+                    if exc.connection_invalidated:
+                        raise
+                    raise NeedsSavepoints from exc
             ledger.flush()
 
     def open_unit(
@@ -234,7 +271,7 @@ class SqlStorage(LedgerStorage[SqlSession, SqlBatch]):
     ) -> SqlUnit:
         connection = batch.connection
         if not batch.careful:
-            session = SqlSession(connection, self._tables, savepoints=False)
+            session = SqlSession(connection, self._tables, savepoints=False, rows=batch.rows)
             return SqlUnit(batch.ledger, session, connection)
         session = SqlSession(connection, self._tables)
         return SqlUnit(batch.ledger, session, connection, connection.begin_nested())

@@ -27,10 +27,17 @@ from sqlalchemy import (
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.sql import sqltypes
 
-from participants._actions import BuiltinAction, BuiltinActions, Increment, RecordOps
+from participants._actions import (
+    BuiltinAction,
+    BuiltinActions,
+    Increment,
+    RecordOps,
+)
+from participants._barrier import LedgerEntry, Requested
 from participants._sql_errors import detail
+from participants._sql_rows import NOT_CACHED, add, subtract
 from participants._sql_session import SqlSession
-from participants._storage import Actions, RunBatchAgain
+from participants._storage import Actions, RunBatchAgain, WorkItem
 from streams import BusinessRejection
 
 _INTEGER_TEXT: Final = re.compile(r"[+-]?[0-9]+")
@@ -51,6 +58,9 @@ class SqlActions(BuiltinActions[SqlSession]):
     the bounds in its ``WHERE``; only when that changes no row does a locked read
     find out why (absent, no value, out of bounds). Its compensation is
     ``field - by`` without bounds, so it commutes with other increments in between.
+    In a batch without savepoints both run on the batch's locked copy of the rows
+    and are written once at the end (:mod:`participants._sql_rows`); every other
+    action first writes that copy back and then runs its own statements.
 
     Every built-in action and compensation decides to reject *before* it writes:
     a rejected built-in step has changed nothing, which is what lets a batch of
@@ -73,6 +83,12 @@ class _Record:
         self.key = _coerce(self.pk, action.key, f"key of {action.target}")
 
     # -- reads and writes
+
+    def _direct(self) -> None:
+        """This action runs its own statements on the row: the batch's copy steps aside."""
+        rows = self.session.rows
+        if rows is not None:
+            rows.direct(self.table, self.key)
 
     def _match(self) -> ColumnElement[bool]:
         match: ColumnElement[bool] = self.pk == self.key
@@ -130,12 +146,14 @@ class _Record:
     # -- actions
 
     def insert(self, fields: Mapping[str, Any]) -> None:
+        self._direct()
         values = self._values(fields, "insert", key_allowed=True)
         if self._locked() is not None:
             raise BusinessRejection(f"{self.where} already exists")
         self._insert(values)
 
     def put(self, fields: Mapping[str, Any]) -> dict[str, Any] | None:
+        self._direct()
         values = self._values(fields, "put", key_allowed=True)
         row = self._locked()
         if row is None:
@@ -154,12 +172,14 @@ class _Record:
         return self._image(row)
 
     def update(self, fields: Mapping[str, Any]) -> dict[str, Any]:
+        self._direct()
         values = self._values(fields, "update", key_allowed=False)
         row = self._existing()
         self._set(values)
         return self._image(row, values)
 
     def delete(self) -> dict[str, Any]:
+        self._direct()
         row = self._existing()
         self.session.execute(delete(self.table).where(self._match()))
         return self._image(row)
@@ -169,6 +189,18 @@ class _Record:
         by = _coerce(column, action.by, f"the increment of {self.where}")
         low = None if action.min is None else _coerce(column, action.min, "the minimum")
         high = None if action.max is None else _coerce(column, action.max, "the maximum")
+        rows = self.session.rows
+        row = NOT_CACHED if rows is None else rows.row(self.table, self.key)
+        if rows is not None and isinstance(row, dict):
+            current = row[column.name]
+            if current is None:
+                raise BusinessRejection(f"{self.where} has no value in {column.name}")
+            self._check_bounds(column, add(current, by), low, high)
+            rows.set(self.table, self.key, column, add(current, by))
+            return
+        if row is None:
+            raise BusinessRejection(f"{self.where} does not exist")
+        self._direct()
         # One guarded statement does the common case; the bounds hold even where a
         # storage cannot lock (SQLite). Only when it changes nothing does a locked
         # read find out why, so the rejection names the reason.
@@ -183,7 +215,10 @@ class _Record:
         current = self._existing()[column.name]
         if current is None:
             raise BusinessRejection(f"{self.where} has no value in {column.name}")
-        result = current + by
+        self._check_bounds(column, current + by, low, high)
+        raise BusinessRejection(f"{self.where} {column.name} is out of bounds")
+
+    def _check_bounds(self, column: Column[Any], result: Any, low: Any, high: Any) -> None:
         if low is not None and result < low:
             raise BusinessRejection(
                 f"{self.where} {column.name} would be {result}, below the minimum {low}"
@@ -192,15 +227,16 @@ class _Record:
             raise BusinessRejection(
                 f"{self.where} {column.name} would be {result}, above the maximum {high}"
             )
-        raise BusinessRejection(f"{self.where} {column.name} is out of bounds")
 
     # -- compensations
 
     def remove(self) -> None:
+        self._direct()
         # Already gone is fine: the compensation wants the key absent.
         self.session.execute(delete(self.table).where(self._match()))
 
     def restore_put(self, before: Any) -> None:
+        self._direct()
         if before is None:
             self.remove()
             return
@@ -210,6 +246,7 @@ class _Record:
             self._insert(values)
 
     def restore_fields(self, before: Any) -> None:
+        self._direct()
         values = self._restored(before, "the update cannot be undone")
         if self._set(values) == 0:
             raise BusinessRejection(
@@ -217,6 +254,7 @@ class _Record:
             )
 
     def reinsert(self, before: Any) -> None:
+        self._direct()
         values = self._restored(before, "the deleted row cannot be restored")
         values.pop(self.pk.name, None)
         if self._locked() is not None:
@@ -228,11 +266,21 @@ class _Record:
     def increment_back(self, action: Increment, before: Any = None) -> None:
         column = self._counter(action.field)
         by = _coerce(column, action.by, f"the increment of {self.where}")
-        statement = update(self.table).where(self._match()).values({column.name: column - by})
-        if self.session.execute(statement).rowcount != 1:
-            raise BusinessRejection(
-                f"{self.where} no longer exists, so its increment of {column.name} cannot be undone"
-            )
+        rows = self.session.rows
+        row = NOT_CACHED if rows is None else rows.row(self.table, self.key)
+        if rows is not None and isinstance(row, dict):
+            current = row[column.name]
+            if current is not None:  # NULL - by stays NULL, as the statement would leave it
+                rows.set(self.table, self.key, column, subtract(current, by))
+            return
+        if row is not None:
+            self._direct()
+            statement = update(self.table).where(self._match()).values({column.name: column - by})
+            if self.session.execute(statement).rowcount == 1:
+                return
+        raise BusinessRejection(
+            f"{self.where} no longer exists, so its increment of {column.name} cannot be undone"
+        )
 
     def _counter(self, name: str) -> Column[Any]:
         column = self._column(name)
@@ -241,6 +289,38 @@ class _Record:
         if not isinstance(column.type, sqltypes.Integer | sqltypes.Numeric):
             raise BusinessRejection(f"{self.table.name}.{name} is not a numeric column")
         return column
+
+
+def increment_keys(
+    items: Iterable[WorkItem],
+    entries: Iterable[LedgerEntry],
+    tables: Mapping[str, Table],
+) -> dict[str, set[Any]]:
+    """The rows (table name -> coerced keys) that the increments of a batch may touch:
+    those its requests name, and those of its transactions' ledger ``entries`` (their
+    compensations). Steps that do not parse or whose key does not fit are left out:
+    they will be rejected, or read on their own when they run."""
+    wanted: dict[str, set[Any]] = {}
+    actions = [(item.action, item.args) for item in items if isinstance(item, Requested)]
+    actions += [(e.action, e.args) for e in entries if e.action is not None and e.args]
+    for name, args in actions:
+        if name != "increment" or not isinstance(args, Mapping):
+            continue
+        # Only the target and the key matter here (the action validates the whole step
+        # when it runs): reading a row a rejected step names costs nothing but the lock.
+        target, key = args.get("target"), args.get("key")
+        if not isinstance(target, str) or isinstance(key, bool) or not isinstance(key, str | int):
+            continue
+        table = tables.get(target)
+        if table is None:
+            continue
+        try:
+            coerced = _coerce(next(iter(table.primary_key.columns)), key, "key")
+        except BusinessRejection:
+            continue
+        if coerced is not None:
+            wanted.setdefault(target, set()).add(coerced)
+    return wanted
 
 
 # ---------------------------------------------------------------- values

@@ -8,7 +8,8 @@ ledger codec (:mod:`participants._ledger`), plus ``participant`` and
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any, Final, cast
 
 from sqlalchemy import (
@@ -36,6 +37,7 @@ from participants._barrier import LedgerEntry, LedgerStatus, finished_ms
 from participants._ledger import ENTRY_FIELDS, MARKER_STEP, entry_fields, entry_of
 from participants._sql_actions import NeedsSavepoints
 from participants._sql_errors import detail
+from participants._sql_rows import bulk_rows, bulk_statement, one_of
 from participants._sql_session import SqlSession, close_savepoint
 from participants._storage import Unit
 from streams import BusinessRejection, TransientError
@@ -119,11 +121,14 @@ class BatchLedger:
 
     def load(self, tx_ids: Iterable[str]) -> None:
         wanted = sorted(set(tx_ids) - self._loaded)
+        if not wanted:
+            return
         c = self._table.c
+        pg = self._connection.dialect.name == "postgresql"
         for chunk in (wanted[i : i + 1000] for i in range(0, len(wanted), 1000)):
             query = (
                 select(self._table)
-                .where(c.participant == self._participant, c.tx_id.in_(chunk))
+                .where(c.participant == self._participant, one_of(c.tx_id, chunk, postgresql=pg))
                 .order_by(c.tx_id, c.step)
                 .with_for_update()
             )
@@ -190,8 +195,11 @@ class BatchLedger:
                 self._dirty[key] = dirty
 
     def flush(self) -> None:
-        """Write the changed entries: new ones inserted, known ones updated."""
+        """Write the changed entries: new ones inserted, known ones updated (on PostgreSQL
+        one statement each, the rows bound as one JSON text: :func:`bulk_statement`)."""
         name = self._participant
+        if self._connection.dialect.name == "postgresql" and self._flush_arrays():
+            return
         inserts = [row_of(name, e) for key, e in self._dirty.items() if not self._existed.get(key)]
         updates = [
             {f"v_{column}": value for column, value in row_of(name, e).items()}
@@ -199,13 +207,8 @@ class BatchLedger:
             if self._existed.get(key)
         ]
         if inserts:
-            try:
+            with self._collision():
                 self._connection.execute(insert(self._table), inserts)
-            except sa_exc.IntegrityError as exc:
-                raise TransientError(
-                    f"participant {name!r}: another worker recorded a step of this batch "
-                    f"({detail(exc)}) at the same time; the batch will be retried"
-                ) from exc
         if updates:
             c = self._table.c
             statement = (
@@ -223,10 +226,45 @@ class BatchLedger:
                 )
             )
             self._connection.execute(statement, updates)
+        self._flushed()
+
+    def _flushed(self) -> None:
         for key in self._dirty:
             self._existed[key] = True
         self._dirty.clear()
         self._journal.clear()
+
+    def _flush_arrays(self) -> bool:
+        """:meth:`flush` in two statements whatever the batch size; ``False`` when a column
+        type cannot be named (then ``executemany`` does it)."""
+        name = self._participant
+        keys = LEDGER_COLUMNS[:3]
+        columns = (*LEDGER_COLUMNS[3:], *ADDED_COLUMNS)
+        dialect = self._connection.dialect
+        fresh = bulk_statement(dialect, self._table, keys, columns, insert=True)
+        known = bulk_statement(dialect, self._table, keys, columns)
+        if fresh is None or known is None:
+            return False
+        inserts = [row_of(name, e) for key, e in self._dirty.items() if not self._existed.get(key)]
+        updates = [row_of(name, e) for key, e in self._dirty.items() if self._existed.get(key)]
+        if inserts:
+            with self._collision():
+                self._connection.execute(fresh, bulk_rows(inserts))
+        if updates:
+            self._connection.execute(known, bulk_rows(updates, keys))
+        self._flushed()
+        return True
+
+    @contextmanager
+    def _collision(self) -> Iterator[None]:
+        """An insert colliding with the primary key: another worker wrote the entry first."""
+        try:
+            yield
+        except sa_exc.IntegrityError as exc:
+            raise TransientError(
+                f"participant {self._participant!r}: another worker recorded a step of this "
+                f"batch ({detail(exc)}) at the same time; the batch will be retried"
+            ) from exc
 
 
 class SqlUnit(Unit[SqlSession]):

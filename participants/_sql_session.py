@@ -6,11 +6,14 @@ See :mod:`participants._sql` for the savepoints a batch uses.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Connection, CursorResult, Executable, NestedTransaction, Table
 
 from streams import BusinessRejection
+
+if TYPE_CHECKING:
+    from participants._sql_rows import BatchRows
 
 
 class SqlSession:
@@ -22,14 +25,23 @@ class SqlSession:
     through this object, and may nest their own savepoints with
     ``session.connection.begin_nested()``; they must not commit or roll back the
     connection itself.
+
+    ``rows`` (a batch without savepoints) is the batch's copy of the rows its
+    built-in increments touch (:mod:`participants._sql_rows`).
     """
 
     def __init__(
-        self, connection: Connection, tables: Mapping[str, Table], *, savepoints: bool = True
+        self,
+        connection: Connection,
+        tables: Mapping[str, Table],
+        *,
+        savepoints: bool = True,
+        rows: BatchRows | None = None,
     ) -> None:
         self._connection = connection
         self._tables = tables
         self.savepoints = savepoints
+        self.rows = rows
         self._effect: NestedTransaction | None = None
 
     @property

@@ -1,0 +1,258 @@
+"""The SQL storage's batch path: built-in increments read and written once per batch.
+
+What :mod:`participants._sql_rows` promises, against real databases (PostgreSQL and
+SQLite): steps of one batch on one row see each other in batch order, a rejected
+step changes nothing and fails alone, a value the database refuses in the final
+write fails only its step (the batch runs again with savepoints), other actions
+in the same batch see the increments before them, and the number of statements a
+batch sends does not grow with its size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from participants._sql import SqlStorage
+from participants._storage import WorkItem
+from streams import StepStatus
+from tests.integration.test_sql_storage import (
+    Database,
+    postgres_database,
+    requested,
+    rollback,
+    sql_harness,
+    sqlite_database,
+)
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(params=["postgresql", "sqlite"])
+def database(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Database]:
+    made = postgres_database() if request.param == "postgresql" else sqlite_database(tmp_path)
+    with made as db:
+        yield db
+
+
+@pytest.fixture
+def postgres_db() -> Iterator[Database]:
+    with postgres_database() as db:
+        yield db
+
+
+def bump(key: Any, by: Any, field: str = "balance", **bounds: Any) -> dict[str, Any]:
+    return {"target": "accounts", "key": key, "field": field, "by": by, **bounds}
+
+
+def statuses(reports: list[Any]) -> list[tuple[str, StepStatus]]:
+    return [(r.tx_id, r.status) for r in reports]
+
+
+def test_steps_on_one_row_see_each_other_in_batch_order(database: Database) -> None:
+    """alice has 100: -60 applies, the next -60 would go below 0 and fails alone, +30
+    applies, and the -60 after it fits again; bob's row and the key spelt as text too."""
+    with sql_harness(database) as harness:
+        got = harness.storage.execute(
+            [
+                requested("tx-1", "increment", bump(1, -60, min=0)),
+                requested("tx-2", "increment", bump(1, -60, min=0)),
+                requested("tx-3", "increment", bump("1", 30, min=0)),
+                requested("tx-4", "increment", bump(2, 5)),
+                requested("tx-5", "increment", bump(1, -60, min=0)),
+                requested("tx-6", "increment", bump(9, 1)),
+            ]
+        )
+        assert statuses(got) == [
+            ("tx-1", StepStatus.APPLIED),
+            ("tx-2", StepStatus.FAILED),
+            ("tx-3", StepStatus.APPLIED),
+            ("tx-4", StepStatus.APPLIED),
+            ("tx-5", StepStatus.APPLIED),
+            ("tx-6", StepStatus.FAILED),
+        ]
+        assert got[1].reason == "accounts/1 balance would be -20, below the minimum 0"
+        assert got[5].reason == "accounts/9 does not exist"
+        assert harness.record("accounts", 1) == {
+            "owner": "alice",
+            "balance": 10,
+            "credit": Decimal("10.50"),
+        }
+        assert harness.record("accounts", 2) == {"owner": "bob", "balance": 55, "credit": None}
+
+        # Their compensations, in one batch with a new step on the same row.
+        back = harness.storage.execute(
+            [rollback("tx-1"), requested("tx-7", "increment", bump(1, 1)), rollback("tx-5")]
+        )
+        assert statuses(back) == [
+            ("tx-1", StepStatus.COMPENSATED),
+            ("tx-7", StepStatus.APPLIED),
+            ("tx-5", StepStatus.COMPENSATED),
+        ]
+        assert harness.record("accounts", 1) == {
+            "owner": "alice",
+            "balance": 131,
+            "credit": Decimal("10.50"),
+        }
+
+
+def test_a_text_key_and_a_null_value(database: Database) -> None:
+    """Rows addressed by a text key (``orders``) and a counter that is NULL (bob's credit)."""
+    with sql_harness(database) as harness:
+        more = {"target": "orders", "key": "o-1", "field": "qty", "by": 2}
+        got = harness.storage.execute(
+            [
+                requested("tx-1", "increment", more),
+                requested("tx-2", "increment", more),
+                requested("tx-3", "increment", bump(2, 1, field="credit")),
+            ]
+        )
+        assert statuses(got) == [
+            ("tx-1", StepStatus.APPLIED),
+            ("tx-2", StepStatus.APPLIED),
+            ("tx-3", StepStatus.FAILED),
+        ]
+        assert got[2].reason == "accounts/2 has no value in credit"
+        assert harness.record("orders", "o-1") == {
+            "item": "book",
+            "qty": 5,
+            "price": Decimal("9.99"),
+        }
+
+
+def test_other_actions_see_the_increments_before_them(database: Database) -> None:
+    """An update between two increments of one row: each sees the one before."""
+    with sql_harness(database) as harness:
+        got = harness.storage.execute(
+            [
+                requested("tx-1", "increment", bump(1, 5)),
+                requested(
+                    "tx-2", "update", {"target": "accounts", "key": 1, "set": {"owner": "al"}}
+                ),
+                requested("tx-3", "increment", bump(1, 5)),
+                requested("tx-4", "delete", {"target": "accounts", "key": 2}),
+                requested("tx-5", "increment", bump(2, 5)),
+            ]
+        )
+        assert statuses(got) == [
+            ("tx-1", StepStatus.APPLIED),
+            ("tx-2", StepStatus.APPLIED),
+            ("tx-3", StepStatus.APPLIED),
+            ("tx-4", StepStatus.APPLIED),
+            ("tx-5", StepStatus.FAILED),
+        ]
+        assert harness.record("accounts", 1) == {
+            "owner": "al",
+            "balance": 110,
+            "credit": Decimal("10.50"),
+        }
+        [update] = harness.storage.ledger("tx-2")
+        assert update.before == {"owner": "alice"}
+        assert harness.record("accounts", 2) is None
+
+
+def test_a_value_the_database_refuses_fails_only_its_step(postgres_db: Database) -> None:
+    """``integer`` overflows only in the batch's final write: the batch runs again with
+    savepoints, where that step alone is refused."""
+    with sql_harness(postgres_db) as harness:
+        got = harness.storage.execute(
+            [
+                requested("tx-1", "increment", bump(1, 5)),
+                requested("tx-2", "increment", bump(2, 2**31)),
+                requested("tx-3", "increment", bump(2, 5)),
+            ]
+        )
+        assert statuses(got) == [
+            ("tx-1", StepStatus.APPLIED),
+            ("tx-2", StepStatus.FAILED),
+            ("tx-3", StepStatus.APPLIED),
+        ]
+        assert got[1].reason and "refused by the database" in got[1].reason
+        assert harness.record("accounts", 2) == {"owner": "bob", "balance": 55, "credit": None}
+        assert harness.record("accounts", 1) == {
+            "owner": "alice",
+            "balance": 105,
+            "credit": Decimal("10.50"),
+        }
+
+
+def test_numeric_rounds_at_every_step_as_the_column_does(postgres_db: Database) -> None:
+    """``numeric(12, 2)``: 10.50 + 0.005 is stored as 10.51, and the next + 0.005 starts
+    from that (10.515 -> 10.52), as two statements would have left it."""
+    with sql_harness(postgres_db) as harness:
+        half_cent = bump(1, 0.005, field="credit", max=10.515)
+        got = harness.storage.execute(
+            [requested("tx-1", "increment", half_cent), requested("tx-2", "increment", half_cent)]
+        )
+        assert statuses(got) == [("tx-1", StepStatus.APPLIED), ("tx-2", StepStatus.APPLIED)]
+        assert harness.record("accounts", 1) == {
+            "owner": "alice",
+            "balance": 100,
+            "credit": Decimal("10.52"),
+        }
+
+
+def test_a_batch_costs_the_same_statements_whatever_its_size(database: Database) -> None:
+    """Five increments or fifty on a handful of rows: the same number of statements."""
+    with sql_harness(database) as harness:
+        storage = harness.storage
+        assert isinstance(storage, SqlStorage)
+        for key in range(10, 20):
+            harness.seed("accounts", key, {"owner": f"o{key}", "balance": 0})
+        storage.setup()
+        sent: list[str] = []
+
+        def count(conn: Any, cursor: Any, statement: str, *rest: Any) -> None:
+            sent.append(statement)
+
+        sa.event.listen(storage._engine, "before_cursor_execute", count)
+
+        def run(prefix: str, n: int) -> int:
+            sent.clear()
+            items: list[WorkItem] = [
+                requested(f"{prefix}-{i}", "increment", bump(10 + i % 10, 1)) for i in range(n)
+            ]
+            assert {r.status for r in storage.execute(items)} == {StepStatus.APPLIED}
+            return len(sent)
+
+        small, large = run("small", 5), run("large", 50)
+        assert small == large, f"{small} statements for 5 steps, {large} for 50"
+        assert harness.record("accounts", 10) == {"owner": "o10", "balance": 6, "credit": None}
+
+
+def test_keys_the_database_matches_but_python_does_not(postgres_db: Database) -> None:
+    """A ``char(4)`` key comes back padded: such a row is not held in the batch's copy but
+    changed by its own statement, and still sees the increments before it."""
+    from participants._sql_rows import NOT_CACHED, BatchRows
+
+    metadata = sa.MetaData(schema=postgres_db.schema)
+    codes = sa.Table(
+        "codes",
+        metadata,
+        sa.Column("code", sa.CHAR(4), primary_key=True),
+        sa.Column("n", sa.BigInteger),
+    )
+    metadata.create_all(postgres_db.engine)
+    with postgres_db.engine.begin() as connection:
+        connection.execute(sa.insert(codes).values(code="ab", n=1))
+    reflected = sa.Table(
+        "codes", sa.MetaData(schema=postgres_db.schema), autoload_with=postgres_db.engine
+    )
+    with postgres_db.engine.begin() as connection:
+        rows = BatchRows(connection, {"codes": reflected}, postgresql=True)
+        rows.preload({"codes": {"ab"}})
+        assert rows.row(reflected, "ab") is NOT_CACHED
+    with sql_harness(postgres_db) as harness:
+        storage = harness.make(targets=("codes",))
+        more = {"target": "codes", "key": "ab", "field": "n", "by": 2}
+        got = storage.execute(
+            [requested("tx-1", "increment", more), requested("tx-2", "increment", more)]
+        )
+        assert statuses(got) == [("tx-1", StepStatus.APPLIED), ("tx-2", StepStatus.APPLIED)]
+    with postgres_db.engine.connect() as connection:
+        assert connection.execute(sa.select(codes.c.n)).scalar_one() == 5
