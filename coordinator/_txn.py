@@ -83,18 +83,7 @@ class Transactions:
 
     def init(self) -> None:
         """Initialise the current producer, retrying transient errors for up to a minute."""
-        deadline = time.monotonic() + _INIT_WITHIN_S
-        delay = 0.25
-        while True:
-            try:
-                self.producer.init()
-                return
-            except TransientError as exc:
-                if time.monotonic() + delay >= deadline:
-                    raise
-                log.warning("initialising Kafka transactions: %s; retrying", exc)
-                time.sleep(delay)
-                delay = min(delay * 2, 2.0)
+        _retrying("initialising Kafka transactions", self.producer.init)
 
     def failed(self, error: SagaError, rewind: Callable[[], None], *, committing: bool) -> None:
         """Leave the service ready for its next batch after its transaction raised ``error``.
@@ -182,21 +171,13 @@ class Transactions:
         skipped: read on from where the failed batch left, the consumer would lose
         its records if the transaction did not commit.
         """
-        deadline = time.monotonic() + _INIT_WITHIN_S
-        delay = 0.25
-        while True:
-            try:
-                assigned = self._consumer.assignment()
-                committed = self._consumer.committed(assigned, timeout=30)
-                for (topic, p), offset in committed.items():
-                    self._consumer.seek(topic, p, OFFSET_BEGINNING if offset is None else offset)
-                return
-            except TransientError as exc:
-                if time.monotonic() + delay >= deadline:
-                    raise
-                log.warning("reading the committed offsets: %s; retrying", exc)
-                time.sleep(delay)
-                delay = min(delay * 2, 2.0)
+
+        def seek() -> None:
+            committed = self._consumer.committed(self._consumer.assignment(), timeout=30)
+            for (topic, p), offset in committed.items():
+                self._consumer.seek(topic, p, OFFSET_BEGINNING if offset is None else offset)
+
+        _retrying("reading the committed offsets", seek)
 
 
 def next_offsets(messages: Iterable[Message]) -> dict[tuple[str, int], int]:
@@ -206,3 +187,19 @@ def next_offsets(messages: Iterable[Message]) -> dict[tuple[str, int], int]:
         key = (m.topic, m.partition)
         offsets[key] = max(offsets.get(key, 0), m.offset + 1)
     return offsets
+
+
+def _retrying(what: str, call: Callable[[], None]) -> None:
+    """``call()``, retried on transient errors with backoff for up to a minute."""
+    deadline = time.monotonic() + _INIT_WITHIN_S
+    delay = 0.25
+    while True:
+        try:
+            call()
+            return
+        except TransientError as exc:
+            if time.monotonic() + delay >= deadline:
+                raise
+            log.warning("%s: %s; retrying", what, exc)
+            time.sleep(delay)
+            delay = min(delay * 2, 2.0)
