@@ -15,12 +15,12 @@ record per transaction, not every record read.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Sequence
 from typing import Final
 
 from coordinator._machine import Saga
-from streams import InvalidRecord, SagaStatus, TransientError
+from coordinator._txn import retrying
+from streams import InvalidRecord, SagaStatus
 from streams._codec import decode_keyed
 from streams._signing import COORDINATOR, Keyring
 from streams.kafka import Message
@@ -110,14 +110,9 @@ def _read(
 
 def _end_of(reader: LogConsumer, topic: str, partition: int) -> int:
     """The high watermark of ``topic [partition]``, retried with backoff for a minute."""
-    deadline = time.monotonic() + _END_WITHIN_S
-    delay = 0.25
-    while True:
-        try:
-            return reader.watermarks(topic, partition)[1]
-        except TransientError as exc:
-            if time.monotonic() + delay >= deadline:
-                raise
-            log.warning("restore: %s; retrying in %.2gs", exc, delay)
-            time.sleep(delay)
-            delay = min(delay * 2, 4.0)
+    return retrying(
+        "restore",
+        lambda: reader.watermarks(topic, partition)[1],
+        within_s=_END_WITHIN_S,
+        max_delay_s=4.0,
+    )

@@ -40,7 +40,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable
-from typing import Final
+from typing import Final, TypeVar
 
 from streams import FatalKafkaError, SagaError, TransientError
 from streams.kafka import OFFSET_BEGINNING, Message, TransactionAborted
@@ -52,6 +52,7 @@ FENCE_CHECK_S: Final = 3.0
 """How long a fenced producer's consumer is polled (paused) for a fatal "replaced by a newer
 member" error: three heartbeats at the default 6 s session (heartbeat a sixth of it)."""
 _INIT_WITHIN_S: Final = 60.0
+T = TypeVar("T")
 """How long a new producer keeps retrying ``init`` (a leader election takes seconds)."""
 
 
@@ -83,7 +84,7 @@ class Transactions:
 
     def init(self) -> None:
         """Initialise the current producer, retrying transient errors for up to a minute."""
-        _retrying("initialising Kafka transactions", self.producer.init)
+        retrying("initialising Kafka transactions", self.producer.init)
 
     def failed(self, error: SagaError, rewind: Callable[[], None], *, committing: bool) -> None:
         """Leave the service ready for its next batch after its transaction raised ``error``.
@@ -177,7 +178,7 @@ class Transactions:
             for (topic, p), offset in committed.items():
                 self._consumer.seek(topic, p, OFFSET_BEGINNING if offset is None else offset)
 
-        _retrying("reading the committed offsets", seek)
+        retrying("reading the committed offsets", seek)
 
 
 def next_offsets(messages: Iterable[Message]) -> dict[tuple[str, int], int]:
@@ -189,17 +190,19 @@ def next_offsets(messages: Iterable[Message]) -> dict[tuple[str, int], int]:
     return offsets
 
 
-def _retrying(what: str, call: Callable[[], None]) -> None:
-    """``call()``, retried on transient errors with backoff for up to a minute."""
-    deadline = time.monotonic() + _INIT_WITHIN_S
+def retrying(
+    what: str, call: Callable[[], T], *, within_s: float = _INIT_WITHIN_S, max_delay_s: float = 2.0
+) -> T:
+    """``call()``, retried on transient errors with exponential backoff (from 0.25 s up
+    to ``max_delay_s``) for up to ``within_s``; the last error is raised."""
+    deadline = time.monotonic() + within_s
     delay = 0.25
     while True:
         try:
-            call()
-            return
+            return call()
         except TransientError as exc:
             if time.monotonic() + delay >= deadline:
                 raise
-            log.warning("%s: %s; retrying", what, exc)
+            log.warning("%s: %s; retrying in %.2gs", what, exc, delay)
             time.sleep(delay)
-            delay = min(delay * 2, 2.0)
+            delay = min(delay * 2, max_delay_s)

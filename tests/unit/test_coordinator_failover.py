@@ -185,7 +185,7 @@ def test_a_restore_retries_the_status_topic_end_while_its_leader_moves(
         return real(self, topic, partition, timeout)
 
     monkeypatch.setattr(InMemoryConsumer, "watermarks", flaky)
-    monkeypatch.setattr("coordinator._restore.time.sleep", lambda _s: None)
+    monkeypatch.setattr("coordinator._txn.time.sleep", lambda _s: None)  # the retry lives there
     again, stepper = coordinators.start("a")
     stepper.step()
     assert stepper.running
