@@ -36,11 +36,19 @@ _log = logging.getLogger("saga.kafka")
 _T = TypeVar("_T")
 
 _TXN_ATTEMPTS: Final = 5
-_WEDGED_AFTER_S: Final = 5.0
+_WEDGED_AFTER_S: Final = 3.0
 """How long past its own timeout a transactional call may run before the client is wedged.
 
 Short, because a wedged coordinator holds its partitions until it exits: its restart
 (same ``transactional.id``, same static group membership) takes them back at once."""
+_SEND_OFFSETS_S: Final = 5.0
+"""The longest :meth:`TransactionalProducer.send_offsets` waits. A healthy call takes
+milliseconds, and a second or two while a restarted broker loads its coordinators; one
+that times out costs its caller one batch (abort, rewind, again). It is the call that
+wedges after a broker restart (librdkafka #5456 and #5511), so its bound plus
+:data:`_WEDGED_AFTER_S` is how long a wedged coordinator holds its partitions before it
+exits to be restarted: the chaos suite measured 15 s of it with the transaction timeout
+as the bound."""
 _BUFFER_FULL_TIMEOUT_S: Final = 30.0
 
 
@@ -445,7 +453,8 @@ class TransactionalProducer(_ProducerBase):
         left behind by a rebalance (a zombie); the transaction must then be
         aborted. The broker checks the group generation, not which partitions
         the consumer owns: leave out partitions it no longer owns. An empty
-        mapping does nothing.
+        mapping does nothing. It waits at most ``timeout``, the transaction timeout and
+        5 s, whichever is least (:data:`_SEND_OFFSETS_S`).
 
         Raises:
             ValueError: a negative offset (librdkafka would ignore it silently).
@@ -465,7 +474,7 @@ class TransactionalProducer(_ProducerBase):
         self._call(
             "sending offsets to the Kafka transaction",
             lambda left: self._client.send_offsets_to_transaction(positions, metadata, left),
-            self._in_transaction(timeout),
+            min(self._in_transaction(timeout), _SEND_OFFSETS_S),
         )
 
     def commit(self, timeout: float = 30.0) -> None:

@@ -15,7 +15,8 @@ A run has four parts:
    compensations, poison records on every input topic) and, in some rounds,
    ``saga reconcile --replay`` twice at once, one of them killed with SIGKILL
    half-way through its replay; after each fault the clock runs until every saga
-   submitted before it is final (time to quiesce);
+   submitted before it is final (time to quiesce), and the next fault waits for
+   that (at most :data:`SETTLE_S`), so each figure is one fault's;
 3. **judgement** — once every saga is final and every consumer group has read its
    inputs (or the recovery window has passed), the processes stop and the
    checker (:mod:`tests.chaos.checker`) reads the log, the stores and the
@@ -66,6 +67,8 @@ from tests.chaos.workload import PARTICIPANTS, STORES, Transfer, plan
 
 DEFAULT_REPORT = ROOT / "reports" / "chaos.json"
 REPLAY_KILL_AFTER = 3  # replayed records before the SIGKILL
+SETTLE_S = 60.0
+"""The longest the next fault waits for the previous fault's sagas to be final."""
 
 
 @dataclass(frozen=True)
@@ -420,6 +423,11 @@ class Runner:
         for spec in self._round_faults(r) if p.faults else []:
             if spec[0] == "kill" and spec[1] == "kafka":
                 replay.join(600)  # the replays need the broker; they are done first
+            # Each fault strikes once the sagas of the one before are final, so that its
+            # time to quiesce is its own, not the sum of two; a fault still recovering
+            # after SETTLE_S is struck over (and marked so in the cluster report).
+            if main.settle(SETTLE_S) is None:
+                self.log(f"the last fault's sagas are not final after {SETTLE_S:.0f}s: next")
             time.sleep(self.rnd.uniform(0.5, 2.0))
             rec = self._inject(main, spec)
             took = rec.recovered_s - rec.started_s

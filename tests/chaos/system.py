@@ -396,6 +396,19 @@ class System:
                     last = max((finals[tx] for tx in q.waiting_for), default=q.at)
                     q.seconds = max(0.0, last - q.at)
 
+    def settle(self, within_s: float) -> float | None:
+        """Wait until every fault's sagas are final (see :meth:`after_fault`); how long it
+        took, or ``None`` when ``within_s`` passed first."""
+        t0 = time.monotonic()
+        while True:
+            with self._lock:
+                open_ = any(q.seconds is None for q in self.quiesce)
+            if not open_:
+                return time.monotonic() - t0
+            if time.monotonic() - t0 >= within_s:
+                return None
+            time.sleep(0.25)
+
     def all_final(self, tx_ids: Iterable[str]) -> bool:
         finals = self.status.finals()
         return all(tx in finals for tx in tx_ids)
