@@ -122,7 +122,8 @@ class Consumer:
         )
         config.update(options)
         config["error_cb"] = self._client_error
-        self._fatal_text = ""  # the client's fatal error, as error_cb reported it
+        config["logger"] = _FenceWatch(self, config.get("logger"))
+        self._fatal_text = ""  # the client's fatal error, as error_cb or its log line told it
         self._config = config  # a rejoin makes a new client with it
         try:
             self._client = ck.Consumer(config)
@@ -492,3 +493,26 @@ class Consumer:
                     "rejoined its group"
                 ) from exc
             raise error from exc
+
+
+class _FenceWatch:
+    """The consumer's librdkafka logger: passes every line on, and keeps the text of a
+    fatal instance fence for the consumer (see ``Consumer._rejoined``).
+
+    A commit that fails with "Local: Fatal error" can come before the client has served
+    the error event that names the cause (the three-broker chaos profile saw it: the
+    participant exited instead of rejoining); the client's own log line, served with the
+    failing call, names it already.
+    """
+
+    def __init__(self, consumer: Consumer, forward: Any) -> None:
+        self._consumer = consumer
+        self._forward = forward
+
+    def log(self, level: int, msg: str, *args: Any) -> None:
+        if self._forward is not None:
+            self._forward.log(level, msg, *args)
+        if level >= logging.CRITICAL and not self._consumer._fatal_text:
+            text = msg % args if args else msg
+            if is_instance_fence(None, text):
+                self._consumer._fatal_text = text

@@ -11,6 +11,7 @@ client), and the in-memory model (self-fence, and two live consumers with one id
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 from unittest import mock
 
@@ -227,4 +228,34 @@ def test_a_commit_before_the_poll_that_says_why_finds_the_cause_in_the_queue() -
         with pytest.raises(TransientError, match="rejoined"):
             consumer.commit({("t", 0): 5})
         assert consumer.rejoins == 1
+        consumer.close()
+
+
+def test_a_commit_whose_cause_only_the_clients_log_line_names_rejoins() -> None:
+    """Neither the error callback nor the queue served the fence before the commit
+    failed; the client's FATAL log line, served with the commit, names it (seen in the
+    cluster profile: the participant exited instead of rejoining). The line still goes
+    to the log."""
+    _Recorder.made = []
+    with mock.patch("streams.kafka._consumer.ck.Consumer", _Recorder):
+        consumer = Consumer(SETTINGS, "g", group_instance_id="r.w1")
+        consumer.subscribe(["t"])
+        first = _Recorder.made[0]
+
+        def commit(**_kwargs: Any) -> None:
+            first.config["logger"].log(
+                logging.CRITICAL, "%s [%s] %s", "FATAL", "c#consumer-8", LIBRDKAFKA_TEXT
+            )
+            raise ck.KafkaException(
+                ck.KafkaError(ck.KafkaError._FATAL, "Commit failed: Local: Fatal error", fatal=True)
+            )
+
+        first.commit = commit  # type: ignore[attr-defined]
+        with (
+            mock.patch.object(logging.getLogger("saga.kafka.librdkafka"), "log") as logged,
+            pytest.raises(TransientError, match="rejoined"),
+        ):
+            consumer.commit({("t", 0): 5})
+        assert consumer.rejoins == 1 and consumer._client is _Recorder.made[1]
+        assert logged.call_args.args[0] == logging.CRITICAL
         consumer.close()
