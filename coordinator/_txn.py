@@ -11,8 +11,9 @@ seen on the three-broker chaos profile); none of them needs the process to exit:
   commit was never asked for, so the transaction cannot have committed: abort,
   rewind, process again. If the abort fails too, reset (below);
 * **fatal** (e.g. ``INVALID_TXN_STATE`` ending a transaction the new transaction
-  coordinator had already aborted), **or a commit whose outcome is unknown** (it
-  timed out): reset;
+  coordinator had already aborted), **a wedged client** (``send_offsets`` never
+  returned, librdkafka #5456: the client is left behind), **or a commit whose
+  outcome is unknown** (it timed out): reset;
 * **fenced** (``FatalKafkaError.fenced``): librdkafka folds a broker-side epoch
   bump (the broker aborted the transaction, e.g. across a transaction coordinator
   failover) and a real fence (a newer instance initialised the same

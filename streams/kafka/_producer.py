@@ -2,13 +2,16 @@
 
 Both hash keys with murmur2 (``murmur2_random``), the Java client's
 partitioner, so a record re-published by a JVM client lands on the same
-partition. The transactional producer runs a watchdog thread that reports a
-wedged client (a transactional call that never returns) to ``on_wedged``.
+partition. The transactional producer runs ``send_offsets`` on a thread of its own
+and raises :class:`~streams._errors.FatalKafkaError` when it wedges (never returns),
+leaving the client behind; a watchdog thread reports any other wedged call (and
+``send_offsets`` past :data:`_MAX_ABANDONED` clients) to ``on_wedged``.
 """
 
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 import warnings
@@ -17,7 +20,7 @@ from typing import Any, Final, Literal, Self, TypeVar
 
 import confluent_kafka as ck
 
-from .._errors import ConfigurationError, SagaError, TransientError
+from .._errors import ConfigurationError, FatalKafkaError, SagaError, TransientError
 from ._consumer import Consumer
 from ._message import DeliveryCallback, Partition, _to_message, _tps_at
 from ._settings import KafkaSettings, _client_config
@@ -41,6 +44,10 @@ _WEDGED_AFTER_S: Final = 3.0
 
 Short, because a wedged coordinator holds its partitions until it exits: its restart
 (same ``transactional.id``, same static group membership) takes them back at once."""
+_MAX_ABANDONED: Final = 3
+"""Wedged clients a process leaves behind (see :class:`_Worker`) before the next one
+makes it exit: each holds its threads and sockets for good."""
+_abandoned: list[Any] = []  # never released: destroying a wedged client blocks the caller
 _SEND_OFFSETS_S: Final = 5.0
 """The longest :meth:`TransactionalProducer.send_offsets` waits. A healthy call takes
 milliseconds, and a second or two while a restarted broker loads its coordinators; one
@@ -72,6 +79,7 @@ class _ProducerBase:
         self._delivered = 0
         self._fatal: ck.KafkaError | None = None
         self._closed = False
+        self._wedged = False  # a call on the client never returned: the client is left alone
         config["error_cb"] = self._on_client_error
         try:
             self._client = ck.Producer(config)
@@ -228,10 +236,13 @@ class _ProducerBase:
 
         Records still queued after ``timeout`` are dropped with a warning; a
         transaction still open is aborted. Never raises; closing twice is a no-op.
+        A wedged client (see :class:`TransactionalProducer`) is left as it is.
         """
         if self._closed:
             return
         self._closed = True
+        if self._wedged:
+            return
         if self._fatal is None:
             try:
                 remaining = self._client.flush(timeout)
@@ -346,6 +357,7 @@ class TransactionalProducer(_ProducerBase):
         # not returned by then will not bring it to commit (see _in_transaction).
         self._txn_timeout_s = transaction_timeout_ms / 1000
         self._on_wedged = on_wedged
+        self._worker: _Worker | None = None
         threading.Thread(target=self._watch, name="saga-txn-watchdog", daemon=True).start()
 
     def _watch(self) -> None:
@@ -437,6 +449,11 @@ class TransactionalProducer(_ProducerBase):
         self._txn_failure = None
         self._call("beginning a Kafka transaction", lambda _: self._client.begin_transaction(), 5.0)
 
+    def _offsets_worker(self) -> _Worker:
+        if self._worker is None:
+            self._worker = _Worker("saga-send-offsets")
+        return self._worker
+
     def send_offsets(
         self,
         consumer: Any,
@@ -471,10 +488,35 @@ class TransactionalProducer(_ProducerBase):
             metadata = consumer._client.consumer_group_metadata()
         except ck.KafkaException as exc:
             raise self._translated(exc, "reading the consumer group metadata", None) from exc
-        self._call(
-            "sending offsets to the Kafka transaction",
-            lambda left: self._client.send_offsets_to_transaction(positions, metadata, left),
-            min(self._in_transaction(timeout), _SEND_OFFSETS_S),
+        doing = "sending offsets to the Kafka transaction"
+        bound = min(self._in_transaction(timeout), _SEND_OFFSETS_S)
+
+        def call() -> None:
+            self._attempts(
+                doing,
+                lambda left: self._client.send_offsets_to_transaction(positions, metadata, left),
+                bound,
+                time.monotonic() + bound,
+            )
+
+        if len(_abandoned) >= _MAX_ABANDONED:  # no more clients to leave behind: the watchdog
+            self._call(doing, lambda _: call(), bound)
+            return
+        if self._offsets_worker().run(call, bound + _WEDGED_AFTER_S):
+            return
+        self._wedged = True
+        _abandoned.append(self._client)
+        _log.error(
+            "%s has not returned %.0fs after its timeout: the Kafka client is wedged "
+            "(librdkafka issue #5456); leaving it and making a new producer (%d of %d)",
+            doing,
+            _WEDGED_AFTER_S,
+            len(_abandoned),
+            _MAX_ABANDONED,
+        )
+        raise FatalKafkaError(
+            f"{doing} has not returned {_WEDGED_AFTER_S:.0f}s after its timeout: the Kafka "
+            "client is wedged (librdkafka issue #5456)"
         )
 
     def commit(self, timeout: float = 30.0) -> None:
@@ -493,3 +535,43 @@ class TransactionalProducer(_ProducerBase):
         :meth:`send_offsets` are not committed. Call :meth:`begin` next.
         """
         self._call("aborting the Kafka transaction", self._client.abort_transaction, timeout)
+
+
+class _Worker:
+    """A daemon thread that runs the calls handed to it, so that the caller can stop
+    waiting for one that never returns (a wedged librdkafka call cannot be interrupted;
+    the thread stays blocked in it, and the process still exits without joining it)."""
+
+    def __init__(self, name: str) -> None:
+        self._jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._stuck = False
+        threading.Thread(target=self._serve, name=name, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            self._jobs.get()()
+
+    def run(self, call: Callable[[], None], wait_s: float) -> bool:
+        """Run ``call`` on the thread: true when it returned (or raised, which is raised
+        here) within ``wait_s``, false when it is still running (it is left running)."""
+        if self._stuck:
+            return False
+        done = threading.Event()
+        outcome: list[BaseException | None] = []
+
+        def job() -> None:
+            try:
+                call()
+                outcome.append(None)
+            except BaseException as exc:  # handed to the waiting caller
+                outcome.append(exc)
+            finally:
+                done.set()
+
+        self._jobs.put(job)
+        if not done.wait(wait_s):
+            self._stuck = True
+            return False
+        if outcome[0] is not None:
+            raise outcome[0]
+        return True
