@@ -20,6 +20,7 @@ This module holds the group, the service commands (``topics``, ``coordinator``,
 
 from __future__ import annotations
 
+import gc
 import importlib
 import json
 import logging
@@ -366,7 +367,21 @@ def coordinator_run(
     )
     service.install_signal_handlers()
     with observability.serve(service.observer, "coordinator"):
+        _freeze_start_up()
         service.run()
+
+
+def _freeze_start_up() -> None:
+    """Leave what start-up made (modules, clients, the storage's engine) out of every
+    later garbage collection: it lives as long as the process.
+
+    A full collection scans every tracked object, and the modules alone are some
+    77,000: each full pass of a service paused its batch loop (gen2 pauses of 100 ms
+    and more in a participant during the bench's open loop) to scan objects that are
+    never garbage. Reference counting still frees them as before.
+    """
+    gc.collect()
+    gc.freeze()
 
 
 # ---------------------------------------------------------------- participant
@@ -510,6 +525,7 @@ def participant_run(
     runtime.observer.description = f"{storage}, targets {','.join(target_list)}"
     runtime.install_signal_handlers()
     with observability.serve(runtime.observer, f"participant-{name}"):
+        _freeze_start_up()
         runtime.run()
 
 

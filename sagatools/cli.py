@@ -233,6 +233,16 @@ def demo(
     help="Seconds until each saga's deadline.",
 )
 @click.option(
+    "--settle",
+    type=click.FloatRange(0, 3600),
+    default=60.0,
+    show_default=True,
+    help="Before each saga phase, wait up to this many seconds until the services "
+    "(Kafka, PostgreSQL, Redis, FerretDB) use at most 0.15 cores, so that the work left "
+    "by the phase before (autovacuum, checkpoints, log cleaning) is not measured; 0: "
+    "do not wait.",
+)
+@click.option(
     "--schema",
     "data_schema",
     default="saga_bench",
@@ -329,6 +339,7 @@ def bench(
     accounts: int,
     batch: int,
     saga_timeout: float,
+    settle: float,
     data_schema: str,
     report: str,
     logs: str,
@@ -390,6 +401,7 @@ def bench(
         accounts=accounts,
         batch=batch,
         saga_timeout=saga_timeout,
+        settle_timeout=settle,
         schema=data_schema,
         report=Path(report),
         logs=Path(logs),

@@ -115,6 +115,9 @@ class BenchConfig:
     batch: int = 500
     saga_timeout: float = 60.0
     drain_timeout: float = 120.0
+    settle_timeout: float = 60.0
+    """Before each saga phase, at most this long for the services to fall to settle_cores."""
+    settle_cores: float = 0.15
     schema: str = "saga_bench"
     report: Path = Path("reports/bench.json")
     logs: Path = Path(".infra/logs/bench")

@@ -26,7 +26,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from sagatools.bench.config import CLIENT, DEFAULT_LAYOUT, PARTICIPANTS, BenchConfig, Layout
-from sagatools.bench.proc import CpuMeter
+from sagatools.bench.proc import CpuMeter, settle
 from sagatools.bench.processes import check_alive, saga_processes
 from sagatools.bench.profile import Profiler
 from sagatools.bench.stores import prepare_data, store_totals
@@ -100,6 +100,8 @@ class SagaPhaseResult:
     store_totals: dict[str, int] = field(default_factory=dict)
     expected_total: int = 0
     signed: bool = False
+    settled_s: float = 0.0  # waited before the phase for the services to fall near idle
+    settled_cores: float | None = None  # the services' cores when the wait ended
     forged_status: int = 0  # final status records whose signature did not hold (ignored)
     layout: str = "default"
     stores: dict[str, str] = field(default_factory=dict)  # participant -> store
@@ -258,6 +260,13 @@ class SagaPhase:
         ):
             prepare_data(cfg, self.layout)
             create_topics(self.settings, cfg.partitions)
+        with self.console.status(
+            f"{result.name}: waiting (up to {cfg.settle_timeout:g} s) for the services "
+            "to finish the work left by the phase before"
+        ):
+            result.settled_s, result.settled_cores = settle(
+                self.services, idle_cores=cfg.settle_cores, timeout_s=cfg.settle_timeout
+            )
         keys_dir: tempfile.TemporaryDirectory[str] | None = None
         if self.signed:
             keys_dir = tempfile.TemporaryDirectory(prefix="saga-bench-keys-")

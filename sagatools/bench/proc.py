@@ -6,6 +6,8 @@ Linux only: elsewhere every figure reads n/a (``None``).
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Callable, Mapping
 from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -157,3 +159,41 @@ class CpuMeter:
             else round(max(0.0, end[name] - self._start[name]), 3)  # type: ignore[operator]
             for name in self.pids
         }
+
+
+def settle(
+    pids: Mapping[str, int | None],
+    *,
+    idle_cores: float,
+    timeout_s: float,
+    interval_s: float = 1.0,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+    cpu_s: Callable[[int], float | None] = process_cpu_s,
+) -> tuple[float, float | None]:
+    """Wait until the CPU of ``pids`` (with their children) is at most ``idle_cores``
+    over two ``interval_s`` in a row, or ``timeout_s`` has passed.
+
+    A phase's servers go on working after it (autovacuum, checkpoints, log cleaning,
+    deleting the phase's topics); the next phase measured meanwhile measures that work
+    too. Returns the seconds waited and the cores used in the last interval (``None``:
+    no pid to measure, nothing waited).
+    """
+    known = [pid for pid in pids.values() if pid is not None]
+    if not known or timeout_s <= 0:
+        return 0.0, None
+
+    def total() -> float:
+        return sum(cpu_s(pid) or 0.0 for pid in known)
+
+    start = clock()
+    quiet = 0
+    cores = 0.0
+    before, at = total(), start
+    while quiet < 2 and clock() - start < timeout_s:
+        sleep(interval_s)
+        now, used = clock(), total()
+        cores = (used - before) / max(1e-6, now - at)
+        before, at = used, now
+        quiet = quiet + 1 if cores <= idle_cores else 0
+    return round(clock() - start, 1), round(cores, 3)

@@ -259,6 +259,11 @@ def print_phase(console: Console, r: SagaPhaseResult) -> None:
         f"({r.committed_in_window} committed, {r.rolled_back_in_window} rolled back); "
         f"decision p99 {_ms(r.decision_latency_ms.get('p99'))}"
     )
+    if r.settled_cores is not None:
+        console.print(
+            f"    (waited {r.settled_s:g} s before it for the services to settle: "
+            f"{r.settled_cores:.2f} cores then)"
+        )
 
 
 def _latency_cell(key: str, q: str) -> Callable[[Mapping[str, Any]], str]:

@@ -23,7 +23,7 @@ import confluent_kafka as ck
 from .._errors import ConfigurationError, FatalKafkaError, SagaError, TransientError
 from ._consumer import Consumer
 from ._message import DeliveryCallback, Partition, _to_message, _tps_at
-from ._settings import KafkaSettings, _client_config
+from ._settings import TXN_RETRY_BACKOFF_MS, KafkaSettings, _client_config
 from ._translate import (
     _E,
     _FENCED_CODES,
@@ -348,6 +348,8 @@ class TransactionalProducer(_ProducerBase):
             transactional_id=transactional_id,
             transaction_timeout_ms=transaction_timeout_ms,
         )
+        if "retry.backoff.ms" not in settings.extra:
+            config["retry.backoff.ms"] = TXN_RETRY_BACKOFF_MS
         super().__init__(
             settings, config, transactional_id=transactional_id, collect_failures=False
         )

@@ -174,6 +174,16 @@ held its partitions that long after the controller had moved them to a live brok
 transactional producer's is already below its transaction timeout (librdkafka adjusts it)."""
 
 
+TXN_RETRY_BACKOFF_MS: Final = 10
+"""A transactional producer's ``retry.backoff.ms`` (librdkafka's default: 100 ms).
+
+A transaction begun right after the previous one committed is refused with
+CONCURRENT_TRANSACTIONS until the broker has written that one's markers (a few ms);
+librdkafka retries ``send_offsets_to_transaction`` after ``retry.backoff.ms``, so each
+such batch of the coordinator waited 100 ms or more. The backoff still doubles on
+each retry, up to ``retry.backoff.max.ms`` (1 s)."""
+
+
 def _client_config(settings: KafkaSettings, **fixed: Any) -> dict[str, Any]:
     """The librdkafka configuration: address, the user's extras, then saga's fixed values."""
     config: dict[str, Any] = {

@@ -549,3 +549,15 @@ def test_coordinator_aborters_name_client_or_operator() -> None:
 
 def test_abort_refuses_a_bad_transaction_id() -> None:
     one_sentence(saga("abort", "not a tx id!"), "'not a tx id!' is not a transaction id")
+
+
+def test_a_service_leaves_its_start_up_objects_out_of_garbage_collection() -> None:
+    import gc
+
+    from coordinator.cli import _freeze_start_up
+
+    try:
+        _freeze_start_up()
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()

@@ -29,3 +29,24 @@ def test_a_consumer_times_requests_out_sooner_unless_told(recorded: list) -> Non
     first, second = recorded
     assert first["socket.timeout.ms"] == CONSUMER_SOCKET_TIMEOUT_MS == 10_000
     assert second["socket.timeout.ms"] == "60000"
+
+
+def test_a_transactional_producer_retries_sooner_unless_told() -> None:
+    """CONCURRENT_TRANSACTIONS right after a commit is retried after retry.backoff.ms."""
+    from unittest import mock
+
+    from streams.kafka import TransactionalProducer
+    from streams.kafka._settings import TXN_RETRY_BACKOFF_MS
+
+    made: list[dict[str, object]] = []
+
+    def record(config: dict[str, object]) -> mock.MagicMock:
+        made.append(config)
+        return mock.MagicMock()
+
+    with mock.patch("streams.kafka._producer.ck.Producer", record):
+        TransactionalProducer(KafkaSettings(bootstrap="b:1"), "t")
+        own = KafkaSettings(bootstrap="b:1", extra={"retry.backoff.ms": "100"})
+        TransactionalProducer(own, "t")
+    assert made[0]["retry.backoff.ms"] == TXN_RETRY_BACKOFF_MS == 10
+    assert made[1]["retry.backoff.ms"] == "100"
