@@ -37,11 +37,20 @@ class _DocumentLocks:
         self._mutex = threading.Lock()
         self._locks: dict[tuple[str, str, str], tuple[threading.RLock, int]] = {}
 
-    def acquire(self, name: tuple[str, str, str]) -> None:
+    def acquire(self, name: tuple[str, str, str], *, blocking: bool = True) -> bool:
+        """Take the lock (``blocking=False``: only if free now); whether it was taken."""
         with self._mutex:
             lock, users = self._locks.get(name, (threading.RLock(), 0))
             self._locks[name] = (lock, users + 1)
-        lock.acquire()
+        if lock.acquire(blocking=blocking):
+            return True
+        with self._mutex:
+            lock, users = self._locks[name]
+            if users == 1:
+                del self._locks[name]
+            else:
+                self._locks[name] = (lock, users - 1)
+        return False
 
     def release(self, name: tuple[str, str, str]) -> None:
         with self._mutex:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pymongo import errors as mongo_errors
@@ -55,6 +56,23 @@ if TYPE_CHECKING:
 
 
 log = logging.getLogger("saga.participant.mongo")
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class _DeferredIntent:
+    """A new step whose transaction document (with its creation intent) waits for the
+    batch's ``insert_many``; its write and record run after that (see *Batched intents*
+    in :mod:`participants._mongo`). ``locks``: the document lock, as often as the unit
+    held it, released once the write is done or given up."""
+
+    unit: _MongoUnit
+    view: _TxView
+    entry: LedgerEntry
+    staged: DocumentWrite
+    marker: str
+    fields: Document
+    doc: Document
+    locks: list[tuple[str, str, str]]
 
 
 class _MongoUnit(Unit[MongoSession]):
@@ -129,8 +147,18 @@ class _MongoUnit(Unit[MongoSession]):
         return (self.storage.lock_scope, target, _doc_id(target, key))
 
     def lock(self, target: str, key: Any) -> None:
+        """Lock the document for this unit. A document an intent of this storage's batch
+        holds (see *Batched intents* in :mod:`participants._mongo`), or a lock taken
+        elsewhere while such intents hold theirs, first has the batch's intents run:
+        no step reads a document before its pending write, and no unit waits while
+        holding the locks of intents it would have to run."""
         name = self._lock_name(target, key)
-        self._shared.locks.acquire(name)
+        locks = self._shared.locks
+        if not self.storage.intents_pending():
+            locks.acquire(name)
+        elif self.storage.intent_holds(name) or not locks.acquire(name, blocking=False):
+            self.storage.flush_intents()
+            locks.acquire(name)
         self._held.append(name)
 
     def holds(self, target: str, key: Any) -> bool:
@@ -147,6 +175,8 @@ class _MongoUnit(Unit[MongoSession]):
     # -- views of the ledger
 
     def _remembered(self, tx_id: str) -> _TxView | None:
+        if self.storage.intent_for(tx_id):
+            self.storage.flush_intents()  # its transaction document is not inserted yet
         key = (self.storage.name, tx_id)
         view = self._views.get(key)
         if view is None and not self.storage.transactional:
@@ -369,7 +399,16 @@ class _MongoUnit(Unit[MongoSession]):
                 self._register(view, entry, None, self._created(view, step, fields))
                 return
             marker = _new_marker(view.step_id(step), 1, staged)
-            self._register(view, entry, self._intent(staged, marker, fields), None)
+            intent = self._intent(staged, marker, fields)
+            if (
+                view.doc is None
+                and staged.kind != "delete"
+                and self.storage.defers_intents()
+                and self.holds(staged.target, staged.key)
+            ):
+                self._defer(view, entry, staged, marker, fields, self._tx_doc(view, entry, intent))
+                return
+            self._register(view, entry, intent, None)
             self._write_document(staged, marker, lambda: self._discard_creation(view, step, marker))
             self._finalise(view, entry, None, fields, staged, marker)
         else:
@@ -383,6 +422,40 @@ class _MongoUnit(Unit[MongoSession]):
             discard = {"$set": {"rev": rev + 2}, "$unset": {"pending": ""}}
             self._write_document(staged, marker, lambda: self._update_step(view, entry, discard))
             self._finalise(view, entry, rev + 1, fields, staged, marker)
+
+    def _defer(
+        self,
+        view: _TxView,
+        entry: LedgerEntry,
+        staged: DocumentWrite,
+        marker: str,
+        fields: Document,
+        doc: Document,
+    ) -> None:
+        """Leave the new transaction document ``doc`` (holding the intent) to the batch's
+        one ``insert_many``, and the write and its record to after it (see *Batched
+        intents* in :mod:`participants._mongo`). The document's lock goes with it."""
+        name = self._lock_name(staged.target, staged.key)
+        held = [n for n in self._held if n == name]
+        self._held = [n for n in self._held if n != name]
+        deferred = _DeferredIntent(self, view, entry, staged, marker, fields, doc, held)
+        self.storage.defer_intent(deferred)
+
+    def run_deferred(self, deferred: _DeferredIntent) -> None:
+        """The rest of :meth:`_write_through_intent` once ``deferred``'s transaction
+        document is inserted: the write, then its record (with the next batch of records)."""
+        view, entry, staged, marker = (
+            deferred.view,
+            deferred.entry,
+            deferred.staged,
+            deferred.marker,
+        )
+        view.doc = deferred.doc
+        view.speculative = False
+        self._keep(view)
+        step = entry.step
+        self._write_document(staged, marker, lambda: self._discard_creation(view, step, marker))
+        self._finalise(view, entry, None, deferred.fields, staged, marker)
 
     def _intent(self, staged: DocumentWrite, marker: str, fields: Document) -> Document:
         return {
@@ -407,17 +480,7 @@ class _MongoUnit(Unit[MongoSession]):
         step = entry.step
         session = self.transaction_session()
         if view.doc is None:
-            doc: Document = {
-                "_id": view.doc_id,
-                "participant": view.participant,
-                "tx_id": view.tx_id,
-                "rev": 1,
-                "steps": [step],
-            }
-            if entry.fingerprint is not None:
-                doc["fingerprint"] = entry.fingerprint
-            if intent is not None:
-                doc["pending"] = {_pending_key(step): intent}
+            doc = self._tx_doc(view, entry, intent)
             try:
                 self._txs.insert_one(doc, session=session)
             except mongo_errors.DuplicateKeyError as exc:
@@ -447,6 +510,21 @@ class _MongoUnit(Unit[MongoSession]):
                 self._insert_step(created, entry, session)
         if created is not None:
             view.steps[step] = created
+
+    def _tx_doc(self, view: _TxView, entry: LedgerEntry, intent: Document | None) -> Document:
+        """A new transaction document listing ``entry``'s step, with its creation ``intent``."""
+        doc: Document = {
+            "_id": view.doc_id,
+            "participant": view.participant,
+            "tx_id": view.tx_id,
+            "rev": 1,
+            "steps": [entry.step],
+        }
+        if entry.fingerprint is not None:
+            doc["fingerprint"] = entry.fingerprint
+        if intent is not None:
+            doc["pending"] = {_pending_key(entry.step): intent}
+        return doc
 
     def _insert_step(self, created: Document, entry: LedgerEntry, session: Any) -> None:
         try:

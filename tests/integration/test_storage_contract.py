@@ -1152,6 +1152,13 @@ INCREMENT_BOB = requested(
     "tx-1", "increment", {"target": "accounts", "key": 2, "field": "balance", "by": 10}
 )
 
+BATCH = [
+    requested("tx-1", "increment", {"target": "accounts", "key": 1, "field": "balance", "by": 1}),
+    requested("tx-2", "increment", {"target": "accounts", "key": 2, "field": "balance", "by": 2}),
+    requested("tx-3", "increment", {"target": "orders", "key": "o-1", "field": "qty", "by": 3}),
+]
+"""Three new steps on three documents: one batch of intents."""
+
 FILTER_OF = {"find": "filter", "findAndModify": "query", "update": "updates", "delete": "deletes"}
 
 
@@ -1231,7 +1238,8 @@ class TestMongo:
     def test_the_hot_path_addresses_documents_by_id_only(
         self, mongo: MongoHarness, monkeypatch: pytest.MonkeyPatch
     ) -> None:
-        """A new step: read, intent, write, its record batched; a decision: one update."""
+        """A new step: read, then its intent, write and record each batched; a decision:
+        one update."""
         storage, seen = counting_storage(mongo, monkeypatch)
 
         def bump(tx_id: str, target: str, key: Any, field: str) -> Any:
@@ -1247,10 +1255,11 @@ class TestMongo:
         assert [r.status for r in storage.execute(steps)] == [StepStatus.APPLIED] * 3
         assert seen == [
             ("find", "accounts", [2]),
-            ("insert", "saga_ledger_tx", ["bank:tx-1"]),
-            ("findAndModify", "accounts", [2]),
             ("find", "orders", ["o-1"]),
-            ("insert", "saga_ledger_tx", ["bank:tx-2"]),
+            # tx-3 reads accounts/2, which tx-1's pending write holds: the batch's
+            # transaction documents (with the intents) go in together, then their writes.
+            ("insert", "saga_ledger_tx", ["bank:tx-1", "bank:tx-2"]),
+            ("findAndModify", "accounts", [2]),
             ("findAndModify", "orders", ["o-1"]),
             ("find", "accounts", [2]),
             # accounts/2 carries tx-1's marker: the batch's records go in before it changes.
@@ -1290,7 +1299,7 @@ class TestMongo:
         self, mongo: MongoHarness
     ) -> None:
         """A change made between a step's read and its write makes the write miss (on
-        FerretDB: the write is undone at once), and the batch is retried."""
+        FerretDB: the write is undone at once), and the batch is run again."""
         meddled: list[int] = []
 
         def meddle(session: MongoSession, args: Mapping[str, Any]) -> Any:
@@ -1314,11 +1323,10 @@ class TestMongo:
 
         storage = mongo.make(handlers={"meddle": Handler(meddle, lambda *_: None)})
         step = requested("tx-1", "meddle", {})
-        with pytest.raises(TransientError, match="changed while a step was writing it"):
-            storage.execute([step])
-        assert mongo.raw("accounts", 2) == {"owner": "bob", "balance": 55, "credit": None}
-        assert storage.ledger("tx-1") == []
+        # The write of a batched intent misses: the document is put back, the intent
+        # discarded, and the batch runs again, this time reading the new balance.
         assert storage.execute([step]) == [report("tx-1", StepStatus.APPLIED)]
+        assert meddled == [1]
         assert mongo.raw("accounts", 2) == {"owner": "bob", "balance": 56, "credit": None}
         [entry] = storage.ledger("tx-1")
         assert entry.before == {"balance": 55}
@@ -1516,6 +1524,126 @@ class TestMongo:
             "qty": 14,
             "price": Decimal("9.99"),
         }
+
+    def test_a_batch_meeting_a_known_transaction_runs_again_and_refuses_the_late_request(
+        self, mongo: MongoHarness, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """The batch's transaction documents go in with one insert; one already there
+        (here: tx-2's rollback marker) is skipped, the others' writes run, and the batch
+        runs again, reading: tx-2's request is refused, the others are repeats."""
+        assert mongo.make().execute([rollback("tx-2")]) == []  # another worker, before
+        storage, seen = counting_storage(mongo, monkeypatch)
+        assert storage.execute(BATCH) == [
+            report("tx-1", StepStatus.APPLIED),
+            report("tx-2", StepStatus.COMPENSATED),
+            report("tx-3", StepStatus.APPLIED),
+        ]
+        intents = ("insert", "saga_ledger_tx", ["bank:tx-1", "bank:tx-2", "bank:tx-3"])
+        assert seen.count(intents) == 1
+        assert [c for c in seen if c[0] == "findAndModify" and c[1] in TARGETS] == [
+            ("findAndModify", "accounts", [1]),
+            ("findAndModify", "orders", ["o-1"]),
+        ]
+        assert (mongo.raw("accounts", 1) or {})["balance"] == 101
+        assert (mongo.raw("accounts", 2) or {})["balance"] == 50
+        assert (mongo.raw("orders", "o-1") or {})["qty"] == 4
+        assert {(e.tx_id, e.status, e.effect) for e in storage.ledger()} == {
+            ("tx-1", LedgerStatus.APPLIED, True),
+            ("tx-2", LedgerStatus.COMPENSATED, False),
+            ("tx-3", LedgerStatus.APPLIED, True),
+        }
+        assert mongo.make().execute(BATCH) == storage.execute(BATCH)  # repeats change nothing
+        assert (mongo.raw("orders", "o-1") or {})["qty"] == 4
+
+    def test_a_crash_after_the_batch_of_intents_before_any_write_applies_each_once(
+        self, mongo: MongoHarness, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """Every intent is in, no write ran: each is rolled back by its next reader (a
+        decision or the re-delivered request), and a rolled-back one refuses its request."""
+        crash_once(monkeypatch, DocumentWrite, "run")
+        with pytest.raises(Crash):
+            mongo.storage.execute(BATCH)
+        monkeypatch.undo()
+        for tx in ("tx-1", "tx-2", "tx-3"):
+            tx_doc = mongo.db["saga_ledger_tx"].find_one({"_id": f"bank:{tx}"})
+            assert tx_doc is not None and "s0" in tx_doc["pending"]
+        assert (mongo.raw("accounts", 1) or {})["balance"] == 100
+        restarted = mongo.make(intent_lease_ms=0, shared=SharedState())
+        assert restarted.execute([rollback("tx-1")]) == []  # its write never happened
+        assert restarted.execute(BATCH) == [
+            report("tx-1", StepStatus.COMPENSATED),
+            report("tx-2", StepStatus.APPLIED),
+            report("tx-3", StepStatus.APPLIED),
+        ]
+        assert (mongo.raw("accounts", 1) or {})["balance"] == 100
+        assert (mongo.raw("accounts", 2) or {})["balance"] == 52
+        assert (mongo.raw("orders", "o-1") or {})["qty"] == 4
+
+    def test_a_crash_between_the_writes_of_a_batch_rolls_each_forward_or_back(
+        self, mongo: MongoHarness, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """tx-1's write happened, tx-2's and tx-3's did not, and no step document was
+        inserted: a new process finishes tx-1 from its intent and applies the others once."""
+        calls: list[int] = []
+        run = DocumentWrite.run
+
+        def dies_second(self: DocumentWrite, *args: Any, **kwargs: Any) -> bool:
+            calls.append(1)
+            if len(calls) == 2:
+                raise Crash("the process dies before the batch's second write")
+            return run(self, *args, **kwargs)
+
+        def lost(*args: Any, **kwargs: Any) -> None:
+            raise Crash("the process is dead: no record goes in")
+
+        monkeypatch.setattr(DocumentWrite, "run", dies_second)
+        monkeypatch.setattr(SharedState, "insert_records", lost)
+        with pytest.raises(Crash):
+            mongo.storage.execute(BATCH)
+        monkeypatch.undo()
+        assert mongo.storage.ledger() == []
+        assert (mongo.raw("accounts", 1) or {})["balance"] == 101
+        assert (mongo.raw("accounts", 2) or {})["balance"] == 50
+        restarted = mongo.make(intent_lease_ms=0, shared=SharedState())
+        assert restarted.execute(BATCH) == [
+            report(tx, StepStatus.APPLIED) for tx in ("tx-1", "tx-2", "tx-3")
+        ]
+        assert (mongo.raw("accounts", 1) or {})["balance"] == 101
+        assert (mongo.raw("accounts", 2) or {})["balance"] == 52
+        assert (mongo.raw("orders", "o-1") or {})["qty"] == 4
+        befores = {e.tx_id: e.before for e in restarted.ledger()}
+        assert befores == {"tx-1": {"balance": 100}, "tx-2": {"balance": 50}, "tx-3": {"qty": 1}}
+        assert restarted.execute([rollback("tx-1")]) == [report("tx-1", StepStatus.COMPENSATED)]
+        assert (mongo.raw("accounts", 1) or {})["balance"] == 100
+
+    def test_a_partly_inserted_batch_of_intents_leaves_each_absent_or_recoverable(
+        self, mongo: MongoHarness, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """The insert of the batch's transaction documents dies after the first: tx-1's
+        intent is there (its write never ran), tx-2's and tx-3's are absent (not started)."""
+        insert_many = pymongo.collection.Collection.insert_many
+
+        def dies_after_one(self: Any, documents: Any, *args: Any, **kwargs: Any) -> Any:
+            if self.name == "saga_ledger_tx" and len(documents) > 1:
+                insert_many(self, documents[:1], *args, **kwargs)
+                raise Crash("the process dies inside the insert of the intents")
+            return insert_many(self, documents, *args, **kwargs)
+
+        monkeypatch.setattr(pymongo.collection.Collection, "insert_many", dies_after_one)
+        with pytest.raises(Crash):
+            mongo.storage.execute(BATCH)
+        monkeypatch.undo()
+        ids = [d["_id"] for d in mongo.db["saga_ledger_tx"].find({})]
+        assert ids == ["bank:tx-1"]
+        assert (mongo.raw("accounts", 1) or {})["balance"] == 100
+        restarted = mongo.make(intent_lease_ms=0, shared=SharedState())
+        assert restarted.execute(BATCH) == [
+            report(tx, StepStatus.APPLIED) for tx in ("tx-1", "tx-2", "tx-3")
+        ]
+        assert (mongo.raw("accounts", 1) or {})["balance"] == 101
+        assert (mongo.raw("accounts", 2) or {})["balance"] == 52
+        assert (mongo.raw("orders", "o-1") or {})["qty"] == 4
+        assert [e.status for e in restarted.ledger()] == [LedgerStatus.APPLIED] * 3
 
     def test_a_stale_memory_of_the_ledger_is_caught_by_the_compare_and_set(
         self, mongo: MongoHarness
