@@ -25,11 +25,13 @@ failed business check, 2 could not run (:class:`._spark.ReconcileError`).
 
 from __future__ import annotations
 
+import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import reduce
+from pathlib import Path
 from typing import Any
 
 from streams._codec import decode_as
@@ -144,7 +146,8 @@ def run(
         spark = start_spark(config, jars, offsets=sum(log.spans().values()))
     t_ready = time.monotonic()
     try:
-        return _audit_and_replay(spark, config, log, as_of, t0, t_ready, say)
+        with tempfile.TemporaryDirectory(prefix="saga-reconcile-") as scratch:
+            return _audit_and_replay(spark, config, log, as_of, t0, t_ready, say, Path(scratch))
     finally:
         if own and not submitted():
             spark.stop()
@@ -158,7 +161,10 @@ def _audit_and_replay(
     t0: float,
     t_ready: float,
     say: Progress,
+    scratch: Path,
 ) -> RunResult:
+    """The audit proper; ``scratch``: a folder for the ledger entries read here, which
+    lives as long as the frames that read it."""
     from pyspark import StorageLevel
     from pyspark.sql import functions as F
 
@@ -198,7 +204,7 @@ def _audit_and_replay(
     ledgers: Any = None
     if config.ledgers:
         with spark_boundary("reading the ledgers"):
-            read = [_sources.ledger_frame(spark, source) for source in config.ledgers]
+            read = [_sources.ledger_frame(spark, source, scratch) for source in config.ledgers]
             ledgers = reduce(lambda a, b: a.unionByName(b), [frame for frame, _ in read])
             counted = [counts for _, counts in read]
             if any(counts is None for counts in counted):

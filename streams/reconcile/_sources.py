@@ -9,11 +9,14 @@
 
 With a ``local`` master the executors are this process's JVM on this machine, so
 the ledgers (and the MongoDB and Redis tables) are read right here, in the driver,
-by the same readers (PostgreSQL's ledger with psycopg), and handed to Spark as
-local data in chunks of :data:`_CHUNK` rows: a Python task would first start a
-Python worker and import the store driver into it, which on the demo's log cost
-more than reading its three ledgers, and the entries are counted on the way (no
-Spark job just to count them).
+by the same readers (PostgreSQL's ledger with psycopg): a Python task would first
+start a Python worker and import the store driver into it, which on the demo's
+log cost more than reading its three ledgers, and the entries are counted on the
+way (no Spark job just to count them). The job's ledger entries go to Spark as a
+JSON-lines file in a scratch folder, which Spark reads itself (local data handed
+to ``createDataFrame`` would be re-pickled by a Python task, starting a Python
+worker after all); the tables are handed over as local data in chunks of
+:data:`_CHUNK` rows.
 
 Every ledger becomes rows of :data:`LEDGER_SCHEMA`, whatever its layout:
 
@@ -39,10 +42,13 @@ the functions that need them.
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from functools import partial, reduce
 from itertools import islice
+from pathlib import Path
 from typing import Any, Final
 from urllib.parse import unquote, urlsplit
 
@@ -55,6 +61,16 @@ LEDGER_SCHEMA: Final = (
     "source STRING, participant STRING, tx_id STRING, step INT, status STRING, "
     "effect BOOLEAN, updated_ms BIGINT, pending BOOLEAN"
 )
+_LEDGER_COLUMNS: Final = [
+    "source",
+    "participant",
+    "tx_id",
+    "step",
+    "status",
+    "effect",
+    "updated_ms",
+    "pending",
+]
 _SAMPLE: Final = 500
 _TIMEOUT_S: Final = 10
 _CHUNK: Final = 100_000
@@ -319,8 +335,28 @@ def reads_here(spark: Any) -> bool:
     return str(spark.sparkContext.master or "").startswith("local")
 
 
-def _local_frame(spark: Any, rows: Iterable[tuple[Any, ...]], schema: str) -> Any:
-    """A DataFrame of ``rows``, read here, handed to Spark :data:`_CHUNK` rows at a time."""
+def _local_frame(
+    spark: Any,
+    rows: Iterable[tuple[Any, ...]],
+    schema: str,
+    names: list[str],
+    scratch: Path | None = None,
+) -> Any:
+    """A DataFrame of ``rows`` (a value per column of ``schema``, named ``names``), read here.
+
+    With a ``scratch`` folder the rows are written there as one JSON-lines file that
+    Spark reads itself: a local list handed to ``createDataFrame`` is re-pickled by a
+    Python task, and starting the Python worker for it cost more on the demo's log
+    than the three ledgers' rows. Without one they are handed over :data:`_CHUNK` at
+    a time. Either way this process holds at most a chunk of them.
+    """
+    if scratch is not None:
+        handle, name = tempfile.mkstemp(suffix=".jsonl", dir=scratch)
+        with os.fdopen(handle, "w", encoding="utf-8") as out:
+            for row in rows:
+                out.write(json.dumps(dict(zip(names, row, strict=True))))
+                out.write("\n")
+        return spark.read.schema(schema).option("mode", "FAILFAST").json(name)
     frames = []
     it = iter(rows)
     while True:
@@ -331,19 +367,26 @@ def _local_frame(spark: Any, rows: Iterable[tuple[Any, ...]], schema: str) -> An
     return reduce(lambda a, b: a.unionByName(b), frames)
 
 
-def _python_frame(spark: Any, rows: Any, schema: str) -> Any:
+def _python_frame(
+    spark: Any, rows: Any, schema: str, names: list[str], scratch: Path | None = None
+) -> Any:
     """A DataFrame of what ``rows()`` yields: read by a Spark task (one partition), or
-    here with a ``local`` master (:func:`reads_here`)."""
+    here with a ``local`` master (:func:`reads_here`; see :func:`_local_frame`)."""
     if reads_here(spark):
-        return _local_frame(spark, rows(), schema)
+        return _local_frame(spark, rows(), schema, names, scratch)
     return spark.createDataFrame(
         spark.sparkContext.parallelize([0], 1).flatMap(lambda _: rows()), schema
     )
 
 
-def ledger_frame(spark: Any, source: LedgerSource) -> tuple[Any, Counter[str] | None]:
+def ledger_frame(
+    spark: Any, source: LedgerSource, scratch: Path | None = None
+) -> tuple[Any, Counter[str] | None]:
     """The step entries of one ledger as rows of :data:`LEDGER_SCHEMA`, and the entries
-    per participant when they were read here (:func:`reads_here`), else None."""
+    per participant when they were read here (:func:`reads_here`), else None.
+
+    ``scratch``: a folder where entries read here are written for Spark to read
+    (:func:`_local_frame`); it must outlive every use of the frame."""
     store = source.store
     label = source.label
     if reads_here(spark):
@@ -364,7 +407,7 @@ def ledger_frame(spark: Any, source: LedgerSource) -> tuple[Any, Counter[str] | 
             rows = _mongo_ledger_rows(store.url, _mongo_database(store), collection, label)
         else:
             rows = _redis_ledger_rows(store.url, store.option("prefix", "saga"), label)
-        return _local_frame(spark, counted(rows), LEDGER_SCHEMA), counts
+        return _local_frame(spark, counted(rows), LEDGER_SCHEMA, _LEDGER_COLUMNS, scratch), counts
     if store.kind == "sql":
         from pyspark.sql import functions as F
 
@@ -387,10 +430,10 @@ def ledger_frame(spark: Any, source: LedgerSource) -> tuple[Any, Counter[str] | 
             store.option("collection", "saga_ledger"),
             label,
         )
-        frame = _python_frame(spark, reader, LEDGER_SCHEMA)
+        frame = _python_frame(spark, reader, LEDGER_SCHEMA, _LEDGER_COLUMNS)
     else:
         reader = partial(_redis_ledger_rows, store.url, store.option("prefix", "saga"), label)
-        frame = _python_frame(spark, reader, LEDGER_SCHEMA)
+        frame = _python_frame(spark, reader, LEDGER_SCHEMA, _LEDGER_COLUMNS)
     if source.participants is not None:
         frame = frame.where(frame.participant.isin(list(source.participants)))
     return frame, None
@@ -412,11 +455,12 @@ def table_frame(spark: Any, table: TableSource) -> Any:
         columns = _mongo_columns(store, collection)
         schema = ", ".join(f"`{name}` {kind}" for name, kind in columns)
         reader = partial(_mongo_table_rows, store.url, _mongo_database(store), collection, columns)
-        return _python_frame(spark, reader, schema)
+        return _python_frame(spark, reader, schema, [name for name, _ in columns])
     prefix = f"{store.option('prefix', 'saga')}:{store.option('target', table.name)}:"
     fields = _redis_fields(store.url, prefix)
     schema = ", ".join(["key STRING", *(f"`{f}` STRING" for f in fields)])
-    return _python_frame(spark, partial(_redis_table_rows, store.url, prefix, fields), schema)
+    reader = partial(_redis_table_rows, store.url, prefix, fields)
+    return _python_frame(spark, reader, schema, ["key", *fields])
 
 
 # ---------------------------------------------------------------- reachability
