@@ -29,6 +29,7 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import reduce
 from pathlib import Path
@@ -141,16 +142,28 @@ def run(
         ) from None
 
     own = spark is None
-    if own:
-        say("starting Spark")
-        spark = start_spark(config, jars, offsets=sum(log.spans().values()))
-    t_ready = time.monotonic()
-    try:
-        with tempfile.TemporaryDirectory(prefix="saga-reconcile-") as scratch:
-            return _audit_and_replay(spark, config, log, as_of, t0, t_ready, say, Path(scratch))
-    finally:
-        if own and not submitted():
-            spark.stop()
+    # A local driver reads the ledgers itself: here, while the JVM starts (the log's
+    # snapshot is already fixed, so the ledgers are still read after it).
+    early = own and not submitted() and (config.master or "local[*]").startswith("local")
+    with (
+        tempfile.TemporaryDirectory(prefix="saga-reconcile-") as folder,
+        ThreadPoolExecutor(max_workers=max(1, len(config.ledgers))) as pool,
+    ):
+        scratch = Path(folder)
+        reading = (
+            [pool.submit(_sources.read_ledger, source, scratch) for source in config.ledgers]
+            if early
+            else None
+        )
+        if own:
+            say("starting Spark")
+            spark = start_spark(config, jars, offsets=sum(log.spans().values()))
+        t_ready = time.monotonic()
+        try:
+            return _audit_and_replay(spark, config, log, as_of, t0, t_ready, say, scratch, reading)
+        finally:
+            if own and not submitted():
+                spark.stop()
 
 
 def _audit_and_replay(
@@ -162,9 +175,11 @@ def _audit_and_replay(
     t_ready: float,
     say: Progress,
     scratch: Path,
+    reading: list[Future[_sources.LedgerFile]] | None,
 ) -> RunResult:
-    """The audit proper; ``scratch``: a folder for the ledger entries read here, which
-    lives as long as the frames that read it."""
+    """The audit proper. ``scratch``: a folder for the ledger entries read here, which
+    lives as long as the frames that read it; ``reading``: the ledgers being read
+    (one per ``config.ledgers``), or None to read them here now."""
     from pyspark import StorageLevel
     from pyspark.sql import functions as F
 
@@ -204,7 +219,11 @@ def _audit_and_replay(
     ledgers: Any = None
     if config.ledgers:
         with spark_boundary("reading the ledgers"):
-            read = [_sources.ledger_frame(spark, source, scratch) for source in config.ledgers]
+            done = [f.result() for f in reading] if reading is not None else None
+            read = [
+                _sources.ledger_frame(spark, source, scratch, done[i] if done else None)
+                for i, source in enumerate(config.ledgers)
+            ]
             ledgers = reduce(lambda a, b: a.unionByName(b), [frame for frame, _ in read])
             counted = [counts for _, counts in read]
             if any(counts is None for counts in counted):

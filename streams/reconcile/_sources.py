@@ -46,6 +46,7 @@ import os
 import tempfile
 from collections import Counter
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from functools import partial, reduce
 from itertools import islice
 from pathlib import Path
@@ -55,7 +56,15 @@ from urllib.parse import unquote, urlsplit
 from ._config import LedgerSource, StoreSpec, TableSource
 from ._spark import ReconcileError
 
-__all__ = ["LEDGER_SCHEMA", "ledger_frame", "ping", "reads_here", "table_frame"]
+__all__ = [
+    "LEDGER_SCHEMA",
+    "LedgerFile",
+    "ledger_frame",
+    "ping",
+    "read_ledger",
+    "reads_here",
+    "table_frame",
+]
 
 LEDGER_SCHEMA: Final = (
     "source STRING, participant STRING, tx_id STRING, step INT, status STRING, "
@@ -335,28 +344,8 @@ def reads_here(spark: Any) -> bool:
     return str(spark.sparkContext.master or "").startswith("local")
 
 
-def _local_frame(
-    spark: Any,
-    rows: Iterable[tuple[Any, ...]],
-    schema: str,
-    names: list[str],
-    scratch: Path | None = None,
-) -> Any:
-    """A DataFrame of ``rows`` (a value per column of ``schema``, named ``names``), read here.
-
-    With a ``scratch`` folder the rows are written there as one JSON-lines file that
-    Spark reads itself: a local list handed to ``createDataFrame`` is re-pickled by a
-    Python task, and starting the Python worker for it cost more on the demo's log
-    than the three ledgers' rows. Without one they are handed over :data:`_CHUNK` at
-    a time. Either way this process holds at most a chunk of them.
-    """
-    if scratch is not None:
-        handle, name = tempfile.mkstemp(suffix=".jsonl", dir=scratch)
-        with os.fdopen(handle, "w", encoding="utf-8") as out:
-            for row in rows:
-                out.write(json.dumps(dict(zip(names, row, strict=True))))
-                out.write("\n")
-        return spark.read.schema(schema).option("mode", "FAILFAST").json(name)
+def _local_frame(spark: Any, rows: Iterable[tuple[Any, ...]], schema: str) -> Any:
+    """A DataFrame of ``rows``, read here, handed to Spark :data:`_CHUNK` rows at a time."""
     frames = []
     it = iter(rows)
     while True:
@@ -367,47 +356,83 @@ def _local_frame(
     return reduce(lambda a, b: a.unionByName(b), frames)
 
 
-def _python_frame(
-    spark: Any, rows: Any, schema: str, names: list[str], scratch: Path | None = None
-) -> Any:
+def _python_frame(spark: Any, rows: Any, schema: str) -> Any:
     """A DataFrame of what ``rows()`` yields: read by a Spark task (one partition), or
-    here with a ``local`` master (:func:`reads_here`; see :func:`_local_frame`)."""
+    here with a ``local`` master (:func:`reads_here`)."""
     if reads_here(spark):
-        return _local_frame(spark, rows(), schema, names, scratch)
+        return _local_frame(spark, rows(), schema)
     return spark.createDataFrame(
         spark.sparkContext.parallelize([0], 1).flatMap(lambda _: rows()), schema
     )
 
 
+@dataclass(frozen=True)
+class LedgerFile:
+    """One ledger read here (:func:`read_ledger`): its entries' JSON-lines file and the
+    entries per participant."""
+
+    path: str
+    counts: Counter[str]
+
+
+def _rows_here(source: LedgerSource, counts: Counter[str]) -> Iterator[tuple[Any, ...]]:
+    """A ledger's step entries read here (of its ``participants`` when given), counted
+    per participant into ``counts``."""
+    store = source.store
+    label = source.label
+    wanted = set(source.participants) if source.participants is not None else None
+    if store.kind == "sql":
+        name = _qualified(store.options.get("schema"), store.option("table", "saga_ledger"))
+        rows = _sql_ledger_rows(store.url, name, label)
+    elif store.kind == "mongo":
+        collection = store.option("collection", "saga_ledger")
+        rows = _mongo_ledger_rows(store.url, _mongo_database(store), collection, label)
+    else:
+        rows = _redis_ledger_rows(store.url, store.option("prefix", "saga"), label)
+    for row in rows:
+        if wanted is None or row[1] in wanted:
+            counts[row[1]] += 1
+            yield row
+
+
+def read_ledger(source: LedgerSource, scratch: Path) -> LedgerFile:
+    """Read a ledger's step entries here (no Spark: it may still be starting) into a
+    JSON-lines file in the folder ``scratch``, counting them per participant.
+
+    Spark reads the file itself (:func:`ledger_frame`): the same rows handed to
+    ``createDataFrame`` as a local list would be re-pickled by a Python task, which
+    starts a Python worker (on the demo's log that cost more than the three
+    ledgers' rows). This process holds one row at a time.
+    """
+    counts: Counter[str] = Counter()
+    handle, path = tempfile.mkstemp(suffix=".jsonl", dir=scratch)
+    with os.fdopen(handle, "w", encoding="utf-8") as out:
+        for row in _rows_here(source, counts):
+            out.write(json.dumps(dict(zip(_LEDGER_COLUMNS, row, strict=True))))
+            out.write("\n")
+    return LedgerFile(path, counts)
+
+
 def ledger_frame(
-    spark: Any, source: LedgerSource, scratch: Path | None = None
+    spark: Any, source: LedgerSource, scratch: Path | None = None, read: LedgerFile | None = None
 ) -> tuple[Any, Counter[str] | None]:
     """The step entries of one ledger as rows of :data:`LEDGER_SCHEMA`, and the entries
     per participant when they were read here (:func:`reads_here`), else None.
 
-    ``scratch``: a folder where entries read here are written for Spark to read
-    (:func:`_local_frame`); it must outlive every use of the frame."""
+    ``read``: the ledger already read here (:func:`read_ledger`); else, when it is to be
+    read here, it is read now into ``scratch`` (a temporary folder of the caller's,
+    which must outlive every use of the frame), or without one handed over as local
+    data (:func:`_local_frame`)."""
     store = source.store
     label = source.label
-    if reads_here(spark):
-        counts: Counter[str] = Counter()
-        wanted = set(source.participants) if source.participants is not None else None
-
-        def counted(rows: Iterable[tuple[Any, ...]]) -> Iterator[tuple[Any, ...]]:
-            for row in rows:
-                if wanted is None or row[1] in wanted:
-                    counts[row[1]] += 1
-                    yield row
-
-        if store.kind == "sql":
-            name = _qualified(store.options.get("schema"), store.option("table", "saga_ledger"))
-            rows = _sql_ledger_rows(store.url, name, label)
-        elif store.kind == "mongo":
-            collection = store.option("collection", "saga_ledger")
-            rows = _mongo_ledger_rows(store.url, _mongo_database(store), collection, label)
-        else:
-            rows = _redis_ledger_rows(store.url, store.option("prefix", "saga"), label)
-        return _local_frame(spark, counted(rows), LEDGER_SCHEMA, _LEDGER_COLUMNS, scratch), counts
+    if read is None and reads_here(spark):
+        if scratch is None:
+            counts: Counter[str] = Counter()
+            return _local_frame(spark, _rows_here(source, counts), LEDGER_SCHEMA), counts
+        read = read_ledger(source, scratch)
+    if read is not None:
+        frame = spark.read.schema(LEDGER_SCHEMA).option("mode", "FAILFAST").json(read.path)
+        return frame, read.counts
     if store.kind == "sql":
         from pyspark.sql import functions as F
 
@@ -430,10 +455,10 @@ def ledger_frame(
             store.option("collection", "saga_ledger"),
             label,
         )
-        frame = _python_frame(spark, reader, LEDGER_SCHEMA, _LEDGER_COLUMNS)
+        frame = _python_frame(spark, reader, LEDGER_SCHEMA)
     else:
         reader = partial(_redis_ledger_rows, store.url, store.option("prefix", "saga"), label)
-        frame = _python_frame(spark, reader, LEDGER_SCHEMA, _LEDGER_COLUMNS)
+        frame = _python_frame(spark, reader, LEDGER_SCHEMA)
     if source.participants is not None:
         frame = frame.where(frame.participant.isin(list(source.participants)))
     return frame, None
@@ -455,12 +480,11 @@ def table_frame(spark: Any, table: TableSource) -> Any:
         columns = _mongo_columns(store, collection)
         schema = ", ".join(f"`{name}` {kind}" for name, kind in columns)
         reader = partial(_mongo_table_rows, store.url, _mongo_database(store), collection, columns)
-        return _python_frame(spark, reader, schema, [name for name, _ in columns])
+        return _python_frame(spark, reader, schema)
     prefix = f"{store.option('prefix', 'saga')}:{store.option('target', table.name)}:"
     fields = _redis_fields(store.url, prefix)
     schema = ", ".join(["key STRING", *(f"`{f}` STRING" for f in fields)])
-    reader = partial(_redis_table_rows, store.url, prefix, fields)
-    return _python_frame(spark, reader, schema, ["key", *fields])
+    return _python_frame(spark, partial(_redis_table_rows, store.url, prefix, fields), schema)
 
 
 # ---------------------------------------------------------------- reachability
