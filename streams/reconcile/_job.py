@@ -25,11 +25,14 @@ failed business check, 2 could not run (:class:`._spark.ReconcileError`).
 
 from __future__ import annotations
 
+import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import reduce
+from pathlib import Path
 from typing import Any
 
 from streams._codec import decode_as
@@ -37,6 +40,7 @@ from streams._errors import InvalidRecord
 from streams._records import SagaRequest
 
 from . import _audit, _dlq, _replay, _signatures, _sources
+from ._checks import run_checks
 from ._config import ReconcileConfig
 from ._operators import collect_actions
 from ._spark import (
@@ -139,15 +143,24 @@ def run(
         ) from None
 
     own = spark is None
-    if own:
-        say("starting Spark")
-        spark = start_spark(config, jars, offsets=sum(log.spans().values()))
-    t_ready = time.monotonic()
-    try:
-        return _audit_and_replay(spark, config, log, as_of, t0, t_ready, say)
-    finally:
-        if own and not submitted():
-            spark.stop()
+    # A local driver reads the ledgers itself, while the JVM starts (after the snapshot).
+    early = own and not submitted() and (config.master or "local[*]").startswith("local")
+    with (
+        tempfile.TemporaryDirectory(prefix="saga-reconcile-") as folder,
+        ThreadPoolExecutor(max_workers=max(1, len(config.ledgers))) as pool,
+    ):
+        scratch = Path(folder)
+        sources = config.ledgers if early else ()
+        reading = [pool.submit(_sources.read_ledger, source, scratch) for source in sources]
+        if own:
+            say("starting Spark")
+            spark = start_spark(config, jars, offsets=sum(log.spans().values()))
+        t_ready = time.monotonic()
+        try:
+            return _audit_and_replay(spark, config, log, as_of, t0, t_ready, say, scratch, reading)
+        finally:
+            if own and not submitted():
+                spark.stop()
 
 
 def _audit_and_replay(
@@ -158,7 +171,11 @@ def _audit_and_replay(
     t0: float,
     t_ready: float,
     say: Progress,
+    scratch: Path,
+    reading: list[Future[_sources.LedgerFile]],
 ) -> RunResult:
+    """The audit. ``scratch``: a folder for the ledger entries read here (it outlives the
+    frames); ``reading``: the ledgers being read (none: read them here now)."""
     from pyspark import StorageLevel
     from pyspark.sql import functions as F
 
@@ -198,7 +215,12 @@ def _audit_and_replay(
     ledgers: Any = None
     if config.ledgers:
         with spark_boundary("reading the ledgers"):
-            read = [_sources.ledger_frame(spark, source) for source in config.ledgers]
+            done: list[_sources.LedgerFile | None] = [f.result() for f in reading]
+            done = done or [None] * len(config.ledgers)
+            read = [
+                _sources.ledger_frame(spark, source, scratch, file)
+                for source, file in zip(config.ledgers, done, strict=True)
+            ]
             ledgers = reduce(lambda a, b: a.unionByName(b), [frame for frame, _ in read])
             counted = [counts for _, counts in read]
             if any(counts is None for counts in counted):
@@ -350,7 +372,7 @@ def _finish(
         )
     t_audit = time.monotonic()
 
-    checks = _run_checks(spark, config)
+    checks = run_checks(spark, config)
     t_checks = time.monotonic()
 
     resends = _replay.plan_resends(
@@ -538,53 +560,3 @@ def _facts(
             first_request_offset=int(r["off"]) if r["off"] is not None else None,
         )
     return facts
-
-
-def _run_checks(spark: Any, config: ReconcileConfig) -> list[dict[str, Any]]:
-    """Register the tables as views, run each business check, report its verdict."""
-    if not config.checks:
-        return []
-    with spark_boundary("reading the tables for the business checks"):
-        for table in config.tables:
-            _sources.table_frame(spark, table).createOrReplaceTempView(table.name)
-    results: list[dict[str, Any]] = []
-    for check in config.checks:
-        try:
-            with spark_boundary(f"check {check.name}"):
-                frame = spark.sql(check.sql)
-                rows = [r.asDict(recursive=True) for r in frame.limit(21).collect()]
-        except ReconcileError as exc:
-            results.append(
-                {
-                    "name": check.name,
-                    "sql": check.sql,
-                    "holds": False,
-                    "rows": [],
-                    "error": str(exc),
-                }
-            )
-            continue
-        if "ok" in frame.columns:
-            holds = bool(rows) and all(r.get("ok") is True for r in rows)
-        else:
-            holds = not rows
-        results.append(
-            {
-                "name": check.name,
-                "sql": check.sql,
-                "holds": holds,
-                "rows": [{k: _plain(v) for k, v in r.items()} for r in rows[:20]],
-                "error": None,
-            }
-        )
-    return results
-
-
-def _plain(value: Any) -> Any:
-    if value is None or isinstance(value, bool | int | float | str):
-        return value
-    if isinstance(value, list):
-        return [_plain(v) for v in value]
-    if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
-    return str(value)

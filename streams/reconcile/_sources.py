@@ -9,11 +9,14 @@
 
 With a ``local`` master the executors are this process's JVM on this machine, so
 the ledgers (and the MongoDB and Redis tables) are read right here, in the driver,
-by the same readers (PostgreSQL's ledger with psycopg), and handed to Spark as
-local data in chunks of :data:`_CHUNK` rows: a Python task would first start a
-Python worker and import the store driver into it, which on the demo's log cost
-more than reading its three ledgers, and the entries are counted on the way (no
-Spark job just to count them).
+by the same readers (PostgreSQL's ledger with psycopg): a Python task would first
+start a Python worker and import the store driver into it, which on the demo's
+log cost more than reading its three ledgers, and the entries are counted on the
+way (no Spark job just to count them). The job's ledger entries go to Spark as a
+JSON-lines file in a scratch folder, which Spark reads itself (local data handed
+to ``createDataFrame`` would be re-pickled by a Python task, starting a Python
+worker after all); the tables are handed over as local data in chunks of
+:data:`_CHUNK` rows.
 
 Every ledger becomes rows of :data:`LEDGER_SCHEMA`, whatever its layout:
 
@@ -39,22 +42,44 @@ the functions that need them.
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 from collections import Counter
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from functools import partial, reduce
 from itertools import islice
+from pathlib import Path
 from typing import Any, Final
 from urllib.parse import unquote, urlsplit
 
 from ._config import LedgerSource, StoreSpec, TableSource
 from ._spark import ReconcileError
 
-__all__ = ["LEDGER_SCHEMA", "ledger_frame", "ping", "reads_here", "table_frame"]
+__all__ = [
+    "LEDGER_SCHEMA",
+    "LedgerFile",
+    "ledger_frame",
+    "ping",
+    "read_ledger",
+    "reads_here",
+    "table_frame",
+]
 
 LEDGER_SCHEMA: Final = (
     "source STRING, participant STRING, tx_id STRING, step INT, status STRING, "
     "effect BOOLEAN, updated_ms BIGINT, pending BOOLEAN"
 )
+_LEDGER_COLUMNS: Final = [
+    "source",
+    "participant",
+    "tx_id",
+    "step",
+    "status",
+    "effect",
+    "updated_ms",
+    "pending",
+]
 _SAMPLE: Final = 500
 _TIMEOUT_S: Final = 10
 _CHUNK: Final = 100_000
@@ -341,30 +366,73 @@ def _python_frame(spark: Any, rows: Any, schema: str) -> Any:
     )
 
 
-def ledger_frame(spark: Any, source: LedgerSource) -> tuple[Any, Counter[str] | None]:
-    """The step entries of one ledger as rows of :data:`LEDGER_SCHEMA`, and the entries
-    per participant when they were read here (:func:`reads_here`), else None."""
+@dataclass(frozen=True)
+class LedgerFile:
+    """One ledger read here (:func:`read_ledger`): its entries' JSON-lines file and the
+    entries per participant."""
+
+    path: str
+    counts: Counter[str]
+
+
+def _rows_here(source: LedgerSource, counts: Counter[str]) -> Iterator[tuple[Any, ...]]:
+    """A ledger's step entries read here (of its ``participants`` when given), counted
+    per participant into ``counts``."""
     store = source.store
     label = source.label
-    if reads_here(spark):
-        counts: Counter[str] = Counter()
-        wanted = set(source.participants) if source.participants is not None else None
+    wanted = set(source.participants) if source.participants is not None else None
+    if store.kind == "sql":
+        name = _qualified(store.options.get("schema"), store.option("table", "saga_ledger"))
+        rows = _sql_ledger_rows(store.url, name, label)
+    elif store.kind == "mongo":
+        collection = store.option("collection", "saga_ledger")
+        rows = _mongo_ledger_rows(store.url, _mongo_database(store), collection, label)
+    else:
+        rows = _redis_ledger_rows(store.url, store.option("prefix", "saga"), label)
+    for row in rows:
+        if wanted is None or row[1] in wanted:
+            counts[row[1]] += 1
+            yield row
 
-        def counted(rows: Iterable[tuple[Any, ...]]) -> Iterator[tuple[Any, ...]]:
-            for row in rows:
-                if wanted is None or row[1] in wanted:
-                    counts[row[1]] += 1
-                    yield row
 
-        if store.kind == "sql":
-            name = _qualified(store.options.get("schema"), store.option("table", "saga_ledger"))
-            rows = _sql_ledger_rows(store.url, name, label)
-        elif store.kind == "mongo":
-            collection = store.option("collection", "saga_ledger")
-            rows = _mongo_ledger_rows(store.url, _mongo_database(store), collection, label)
-        else:
-            rows = _redis_ledger_rows(store.url, store.option("prefix", "saga"), label)
-        return _local_frame(spark, counted(rows), LEDGER_SCHEMA), counts
+def read_ledger(source: LedgerSource, scratch: Path) -> LedgerFile:
+    """Read a ledger's step entries here (no Spark: it may still be starting) into a
+    JSON-lines file in the folder ``scratch``, counting them per participant.
+
+    Spark reads the file itself (:func:`ledger_frame`): the same rows handed to
+    ``createDataFrame`` as a local list would be re-pickled by a Python task, which
+    starts a Python worker (on the demo's log that cost more than the three
+    ledgers' rows). This process holds one row at a time.
+    """
+    counts: Counter[str] = Counter()
+    handle, path = tempfile.mkstemp(suffix=".jsonl", dir=scratch)
+    with os.fdopen(handle, "w", encoding="utf-8") as out:
+        for row in _rows_here(source, counts):
+            out.write(json.dumps(dict(zip(_LEDGER_COLUMNS, row, strict=True))))
+            out.write("\n")
+    return LedgerFile(path, counts)
+
+
+def ledger_frame(
+    spark: Any, source: LedgerSource, scratch: Path | None = None, read: LedgerFile | None = None
+) -> tuple[Any, Counter[str] | None]:
+    """The step entries of one ledger as rows of :data:`LEDGER_SCHEMA`, and the entries
+    per participant when they were read here (:func:`reads_here`), else None.
+
+    ``read``: the ledger already read here (:func:`read_ledger`); else, when it is to be
+    read here, it is read now into ``scratch`` (a temporary folder of the caller's,
+    which must outlive every use of the frame), or without one handed over as local
+    data (:func:`_local_frame`)."""
+    store = source.store
+    label = source.label
+    if read is None and reads_here(spark):
+        if scratch is None:
+            counts: Counter[str] = Counter()
+            return _local_frame(spark, _rows_here(source, counts), LEDGER_SCHEMA), counts
+        read = read_ledger(source, scratch)
+    if read is not None:
+        frame = spark.read.schema(LEDGER_SCHEMA).option("mode", "FAILFAST").json(read.path)
+        return frame, read.counts
     if store.kind == "sql":
         from pyspark.sql import functions as F
 
