@@ -44,22 +44,21 @@ class _DocumentLocks:
             self._locks[name] = (lock, users + 1)
         if lock.acquire(blocking=blocking):
             return True
-        with self._mutex:
-            lock, users = self._locks[name]
-            if users == 1:
-                del self._locks[name]
-            else:
-                self._locks[name] = (lock, users - 1)
+        self._leave(name)
         return False
 
     def release(self, name: tuple[str, str, str]) -> None:
+        self._leave(name).release()
+
+    def _leave(self, name: tuple[str, str, str]) -> threading.RLock:
+        """One user fewer of ``name``'s lock (forgotten with its last user); the lock."""
         with self._mutex:
             lock, users = self._locks[name]
             if users == 1:
                 del self._locks[name]
             else:
                 self._locks[name] = (lock, users - 1)
-        lock.release()
+        return lock
 
 
 class _Lru(Generic[_K, _V]):

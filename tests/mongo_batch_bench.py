@@ -16,7 +16,6 @@ pass/fail test.
 
 from __future__ import annotations
 
-import argparse
 import os
 import random
 import time
@@ -29,24 +28,13 @@ from participants._barrier import Requested
 from participants._mongo import MongoStorage
 from participants._storage import WorkItem
 from streams import Mode
+from tests.sql_batch_bench import backend_cpu, batch_args
 
 URL = os.environ.get("SAGA_MONGO_URL", "mongodb://127.0.0.1:27027/")
-TICK = os.sysconf("SC_CLK_TCK")
-
-
-def server_cpu(pid: int) -> float:
-    """Seconds of CPU the process ``pid`` has used (user + system)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--batches", type=int, default=10)
-    parser.add_argument("--size", type=int, default=300)
-    parser.add_argument("--accounts", type=int, default=10_000)
-    args = parser.parse_args()
+    args = batch_args(__doc__.splitlines()[0], 300)
     infra = Path(os.environ.get("SAGA_INFRA_DIR", ".infra"))
     pid = int((infra / "pids" / "mongo.pid").read_text())
     database = f"b_{uuid.uuid4().hex[:12]}"
@@ -69,13 +57,13 @@ def main() -> None:
                         Requested(f"r{n}-{b}-{i}", 1, "increment", step, Mode.PARALLEL, 3, 2**62, 0)
                     )
                 batches.append(batch)
-            wall, cpu, server = time.perf_counter(), time.process_time(), server_cpu(pid)
+            wall, cpu, server = time.perf_counter(), time.process_time(), backend_cpu(pid)
             for batch in batches:
                 storage.execute(batch)
             steps = sum(len(batch) for batch in batches)
             wall = time.perf_counter() - wall
             cpu = time.process_time() - cpu
-            server = server_cpu(pid) - server
+            server = backend_cpu(pid) - server
             print(
                 f"round {n} {steps / wall:8.0f} steps/s  "
                 f"participant {1000 * cpu / steps:.3f} ms/step  "

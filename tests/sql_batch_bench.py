@@ -41,13 +41,18 @@ def backend_cpu(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / TICK
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def batch_args(description: str, size: int) -> argparse.Namespace:
+    """The command line of a storage-alone bench (this one's and its siblings')."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--batches", type=int, default=10)
-    parser.add_argument("--size", type=int, default=500)
+    parser.add_argument("--size", type=int, default=size)
     parser.add_argument("--accounts", type=int, default=10_000)
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = batch_args(__doc__.splitlines()[0], 500)
     engine = sa.create_engine(URL.replace("postgresql://", "postgresql+psycopg://", 1))
     schema = f"b_{uuid.uuid4().hex[:12]}"
     table = sa.Table(
