@@ -9,9 +9,9 @@ import sys
 import pytest
 from click.testing import CliRunner
 
-from streams import ConfigurationError
+from streams import ConfigurationError, KafkaSettings
 from streams.reconcile import ReconcileConfig, parse_ledger, parse_table
-from streams.reconcile._spark import executor_python, on_loopback
+from streams.reconcile._spark import executor_python, kafka_options, on_loopback
 from streams.reconcile.cli import reconcile
 
 pytestmark = pytest.mark.unit
@@ -105,3 +105,14 @@ def test_the_command_takes_the_master_from_the_environment(
     assert done.output.strip() == "saga reconcile: master=spark://10.1.2.3:7077 memory=3g"
     done = runner.invoke(reconcile, [*args, "--master", "local[2]"])
     assert done.output.strip() == "saga reconcile: master=local[2] memory=3g"
+
+
+def test_the_kafka_source_does_not_wait_long_on_an_empty_fetch_unless_told_to() -> None:
+    """Each task's last fetch (transaction markers only) waits fetch.max.wait.ms."""
+    plain = kafka_options(KafkaSettings(bootstrap="k:9092", prefix="p"))
+    assert plain["kafka.isolation.level"] == "read_committed"
+    assert int(plain["kafka.fetch.max.wait.ms"]) <= 50
+    told = kafka_options(
+        KafkaSettings(bootstrap="k:9092", prefix="p", extra={"fetch.max.wait.ms": "200"})
+    )
+    assert told["kafka.fetch.max.wait.ms"] == "200"
