@@ -1604,13 +1604,7 @@ class TestMongo:
         assert mongo.storage.ledger() == []
         assert (mongo.raw("accounts", 1) or {})["balance"] == 101
         assert (mongo.raw("accounts", 2) or {})["balance"] == 50
-        restarted = mongo.make(intent_lease_ms=0, shared=SharedState())
-        assert restarted.execute(BATCH) == [
-            report(tx, StepStatus.APPLIED) for tx in ("tx-1", "tx-2", "tx-3")
-        ]
-        assert (mongo.raw("accounts", 1) or {})["balance"] == 101
-        assert (mongo.raw("accounts", 2) or {})["balance"] == 52
-        assert (mongo.raw("orders", "o-1") or {})["qty"] == 4
+        restarted = _restart_and_apply_batch(mongo)
         befores = {e.tx_id: e.before for e in restarted.ledger()}
         assert befores == {"tx-1": {"balance": 100}, "tx-2": {"balance": 50}, "tx-3": {"qty": 1}}
         assert restarted.execute([rollback("tx-1")]) == [report("tx-1", StepStatus.COMPENSATED)]
@@ -1636,13 +1630,7 @@ class TestMongo:
         ids = [d["_id"] for d in mongo.db["saga_ledger_tx"].find({})]
         assert ids == ["bank:tx-1"]
         assert (mongo.raw("accounts", 1) or {})["balance"] == 100
-        restarted = mongo.make(intent_lease_ms=0, shared=SharedState())
-        assert restarted.execute(BATCH) == [
-            report(tx, StepStatus.APPLIED) for tx in ("tx-1", "tx-2", "tx-3")
-        ]
-        assert (mongo.raw("accounts", 1) or {})["balance"] == 101
-        assert (mongo.raw("accounts", 2) or {})["balance"] == 52
-        assert (mongo.raw("orders", "o-1") or {})["qty"] == 4
+        restarted = _restart_and_apply_batch(mongo)
         assert [e.status for e in restarted.ledger()] == [LedgerStatus.APPLIED] * 3
 
     def test_a_stale_memory_of_the_ledger_is_caught_by_the_compare_and_set(
@@ -2069,3 +2057,16 @@ class TestRedis:
             assert storage.prefix == "other"
         finally:
             storage.close()
+
+
+def _restart_and_apply_batch(mongo: MongoHarness) -> Any:
+    """A restarted process (a fresh memory) runs ``BATCH`` again: every step is applied
+    once, whatever the crash left; returns its storage."""
+    restarted = mongo.make(intent_lease_ms=0, shared=SharedState())
+    assert restarted.execute(BATCH) == [
+        report(tx, StepStatus.APPLIED) for tx in ("tx-1", "tx-2", "tx-3")
+    ]
+    assert (mongo.raw("accounts", 1) or {})["balance"] == 101
+    assert (mongo.raw("accounts", 2) or {})["balance"] == 52
+    assert (mongo.raw("orders", "o-1") or {})["qty"] == 4
+    return restarted
