@@ -4,7 +4,8 @@ Both hash keys with murmur2 (``murmur2_random``), the Java client's
 partitioner, so a record re-published by a JVM client lands on the same
 partition. The transactional producer runs ``send_offsets`` on a thread of its own
 and raises :class:`~streams._errors.FatalKafkaError` when it wedges (never returns),
-leaving the client behind; a watchdog thread reports any other wedged call (and
+leaving the client behind, or before the call when the client has seen every broker
+down since its init (the case that wedges); a watchdog thread reports any other wedged call (and
 ``send_offsets`` past :data:`_MAX_ABANDONED` clients) to ``on_wedged``.
 """
 
@@ -16,7 +17,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Final, Literal, Self, TypeVar
+from typing import Any, Final, Literal, NoReturn, Self, TypeVar
 
 import confluent_kafka as ck
 
@@ -350,6 +351,9 @@ class TransactionalProducer(_ProducerBase):
         )
         if "retry.backoff.ms" not in settings.extra:
             config["retry.backoff.ms"] = TXN_RETRY_BACKOFF_MS
+        # Every broker was seen down (the client's error callback) after init: see send_offsets.
+        self._outage = False
+        self._initialised = False
         super().__init__(
             settings, config, transactional_id=transactional_id, collect_failures=False
         )
@@ -361,6 +365,11 @@ class TransactionalProducer(_ProducerBase):
         self._on_wedged = on_wedged
         self._worker: _Worker | None = None
         threading.Thread(target=self._watch, name="saga-txn-watchdog", daemon=True).start()
+
+    def _on_client_error(self, err: ck.KafkaError) -> None:
+        if err.code() == _E._ALL_BROKERS_DOWN and self._initialised:
+            self._outage = True
+        super()._on_client_error(err)
 
     def _watch(self) -> None:
         """Report a transactional call that outlives its timeout by far to ``on_wedged``.
@@ -445,6 +454,10 @@ class TransactionalProducer(_ProducerBase):
         Call once, before anything else.
         """
         self._call("initialising Kafka transactions", self._client.init_transactions, timeout)
+        # What the client met while it started (brokers not reachable yet) is not an
+        # outage of a working client: served here, before the flag counts.
+        self._client.poll(0)
+        self._initialised = True
 
     def begin(self) -> None:
         """Start a transaction; every record produced until commit/abort belongs to it."""
@@ -492,6 +505,14 @@ class TransactionalProducer(_ProducerBase):
             raise self._translated(exc, "reading the consumer group metadata", None) from exc
         doing = "sending offsets to the Kafka transaction"
         bound = min(self._in_transaction(timeout), _SEND_OFFSETS_S)
+        self._client.poll(0)  # serve the client's pending events: an outage seen meanwhile
+        if self._outage and len(_abandoned) < _MAX_ABANDONED:
+            # After every broker was down, this call is the one that wedges (librdkafka
+            # #5456: both coordinators of the crash suite's Kafka kill, each holding its
+            # partitions for the bound plus _WEDGED_AFTER_S). Leave the client now instead.
+            self._leave_behind(
+                f"the Kafka client saw every broker down before {doing}", logging.WARNING
+            )
 
         def call() -> None:
             self._attempts(
@@ -506,20 +527,24 @@ class TransactionalProducer(_ProducerBase):
             return
         if self._offsets_worker().run(call, bound + _WEDGED_AFTER_S):
             return
-        self._wedged = True
-        _abandoned.append(self._client)
-        _log.error(
-            "%s has not returned %.0fs after its timeout: the Kafka client is wedged "
-            "(librdkafka issue #5456); leaving it and making a new producer (%d of %d)",
-            doing,
-            _WEDGED_AFTER_S,
-            len(_abandoned),
-            _MAX_ABANDONED,
-        )
-        raise FatalKafkaError(
+        self._leave_behind(
             f"{doing} has not returned {_WEDGED_AFTER_S:.0f}s after its timeout: the Kafka "
             "client is wedged (librdkafka issue #5456)"
         )
+
+    def _leave_behind(self, why: str, level: int = logging.ERROR) -> NoReturn:
+        """Never touch this client again (nor flush or destroy it) and raise, so that the
+        caller makes a new producer with the same ``transactional.id``, which fences it."""
+        self._wedged = True
+        _abandoned.append(self._client)
+        _log.log(
+            level,
+            "%s; leaving it and making a new producer (%d of %d)",
+            why,
+            len(_abandoned),
+            _MAX_ABANDONED,
+        )
+        raise FatalKafkaError(why)
 
     def commit(self, timeout: float = 30.0) -> None:
         """Deliver the transaction's records and commit it (records and offsets at once)."""

@@ -46,6 +46,9 @@ class _Client:
         self.touched.append("flush")
         return 0
 
+    def poll(self, _timeout: float) -> int:
+        return 0
+
     def close(self) -> None:
         self.touched.append("close")
 
@@ -111,4 +114,36 @@ def test_past_the_last_client_to_leave_behind_the_watchdog_stops_the_process(
     assert reported.wait(5)
     client.release.set()
     caller.join(5)
+    producer.close(0)
+
+
+def _all_brokers_down() -> ck.KafkaError:
+    return ck.KafkaError(ck.KafkaError._ALL_BROKERS_DOWN, "1/1 brokers are down")
+
+
+def test_a_client_that_saw_every_broker_down_is_left_behind_before_its_send_offsets(
+    quick: list[Any],
+) -> None:
+    """The call that wedges after a broker restart is never made: the client is left
+    behind at once (a new producer takes over), instead of after the bound."""
+    client = _Client("wedge")
+    producer = _producer(client)
+    producer._initialised = True  # init() succeeded
+    producer._on_client_error(_all_brokers_down())
+    started = time.monotonic()
+    with pytest.raises(FatalKafkaError, match="every broker down") as caught:
+        producer.send_offsets(_consumer(), {("t", 0): 5})
+    assert not caught.value.fenced
+    assert time.monotonic() - started < P._SEND_OFFSETS_S
+    assert quick == [client] and client.touched == []
+    producer.close(0)
+
+
+def test_brokers_unreachable_while_the_client_starts_are_not_an_outage(
+    quick: list[Any],
+) -> None:
+    producer = _producer(_Client("ok"))
+    producer._on_client_error(_all_brokers_down())  # before init() returned
+    producer.send_offsets(_consumer(), {("t", 0): 5})
+    assert quick == []
     producer.close(0)
