@@ -454,9 +454,7 @@ class TransactionalProducer(_ProducerBase):
         Call once, before anything else.
         """
         self._call("initialising Kafka transactions", self._client.init_transactions, timeout)
-        # What the client met while it started (brokers not reachable yet) is not an
-        # outage of a working client: served here, before the flag counts.
-        self._client.poll(0)
+        self._client.poll(0)  # brokers unreachable while it started are not an outage
         self._initialised = True
 
     def begin(self) -> None:
@@ -506,10 +504,7 @@ class TransactionalProducer(_ProducerBase):
         doing = "sending offsets to the Kafka transaction"
         bound = min(self._in_transaction(timeout), _SEND_OFFSETS_S)
         self._client.poll(0)  # serve the client's pending events: an outage seen meanwhile
-        if self._outage and len(_abandoned) < _MAX_ABANDONED:
-            # After every broker was down, this call is the one that wedges (librdkafka
-            # #5456: both coordinators of the crash suite's Kafka kill, each holding its
-            # partitions for the bound plus _WEDGED_AFTER_S). Leave the client now instead.
+        if self._outage and len(_abandoned) < _MAX_ABANDONED:  # the call would wedge: go now
             self._leave_behind(
                 f"the Kafka client saw every broker down before {doing}", logging.WARNING
             )
