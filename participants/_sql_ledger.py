@@ -153,8 +153,10 @@ class BatchLedger:
         small: it then scanned every entry of the participant through an index that
         leads with ``participant`` and filtered them, so a batch's cost grew with the
         ledger (found by the bench: a participant slowing down through a 60 s run).
-        One lookup per key through ``LATERAL`` uses the primary key whatever the
-        statistics say.
+        One lookup per key through ``LATERAL`` makes the primary key the cheaper
+        plan once the table holds a few hundred entries, whatever the statistics say,
+        provided the plan is chosen at each run: the batch's first statement forbids
+        cached generic plans (:func:`participants._sql_errors.tx_locks`).
         """
         table = self._connection.dialect.identifier_preparer.format_table(self._table)
         # The table's name is quoted by the dialect; every value is bound.

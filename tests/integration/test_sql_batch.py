@@ -256,3 +256,34 @@ def test_keys_the_database_matches_but_python_does_not(postgres_db: Database) ->
         assert statuses(got) == [("tx-1", StepStatus.APPLIED), ("tx-2", StepStatus.APPLIED)]
     with postgres_db.engine.connect() as connection:
         assert connection.execute(sa.select(codes.c.n)).scalar_one() == 5
+
+
+def test_the_ledger_lookup_is_planned_on_each_batch(postgres_db: Database) -> None:
+    """psycopg prepares a statement on its fifth run, and PostgreSQL may then keep a
+    generic plan chosen while the new ledger was empty: an index on ``participant``
+    alone, every entry of the participant read per key (the bench's open loop: a
+    lookup 22 ms on average, 1.2 s at worst). A batch forbids generic plans for its
+    own transaction: the participant's connection shows the lookup prepared and
+    planned afresh on every batch, never from a generic plan, and the setting ends
+    with the batch."""
+    with sql_harness(postgres_db) as harness:
+        storage = harness.storage
+        assert isinstance(storage, SqlStorage)
+        for batch in range(12):
+            items: list[WorkItem] = [
+                requested(f"b{batch}-{i}", "increment", bump(1 + i % 2, 1)) for i in range(10)
+            ]
+            assert {r.status for r in storage.execute(items)} == {StepStatus.APPLIED}
+        with storage._engine.connect() as connection:
+            plans = connection.execute(
+                sa.text(
+                    "SELECT generic_plans, custom_plans FROM pg_prepared_statements "
+                    "WHERE statement LIKE '%CROSS JOIN LATERAL%'"
+                )
+            ).all()
+            mode = connection.execute(sa.text("SHOW plan_cache_mode")).scalar_one()
+        assert len(plans) == 1, f"the lookup is not prepared on this connection: {plans}"
+        generic, custom = plans[0]
+        assert generic == 0, f"{generic} lookups ran a generic plan"
+        assert custom >= 5
+        assert mode == "auto"
