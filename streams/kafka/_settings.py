@@ -15,10 +15,13 @@ from types import MappingProxyType
 from typing import Any, Final
 
 from .._errors import ConfigurationError
+from .._repeats import RepeatFilter
 from .._topics import Topics
 
-# librdkafka's own log lines (connection failures, retries, ...) go here.
+# librdkafka's own log lines (connection failures, retries, ...) go here; a line it
+# repeats (a refused connection, every reconnect backoff) shows once per 10 s.
 _librdkafka_log = logging.getLogger("saga.kafka.librdkafka")
+_librdkafka_log.addFilter(RepeatFilter())
 
 _ENV_PREFIX: Final = "SAGA_KAFKA_"
 _ENV_BOOTSTRAP: Final = "SAGA_KAFKA_BOOTSTRAP"
