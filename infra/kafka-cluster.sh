@@ -115,6 +115,10 @@ transaction.state.log.min.isr=2
 transaction.state.log.num.partitions=8
 share.coordinator.state.topic.replication.factor=3
 share.coordinator.state.topic.min.isr=2
+# The broker aborts a transaction past its transaction.timeout.ms only when this check
+# runs (every 10 s by default): a coordinator gone for good left its open transaction
+# blocking its successor's read_committed reads up to 10 s past that timeout.
+transaction.abort.timed.out.transaction.cleanup.interval.ms=1000
 # A node that stops heartbeating to the controller quorum for this long is fenced and
 # its partitions get new leaders. Kafka's default is 9 s (heartbeat 2 s): every partition
 # a crashed node led takes no writes that long. 6 s (heartbeat 1.5 s) shortens that by a

@@ -452,6 +452,10 @@ transaction.state.log.min.isr=1
 transaction.state.log.num.partitions=8
 share.coordinator.state.topic.replication.factor=1
 share.coordinator.state.topic.min.isr=1
+# The broker aborts a transaction past its transaction.timeout.ms only when this check
+# runs (every 10 s by default): a coordinator gone for good left its open transaction
+# blocking its successor's read_committed reads up to 10 s past that timeout.
+transaction.abort.timed.out.transaction.cleanup.interval.ms=1000
 group.initial.rebalance.delay.ms=0
 log.segment.bytes=67108864
 log.retention.hours=168
