@@ -95,11 +95,13 @@ from participants._barrier import LedgerEntry, LedgerStatus
 from participants._handlers import Handler, combine
 from participants._sql_actions import DriverErrors, NeedsSavepoints, SqlActions, increment_keys
 from participants._sql_errors import (
+    can_pipeline,
     describe,
     detail,
     is_auth_failure,
     is_conflict,
     make_engine,
+    pipelined,
     sqlalchemy_url,
     tx_locks,
 )
@@ -193,6 +195,7 @@ class SqlStorage(LedgerStorage[SqlSession, SqlBatch]):
         self.ledger_table = define_ledger(self._metadata, ledger_table)
         self._tables: dict[str, Table] = {}
         self._lock_transactions = self._engine.dialect.name == "postgresql"
+        self._pipeline = can_pipeline(self._engine)
         self.actions = DriverErrors(combine(SqlActions(self.targets), handlers))
         # Without handlers every action is built in, and batches may skip savepoints.
         self._builtin_only = not handlers
@@ -247,16 +250,38 @@ class SqlStorage(LedgerStorage[SqlSession, SqlBatch]):
         careful = attempt > 0 or not self._builtin_only
         with self._engine.begin() as connection:
             tx_ids = {item.tx_id for item in items}
-            if self._lock_transactions and tx_ids:
-                connection.execute(tx_locks(self.name, tx_ids))
             ledger = BatchLedger(self.name, self.ledger_table, connection)
-            ledger.load(tx_ids)
+            if self._pipeline:
+                with pipelined(connection) as driver:
+                    if tx_ids:
+                        connection.execute(tx_locks(self.name, tx_ids))
+                    read = ledger.load_pipelined(driver, tx_ids)
+                read()
+            else:
+                if self._lock_transactions and tx_ids:
+                    connection.execute(tx_locks(self.name, tx_ids))
+                ledger.load(tx_ids)
             rows = None
             if not careful:
                 rows = BatchRows(connection, self._tables, postgresql=self._lock_transactions)
                 entries = [e for tx_id in sorted(tx_ids) for e in ledger.entries(tx_id)]
                 rows.preload(increment_keys(items, entries, self._tables))
             yield SqlBatch(connection, ledger, careful, rows)
+            if rows is not None and self._pipeline:
+                try:
+                    with pipelined(connection) as driver:
+                        rows.flush()
+                        ledger.flush()
+                        # A statement, not driver.commit(): that would wait for the
+                        # writes before the pipeline's own end waits again.
+                        driver.execute("COMMIT")
+                except (sa_exc.IntegrityError, sa_exc.DataError) as exc:
+                    # The rows' write or the ledger's (another worker's entry): the
+                    # careful run, one statement at a time, tells which and acts on it.
+                    if exc.connection_invalidated:
+                        raise
+                    raise NeedsSavepoints from exc
+                return
             if rows is not None:
                 try:
                     rows.flush()

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import re
 import zlib
-from collections.abc import Iterable
-from typing import Any, Final
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Final
 
 from sqlalchemy import (
     ARRAY,
@@ -32,6 +33,9 @@ from sqlalchemy.pool import ConnectionPoolEntry
 
 from streams import ConfigurationError
 from streams._secrets import redact, redact_url
+
+if TYPE_CHECKING:  # psycopg is PostgreSQL's driver: SQLite runs without it
+    import psycopg
 
 TX_LOCK_BUCKETS: Final = 256
 """PostgreSQL advisory locks per participant that serialise workers on one transaction."""
@@ -100,6 +104,43 @@ def tx_locks(participant: str, tx_ids: Iterable[str]) -> Executable:
         func.count(func.pg_advisory_xact_lock(owner, ordered.c.bucket)),
         func.set_config("plan_cache_mode", "force_custom_plan", True),
     )
+
+
+def can_pipeline(engine: Engine) -> bool:
+    """PostgreSQL through psycopg 3 with a libpq that has pipeline mode (14 or later)."""
+    if engine.dialect.name != "postgresql" or engine.dialect.driver != "psycopg":
+        return False
+    import psycopg
+
+    return psycopg.Pipeline.is_supported()
+
+
+@contextmanager
+def pipelined(connection: Connection) -> Iterator[psycopg.Connection[Any]]:
+    """psycopg's pipeline mode on the connection: what runs inside goes out in one round trip.
+
+    Statements run through ``connection`` (or a cursor of the driver's connection,
+    yielded) are sent without waiting for each other's results; the server runs them
+    in order, each with its own snapshot, as if sent one by one, and leaving the block
+    waits once for all of them. A statement whose result is needed must be read after
+    the block (through SQLAlchemy, its result is empty: run only statements whose
+    results are not read). The first error aborts the statements after it and is
+    raised on leaving the block, as SQLAlchemy's exception of the same kind; a lost
+    connection is invalidated first, as SQLAlchemy does.
+    """
+    import psycopg
+
+    driver: psycopg.Connection[Any] = connection.connection.driver_connection  # type: ignore[assignment]
+    try:
+        with driver.pipeline():
+            yield driver
+    except psycopg.Error as exc:
+        lost = driver.broken or driver.closed
+        if lost:
+            connection.invalidate(exc)
+        raise sa_exc.DBAPIError.instance(
+            None, None, exc, psycopg.Error, connection_invalidated=lost
+        ) from exc
 
 
 def _int32(value: int) -> int:

@@ -8,9 +8,9 @@ ledger codec (:mod:`participants._ledger`), plus ``participant`` and
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any, Final, cast
+from typing import TYPE_CHECKING, Any, Final, TypeAlias, cast
 
 from sqlalchemy import (
     JSON,
@@ -43,6 +43,20 @@ from participants._sql_rows import bulk_rows, bulk_statement, one_of
 from participants._sql_session import SqlSession, close_savepoint
 from participants._storage import Unit
 from streams import BusinessRejection, TransientError
+
+if TYPE_CHECKING:  # psycopg is PostgreSQL's driver: SQLite runs without it
+    import psycopg
+
+# The table's name is quoted by the dialect; every value is bound (psycopg's style).
+_KEYED_LOOKUP: Final = (
+    "SELECT l.* FROM unnest(CAST(%(tx_ids)s AS VARCHAR(128)[])) AS k(tx_id) "
+    "CROSS JOIN LATERAL (SELECT * FROM {table} AS t WHERE t.participant = "
+    "%(participant)s AND t.tx_id = k.tx_id FOR UPDATE) AS l ORDER BY l.tx_id, l.step"
+)
+"""The ledger lookup of :meth:`BatchLedger._keyed_lookup`, in psycopg's parameter style."""
+
+Loading: TypeAlias = Callable[[], None]
+"""Reads a lookup sent in a pipeline into the ledger view (:meth:`BatchLedger.load_pipelined`)."""
 
 FINAL_STATUSES: Final = (
     LedgerStatus.COMMITTED,
@@ -137,12 +151,40 @@ class BatchLedger:
                 .with_for_update()
             )
             params = {"participant": self._participant, "tx_ids": chunk} if pg else {}
-            for row in self._connection.execute(query, params).mappings():
-                key = (row["tx_id"], row["step"])
-                self._entries[key] = entry_of_row(row)
-                self._existed[key] = True
-                self._steps.setdefault(key[0], set()).add(key[1])
+            self._found(self._connection.execute(query, params).mappings())
             self._loaded.update(chunk)
+
+    def load_pipelined(self, driver: psycopg.Connection[Any], tx_ids: Iterable[str]) -> Loading:
+        """:meth:`load` on PostgreSQL, sent inside a pipeline (:func:`pipelined`): the
+        lookup goes out with the statements before it, and the returned call, made
+        after the pipeline, reads what it found into this view."""
+        from psycopg.rows import dict_row
+
+        wanted = sorted(set(tx_ids) - self._loaded)
+        table = self._connection.dialect.identifier_preparer.format_table(self._table)
+        cursors = []
+        for chunk in (wanted[i : i + 1000] for i in range(0, len(wanted), 1000)):
+            cursor = driver.cursor(row_factory=dict_row)
+            cursor.execute(
+                _KEYED_LOOKUP.format(table=table),
+                {"participant": self._participant, "tx_ids": chunk},
+            )
+            cursors.append((cursor, chunk))
+
+        def read() -> None:
+            for cursor, chunk in cursors:
+                with cursor:
+                    self._found(cursor.fetchall())
+                self._loaded.update(chunk)
+
+        return read
+
+    def _found(self, rows: Iterable[Mapping[Any, Any]]) -> None:
+        for row in rows:
+            key = (row["tx_id"], row["step"])
+            self._entries[key] = entry_of(row)
+            self._existed[key] = True
+            self._steps.setdefault(key[0], set()).add(key[1])
 
     def _keyed_lookup(self) -> TextualSelect:
         """PostgreSQL: the entries of ``:tx_ids``, each looked up by its primary key.
@@ -159,13 +201,8 @@ class BatchLedger:
         cached generic plans (:func:`participants._sql_errors.tx_locks`).
         """
         table = self._connection.dialect.identifier_preparer.format_table(self._table)
-        # The table's name is quoted by the dialect; every value is bound.
-        sql = (
-            "SELECT l.* FROM unnest(CAST(:tx_ids AS VARCHAR(128)[])) AS k(tx_id) "  # noqa: S608
-            f"CROSS JOIN LATERAL (SELECT * FROM {table} AS t WHERE t.participant = "
-            ":participant AND t.tx_id = k.tx_id FOR UPDATE) AS l ORDER BY l.tx_id, l.step"
-        )
-        return text(sql).columns(*self._table.c)
+        sql = _KEYED_LOOKUP.format(table=table).replace("%(tx_ids)s", ":tx_ids")
+        return text(sql.replace("%(participant)s", ":participant")).columns(*self._table.c)
 
     def entry(self, tx_id: str, step: int) -> LedgerEntry | None:
         key = (tx_id, step)

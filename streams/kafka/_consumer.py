@@ -93,6 +93,8 @@ class Consumer:
         self._on_revoke = on_revoke
         self._on_lost = on_lost
         self._closed = False
+        self.commit_failures = 0
+        """Commits that failed, sent by :meth:`commit_async` or :meth:`commit` (logged each)."""
         self._rejoin = None if group_instance_id is None else RejoinPolicy(group_instance_id)
         self._topics: list[str] = []
         self._callbacks: dict[str, Callable[[ck.Consumer, list[ck.TopicPartition]], None]] = {}
@@ -122,6 +124,7 @@ class Consumer:
         )
         config.update(options)
         config["error_cb"] = self._client_error
+        config["on_commit"] = self._committed
         config["logger"] = _FenceWatch(self, config.get("logger"))
         self._fatal_text = ""  # the client's fatal error, as error_cb or its log line told it
         self._config = config  # a rejoin makes a new client with it
@@ -355,6 +358,37 @@ class Consumer:
                 "committing offsets failed: the consumer was fenced and rejoined its group; "
                 "the records since the last commit will be delivered again"
             ) from exc
+
+    def commit_async(self, offsets: Mapping[Partition, int]) -> None:
+        """Send ``offsets`` for the group (as :meth:`commit`) without waiting for the answer.
+
+        The answer is read by a later :meth:`poll_batch`; a commit that failed is logged
+        and counted in :attr:`commit_failures`, and the records since the last commit
+        that succeeded are delivered again (after a restart or a rebalance), as when
+        :meth:`commit` raises :class:`TransientError`. Commits leave in order, so a later
+        one supersedes an earlier one that failed.
+        """
+        if not offsets:
+            return
+        if not self._has_group:
+            raise ConfigurationError("a consumer without a group_id cannot commit offsets")
+        self._guard(
+            "committing offsets",
+            lambda: self._client.commit(offsets=_tps_at(offsets), asynchronous=True),
+        )
+
+    def _committed(self, err: ck.KafkaError | None, partitions: list[ck.TopicPartition]) -> None:
+        """librdkafka's answer to a commit (``on_commit``): a failure is logged once."""
+        if err is not None and err.code() == _E._NO_OFFSET:
+            return
+        failed = err if err is not None else next((tp.error for tp in partitions if tp.error), None)
+        if failed is None:
+            return
+        self.commit_failures += 1
+        _log.warning(
+            "offsets not committed (%s); the records since the last commit will be read again",
+            failed.str(),
+        )
 
     def _commit(self, offsets: Mapping[Partition, int]) -> None:
         result = self._guard(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Self
 
@@ -20,6 +21,8 @@ from streams.kafka import (
 from streams.log import LogConsumer
 
 from ._model import _Client, _Entry, _message, _Txn
+
+_log = logging.getLogger("saga.kafka")
 
 if TYPE_CHECKING:
     from ._log import InMemoryLog
@@ -54,6 +57,7 @@ class InMemoryConsumer(_Client):
         self._paused: set[Partition] = set()
         self.replaced = False  # a newer member joined with its group_instance_id
         self._rejoin: RejoinPolicy | None = None  # made at the first fence
+        self.commit_failures = 0  # commit_async calls that failed
 
     def _live(self) -> None:
         self._touch()
@@ -208,6 +212,14 @@ class InMemoryConsumer(_Client):
                     f"(member {self.member_id} generation {self.generation} is stale)"
                 )
             self.log._group(self.group_id).committed.update(offsets)
+
+    def commit_async(self, offsets: Mapping[Partition, int]) -> None:
+        """As Kafka's: applied at once here; a stale member's commit is logged, not raised."""
+        try:
+            self.commit(offsets)
+        except TransientError as exc:
+            self.commit_failures += 1
+            _log.warning("offsets not committed (%s); the records will be read again", exc)
 
     def committed(
         self, partitions: Iterable[Partition], timeout: float = 10.0

@@ -20,7 +20,7 @@ import sqlalchemy as sa
 
 from participants._sql import SqlStorage
 from participants._storage import WorkItem
-from streams import StepStatus
+from streams import StepStatus, TransientError
 from tests.integration.test_sql_storage import (
     Database,
     postgres_database,
@@ -287,3 +287,32 @@ def test_the_ledger_lookup_is_planned_on_each_batch(postgres_db: Database) -> No
         assert generic == 0, f"{generic} lookups ran a generic plan"
         assert custom >= 5
         assert mode == "auto"
+
+
+def test_a_connection_lost_in_the_final_write_is_a_transient_error(postgres_db: Database) -> None:
+    """On PostgreSQL the batch's writes and its commit go out in one pipeline; the server
+    process dying before they reach it leaves nothing applied, the error is transient,
+    and the pool's next connection runs the retried batch."""
+    with sql_harness(postgres_db) as harness:
+        storage = harness.storage
+        assert isinstance(storage, SqlStorage)
+        assert storage._pipeline, "psycopg's pipeline mode should be in use on PostgreSQL"
+        step = requested("tx-1", "increment", bump(2, 1))
+        killed: list[int] = []
+
+        def kill(conn: Any, cursor: Any, statement: str, *rest: Any) -> None:
+            if statement.startswith("UPDATE") and not killed:
+                pid = conn.connection.driver_connection.info.backend_pid
+                killed.append(pid)
+                with sa.create_engine(sa.make_url(postgres_db.url)).connect() as other:
+                    other.execute(sa.text("SELECT pg_terminate_backend(:p)"), {"p": pid})
+
+        sa.event.listen(storage._engine, "before_cursor_execute", kill)
+        with pytest.raises(TransientError, match="could not run a batch") as info:
+            storage.execute([step])
+        assert info.value.retryable
+        assert killed
+        assert harness.record("accounts", 2) == {"owner": "bob", "balance": 50, "credit": None}
+        assert storage.ledger() == []
+        assert statuses(storage.execute([step])) == [("tx-1", StepStatus.APPLIED)]
+        assert harness.record("accounts", 2) == {"owner": "bob", "balance": 51, "credit": None}
