@@ -4,9 +4,10 @@ One runtime serves one participant name and one storage. It consumes the
 ``requests``, ``decisions`` and ``events`` topics in one consumer group
 (``<prefix>.participant.<name>``), turns records into work items for its own
 steps, runs each batch in one local atomic unit of its storage, emits the step
-events, waits until Kafka acknowledged them, and only then commits the
-consumed offsets. A crash anywhere in that sequence re-delivers the batch, and
-the ledger makes the repeat take effect at most once (docs/architecture.md §4).
+events, waits until Kafka acknowledged them, and only then commits the consumed
+offsets (without waiting for the answer). A crash anywhere in that sequence
+re-delivers the batch, and the ledger makes the repeat take effect at most once
+(docs/architecture.md §4).
 
 Errors split three ways:
 
@@ -430,10 +431,7 @@ class ParticipantRuntime(Stoppable):
         try:
             reports: list[Report] = retrying(self.observer.timed(self.storage.execute), items)
         finally:
-            # Only after a retry paused them: resuming every partition after each batch
-            # cost the main thread a tenth of its CPU (librdkafka's locks, an operation
-            # per partition for its threads) in the open loop's small batches.
-            if paused:
+            if paused:  # resuming after every batch cost a tenth of the main thread's CPU
                 self._consumer.resume_all()
         return reports
 
@@ -446,10 +444,8 @@ class ParticipantRuntime(Stoppable):
             if last is not None:
                 offsets[tp] = last + 1
         if offsets:
-            # Sent without waiting: the events are already in the log, and a commit that
-            # fails (a rebalance, a broker restart) only has these records read again,
-            # here or by the partitions' new owner, where the ledger makes the repeat
-            # harmless. The next batch does not wait a round trip for it.
+            # Not waited for: a commit that fails (a rebalance, a broker restart) only has
+            # these records read again, and the ledger makes the repeat harmless.
             try:
                 self._consumer.commit_async(offsets)
             except TransientError as exc:

@@ -233,9 +233,7 @@ def test_a_step_is_applied_then_left_alone_on_commit_and_requests_offsets_commit
     monkeypatch.setattr(storage, "open_batch", counted)
     _, stepper = runtimes.start(storage)
     stepper.step()  # assigned
-    # Pausing and resuming are for a storage outage: a batch that works touches neither
-    # (resuming every partition after each batch cost librdkafka's locks and an operation
-    # per partition: a tenth of a participant's CPU in small batches).
+    # Pausing and resuming are for a storage outage: a batch that works touches neither.
     (member,) = log.members(GROUP)
     touched: list[str] = []
     for name in ("pause_all", "resume_all"):
