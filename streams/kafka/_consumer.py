@@ -12,6 +12,7 @@ import confluent_kafka as ck
 
 from .._errors import ConfigurationError, FatalKafkaError, TransientError
 from .._rejoin import RejoinPolicy, is_instance_fence
+from ._commits import CommitGate
 from ._message import (
     Message,
     Partition,
@@ -95,6 +96,7 @@ class Consumer:
         self._closed = False
         self.commit_failures = 0
         """Commits that failed, sent by :meth:`commit_async` or :meth:`commit` (logged each)."""
+        self._gate = CommitGate()  # commit_async: one in flight, later offsets held back
         self._rejoin = None if group_instance_id is None else RejoinPolicy(group_instance_id)
         self._topics: list[str] = []
         self._callbacks: dict[str, Callable[[ck.Consumer, list[ck.TopicPartition]], None]] = {}
@@ -147,13 +149,13 @@ class Consumer:
                 if client is not self._client:
                     return  # a client left behind by a rejoin (closing it may call back)
                 changed = [(tp.topic, tp.partition) for tp in partitions]
-                owned(changed)
-                if callback is not None:
-                    self._in_callback = True
-                    try:
+                self._in_callback = True
+                try:
+                    owned(changed)
+                    if callback is not None:
                         callback(changed)
-                    finally:
-                        self._in_callback = False
+                finally:
+                    self._in_callback = False
 
             return handler
 
@@ -162,6 +164,13 @@ class Consumer:
 
         def gone(partitions: list[Partition]) -> None:
             self._owned.difference_update(partitions)
+            # Offsets held back for these partitions go now, while they are still ours.
+            if self._gate.holds_any(partitions):
+                self._commit_held_now("handing partitions over")
+
+        def lost(partitions: list[Partition]) -> None:
+            self._owned.difference_update(partitions)
+            self._gate.drop(partitions)  # no longer ours to commit: their new owner reads on
 
         # After each callback returns, the client performs the (incremental) assignment
         # itself. Every callback is registered, to know what a rejoin loses.
@@ -169,7 +178,7 @@ class Consumer:
         self._callbacks = {
             "on_assign": relay(self._on_assign, gained),
             "on_revoke": relay(self._on_revoke, gone),
-            "on_lost": relay(self._on_lost or self._on_revoke, gone),
+            "on_lost": relay(self._on_lost or self._on_revoke, lost),
         }
         callbacks = self._callbacks
         self._guard("subscribing", lambda: self._client.subscribe(list(topics), **callbacks))
@@ -242,6 +251,11 @@ class Consumer:
                 topic,
                 item.partition(),
             )
+        if self._gate.holding:  # the commit in flight may have been answered in this call
+            try:
+                self._send_held()
+            except TransientError as exc:
+                _log.warning("offsets not committed, the records will be read again: %s", exc)
         return messages
 
     def _fatal_sentence(self, text: str) -> str:
@@ -298,6 +312,7 @@ class Consumer:
         if not self._rejoin.allow(text):
             return False
         lost, self._owned = sorted(self._owned), set()
+        self._gate.reset()  # the new client reads on from the group's committed offsets
         callback = self._on_lost or self._on_revoke
         if lost and callback is not None:
             callback(lost)  # as after a session timeout: the partitions are not ours now
@@ -350,7 +365,7 @@ class Consumer:
         if not self._has_group:
             raise ConfigurationError("a consumer without a group_id cannot commit offsets")
         try:
-            self._commit(offsets)
+            self._commit(self._gate.take(offsets))
         except FatalKafkaError as exc:
             if not self._rejoined(None, str(exc)):
                 raise
@@ -360,25 +375,51 @@ class Consumer:
             ) from exc
 
     def commit_async(self, offsets: Mapping[Partition, int]) -> None:
-        """Send ``offsets`` for the group (as :meth:`commit`) without waiting for the answer.
+        """Commit ``offsets`` for the group (as :meth:`commit`) without waiting for the answer.
 
-        The answer is read by a later :meth:`poll_batch`; a commit that failed is logged
-        and counted in :attr:`commit_failures`, and the records since the last commit
-        that succeeded are delivered again (after a restart or a rebalance), as when
-        :meth:`commit` raises :class:`TransientError`. Commits leave in order, so a later
-        one supersedes an earlier one that failed.
+        At most one such commit is in flight (:mod:`._commits` says why): later offsets
+        are held back, each partition's newest replacing the one before, and leave
+        from the :meth:`poll_batch` that reads its answer (or with the next
+        :meth:`commit`, a revocation, or :meth:`close`).
+
+        A commit that failed is logged and counted in :attr:`commit_failures`, and
+        the records since the last commit that succeeded are delivered again (after
+        a restart or a rebalance), as when :meth:`commit` raises
+        :class:`TransientError`. A later commit supersedes an earlier one that failed.
         """
         if not offsets:
             return
         if not self._has_group:
             raise ConfigurationError("a consumer without a group_id cannot commit offsets")
-        self._guard(
-            "committing offsets",
-            lambda: self._client.commit(offsets=_tps_at(offsets), asynchronous=True),
-        )
+        self._gate.hold(offsets)
+        self._send_held()
+
+    @property
+    def commits_sent(self) -> int:
+        """Offset commits sent to the broker (by :meth:`commit_async` and :meth:`commit`)."""
+        return self._gate.sent
+
+    def _send_held(self, *, now: bool = False) -> None:
+        """Send the held-back offsets, unless a commit is in flight (and ``now`` is false)."""
+        offsets = self._gate.release(now=now)
+        if offsets is not None:
+            self._guard(
+                "committing offsets",
+                lambda: self._client.commit(offsets=_tps_at(offsets), asynchronous=True),
+            )
+
+    def _commit_held_now(self, why: str) -> None:
+        """Commit the held-back offsets and wait (a revocation: the partitions leave us)."""
+        try:
+            self._commit(self._gate.take())
+        except (TransientError, FatalKafkaError) as exc:
+            _log.warning(
+                "offsets not committed before %s, the records will be read again: %s", why, exc
+            )
 
     def _committed(self, err: ck.KafkaError | None, partitions: list[ck.TopicPartition]) -> None:
         """librdkafka's answer to a commit (``on_commit``): a failure is logged once."""
+        self._gate.answered()  # the next held-back offsets may leave
         if err is not None and err.code() == _E._NO_OFFSET:
             return
         failed = err if err is not None else next((tp.error for tp in partitions if tp.error), None)
@@ -498,11 +539,16 @@ class Consumer:
     def close(self) -> None:
         """Leave the group (revoking partitions) and release the client; closing twice is a no-op.
 
-        Commits nothing: commit what was processed before closing.
+        Commits only what :meth:`commit_async` held back (closing waits for its answer):
+        commit what was processed before closing.
         """
         if self._closed:
             return
         self._closed = True
+        try:
+            self._send_held(now=True)
+        except (TransientError, FatalKafkaError) as exc:
+            _log.warning("offsets not committed before closing, they will be read again: %s", exc)
         try:
             self._client.close()
         except (ck.KafkaException, RuntimeError) as exc:

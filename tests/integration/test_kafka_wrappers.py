@@ -248,6 +248,37 @@ def test_plain_producer_flush_counts_deliveries(
     assert producer.flush(10) == 0
 
 
+def test_commits_without_waiting_leave_one_at_a_time_and_end_at_the_last_offsets(
+    ready: KafkaSettings, closing: Callable[[Consumer | Producer | TransactionalProducer], None]
+) -> None:
+    """The group coordinator answers one commit of a connection at a time, ~5 ms each:
+    thousands sent without waiting queued ahead of the heartbeats until the broker
+    dropped the member (a participant stalled 12 s in the bench's open loop)."""
+    group = f"{ready.prefix}.g"
+    assigned: list[Partition] = []
+    consumer = Consumer(ready, group, group_instance_id="w0", on_assign=assigned.extend)
+    closing(consumer)
+    consumer.subscribe([ready.topics.requests])
+    read_until(consumer, lambda _: len(assigned) == PARTITIONS)
+    assert len(assigned) == PARTITIONS
+    calls = 3000
+    for n in range(1, calls + 1):  # a batch's commit after each of 3,000 tiny batches
+        consumer.commit_async({tp: n for tp in assigned})
+        consumer.poll_batch(10, 0)
+    assert consumer.commits_sent < calls // 2  # held back while one was in flight
+    # Another client of the group reads its committed offsets over its own connection.
+    reader = Consumer(ready, group)
+    closing(reader)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        consumer.poll_batch(10, 0.05)  # reads the answers, sends what is held
+        if set(reader.committed(assigned).values()) == {calls}:
+            break
+    assert reader.committed(assigned) == dict.fromkeys(assigned, calls)
+    assert consumer.commit_failures == 0
+    assert consumer.rejoins == 0
+
+
 # --------------------------------------------------------------------------- transactions
 
 
