@@ -5,7 +5,8 @@ One runtime serves one participant name and one storage. It consumes the
 (``<prefix>.participant.<name>``), turns records into work items for its own
 steps, runs each batch in one local atomic unit of its storage, emits the step
 events, waits until Kafka acknowledged them, and only then commits the consumed
-offsets (without waiting for the answer). A crash anywhere in that sequence
+offsets (without waiting for the answer; one commit in flight at a time, see
+:mod:`streams.kafka._commits`). A crash anywhere in that sequence
 re-delivers the batch, and the ledger makes the repeat take effect at most once
 (docs/architecture.md §4).
 
