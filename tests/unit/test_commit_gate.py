@@ -5,22 +5,19 @@ from __future__ import annotations
 import pytest
 
 from streams.kafka._commits import COMMIT_ANSWER_S, CommitGate
+from streams.testing import ManualClock
 
 pytestmark = pytest.mark.unit
 
 A, B = ("t", 0), ("t", 1)
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
+def gate_on(clock: ManualClock) -> CommitGate:
+    return CommitGate(lambda: clock() / 1000)  # the gate counts in seconds
 
 
-def test_a_commit_in_flight_holds_the_next_until_its_answer() -> None:
-    gate = CommitGate(Clock())
+def test_a_commit_in_flight_holds_the_next_until_its_answer(clock: ManualClock) -> None:
+    gate = gate_on(clock)
     gate.hold({A: 1})
     assert gate.release() == {A: 1}
     for offset in range(2, 1002):  # a thousand small batches while the first is in flight
@@ -32,23 +29,23 @@ def test_a_commit_in_flight_holds_the_next_until_its_answer() -> None:
     assert not gate.holding
 
 
-def test_nothing_held_sends_nothing() -> None:
-    gate = CommitGate(Clock())
+def test_nothing_held_sends_nothing(clock: ManualClock) -> None:
+    gate = gate_on(clock)
     assert gate.release() is None
     assert gate.release(now=True) is None
     assert gate.sent == 0
 
 
-def test_closing_sends_what_is_held_even_with_a_commit_in_flight() -> None:
-    gate = CommitGate(Clock())
+def test_closing_sends_what_is_held_even_with_a_commit_in_flight(clock: ManualClock) -> None:
+    gate = gate_on(clock)
     gate.hold({A: 1})
     gate.release()
     gate.hold({A: 2})
     assert gate.release(now=True) == {A: 2}
 
 
-def test_a_waited_commit_carries_the_held_offsets_under_its_own() -> None:
-    gate = CommitGate(Clock())
+def test_a_waited_commit_carries_the_held_offsets_under_its_own(clock: ManualClock) -> None:
+    gate = gate_on(clock)
     gate.hold({A: 1})
     gate.release()
     gate.hold({A: 5, B: 3})
@@ -59,8 +56,8 @@ def test_a_waited_commit_carries_the_held_offsets_under_its_own() -> None:
     assert gate.release() is None
 
 
-def test_lost_partitions_are_forgotten_and_a_new_client_starts_clean() -> None:
-    gate = CommitGate(Clock())
+def test_lost_partitions_are_forgotten_and_a_new_client_starts_clean(clock: ManualClock) -> None:
+    gate = gate_on(clock)
     gate.hold({A: 1})
     gate.release()
     gate.hold({A: 2, B: 2})
@@ -73,13 +70,14 @@ def test_lost_partitions_are_forgotten_and_a_new_client_starts_clean() -> None:
     assert gate.release() == {A: 3}  # nothing in flight after the reset
 
 
-def test_an_answer_that_never_comes_stops_holding_after_the_backstop() -> None:
-    clock = Clock()
-    gate = CommitGate(clock)
+def test_an_answer_that_never_comes_stops_holding_after_the_backstop(
+    clock: ManualClock,
+) -> None:
+    gate = gate_on(clock)
     gate.hold({A: 1})
     gate.release()
     gate.hold({A: 2})
-    clock.now += COMMIT_ANSWER_S - 0.5
+    clock.advance(int(COMMIT_ANSWER_S * 1000) - 500)
     assert gate.release() is None
-    clock.now += 1.0
+    clock.advance(1000)
     assert gate.release() == {A: 2}
