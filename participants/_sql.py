@@ -126,6 +126,17 @@ from streams import ConfigurationError, Mode, TransientError
 from streams._faults import NO_FAULTS, Faults
 
 
+@contextmanager
+def _careful_if_refused() -> Iterator[None]:
+    """A value the database refused in a batch's write: run the batch again carefully."""
+    try:
+        yield
+    except (sa_exc.IntegrityError, sa_exc.DataError) as exc:
+        if exc.connection_invalidated:
+            raise
+        raise NeedsSavepoints from exc
+
+
 @dataclass(frozen=True, slots=True)
 class SqlBatch:
     """What a batch's items share: its connection (one transaction) and ledger view."""
@@ -273,27 +284,18 @@ class SqlStorage(LedgerStorage[SqlSession, SqlBatch]):
                 rows.preload(increment_keys(items, entries, self._tables))
             yield SqlBatch(connection, ledger, careful, rows)
             if rows is not None and self._pipeline:
-                try:
-                    with pipelined(connection) as driver:
-                        rows.flush()
-                        ledger.flush()
-                        # A statement, not driver.commit(): that would wait for the
-                        # writes before the pipeline's own end waits again.
-                        driver.execute("COMMIT")
-                except (sa_exc.IntegrityError, sa_exc.DataError) as exc:
-                    # The rows' write or the ledger's (another worker's entry): the
-                    # careful run, one statement at a time, tells which and acts on it.
-                    if exc.connection_invalidated:
-                        raise
-                    raise NeedsSavepoints from exc
+                # A refusal of the rows' write or of the ledger's (another worker's
+                # entry): the careful run, one statement at a time, tells which.
+                with _careful_if_refused(), pipelined(connection) as driver:
+                    rows.flush()
+                    ledger.flush()
+                    # A statement, not driver.commit(): that would wait for the
+                    # writes before the pipeline's own end waits again.
+                    driver.execute("COMMIT")
                 return
             if rows is not None:
-                try:
+                with _careful_if_refused():
                     rows.flush()
-                except (sa_exc.IntegrityError, sa_exc.DataError) as exc:
-                    if exc.connection_invalidated:
-                        raise
-                    raise NeedsSavepoints from exc
             ledger.flush()
 
     def open_unit(

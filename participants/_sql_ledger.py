@@ -47,13 +47,14 @@ from streams import BusinessRejection, TransientError
 if TYPE_CHECKING:  # psycopg is PostgreSQL's driver: SQLite runs without it
     import psycopg
 
-# The table's name is quoted by the dialect; every value is bound (psycopg's style).
+# The table's name is quoted by the dialect; every value is bound, in the parameter
+# style filled in: SQLAlchemy's (":tx_ids") or psycopg's ("%(tx_ids)s").
 _KEYED_LOOKUP: Final = (
-    "SELECT l.* FROM unnest(CAST(%(tx_ids)s AS VARCHAR(128)[])) AS k(tx_id) "
+    "SELECT l.* FROM unnest(CAST({tx_ids} AS VARCHAR(128)[])) AS k(tx_id) "
     "CROSS JOIN LATERAL (SELECT * FROM {table} AS t WHERE t.participant = "
-    "%(participant)s AND t.tx_id = k.tx_id FOR UPDATE) AS l ORDER BY l.tx_id, l.step"
+    "{participant} AND t.tx_id = k.tx_id FOR UPDATE) AS l ORDER BY l.tx_id, l.step"
 )
-"""The ledger lookup of :meth:`BatchLedger._keyed_lookup`, in psycopg's parameter style."""
+"""The ledger lookup of :meth:`BatchLedger._keyed_lookup` and :meth:`BatchLedger.load_pipelined`."""
 
 Loading: TypeAlias = Callable[[], None]
 """Reads a lookup sent in a pipeline into the ledger view (:meth:`BatchLedger.load_pipelined`)."""
@@ -166,7 +167,9 @@ class BatchLedger:
         for chunk in (wanted[i : i + 1000] for i in range(0, len(wanted), 1000)):
             cursor = driver.cursor(row_factory=dict_row)
             cursor.execute(
-                _KEYED_LOOKUP.format(table=table),
+                _KEYED_LOOKUP.format(
+                    table=table, tx_ids="%(tx_ids)s", participant="%(participant)s"
+                ),
                 {"participant": self._participant, "tx_ids": chunk},
             )
             cursors.append((cursor, chunk))
@@ -201,8 +204,8 @@ class BatchLedger:
         cached generic plans (:func:`participants._sql_errors.tx_locks`).
         """
         table = self._connection.dialect.identifier_preparer.format_table(self._table)
-        sql = _KEYED_LOOKUP.format(table=table).replace("%(tx_ids)s", ":tx_ids")
-        return text(sql.replace("%(participant)s", ":participant")).columns(*self._table.c)
+        sql = _KEYED_LOOKUP.format(table=table, tx_ids=":tx_ids", participant=":participant")
+        return text(sql).columns(*self._table.c)
 
     def entry(self, tx_id: str, step: int) -> LedgerEntry | None:
         key = (tx_id, step)

@@ -166,7 +166,7 @@ class Consumer:
             self._owned.difference_update(partitions)
             # Offsets held back for these partitions go now, while they are still ours.
             if self._gate.holds_any(partitions):
-                self._commit_held_now("handing partitions over")
+                self._commit_held_now()
 
         def lost(partitions: list[Partition]) -> None:
             self._owned.difference_update(partitions)
@@ -408,13 +408,13 @@ class Consumer:
                 lambda: self._client.commit(offsets=_tps_at(offsets), asynchronous=True),
             )
 
-    def _commit_held_now(self, why: str) -> None:
+    def _commit_held_now(self) -> None:
         """Commit the held-back offsets and wait (a revocation: the partitions leave us)."""
         try:
             self._commit(self._gate.take())
         except (TransientError, FatalKafkaError) as exc:
             _log.warning(
-                "offsets not committed before %s, the records will be read again: %s", why, exc
+                "offsets not committed on a revocation; records will be read again: %s", exc
             )
 
     def _committed(self, err: ck.KafkaError | None, partitions: list[ck.TopicPartition]) -> None:
