@@ -45,7 +45,7 @@ COPY pyproject.toml README.md LICENSE ./
 COPY coordinator ./coordinator
 COPY participants ./participants
 COPY streams ./streams
-COPY sagatools ./sagatools
+COPY saga ./saga
 # Every extra: the three storages' drivers (participants), pyspark (saga reconcile)
 # and the tools (saga demo --setup-only, the init step of the compose app profile).
 RUN pip install '.[all]' && cd / && rm -rf /src

@@ -50,8 +50,8 @@ $(VENV)/.installed: pyproject.toml
 venv: $(VENV)/.installed
 
 lint: venv
-	$(VENV)/bin/ruff check coordinator participants streams sagatools tests
-	$(VENV)/bin/ruff format --check coordinator participants streams sagatools tests
+	$(VENV)/bin/ruff check saga coordinator participants streams tests
+	$(VENV)/bin/ruff format --check saga coordinator participants streams tests
 	$(VENV)/bin/mypy
 
 unit: venv
@@ -107,7 +107,7 @@ profile: venv infra-up
 # The reconciliation job's throughput on a generated log (SAGAS=1000000 by default).
 SAGAS ?= 1000000
 reconcile-bench: venv infra-up
-	@$(WITH_ENV) $(PY) -m streams.reconcile.bench --sagas $(SAGAS)
+	@$(WITH_ENV) $(PY) -m saga.streams.reconcile.bench --sagas $(SAGAS)
 
 # Bounded state: a coordinator's restart-to-ready time and memory, and a new client's
 # start-to-ready time, after 10,000 and after 1,000,000 sagas of history (about 15 min).

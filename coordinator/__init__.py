@@ -14,8 +14,8 @@ Public API::
 See docs/architecture.md for how these fit together.
 """
 
-from coordinator._client import AsyncSagaClient, SagaClient
-from coordinator._machine import (
+from saga.coordinator._client import AsyncSagaClient, SagaClient
+from saga.coordinator._machine import (
     AbortRequested,
     Ignored,
     RequestReceived,
@@ -24,8 +24,8 @@ from coordinator._machine import (
     Tick,
     decide,
 )
-from coordinator._service import CoordinatorService, CoordinatorStats
-from coordinator._status_view import StatusView
+from saga.coordinator._service import CoordinatorService, CoordinatorStats
+from saga.coordinator._status_view import StatusView
 
 __all__ = [
     "AbortRequested",

@@ -1,5 +1,5 @@
 """``python -m coordinator`` runs the saga command line."""
 
-from coordinator.cli import run
+from saga.coordinator.cli import run
 
 run()

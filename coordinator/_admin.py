@@ -23,7 +23,7 @@ from typing import Any
 
 import orjson
 
-from coordinator._admin_dlq import (
+from saga.coordinator._admin_dlq import (
     REDRIVEN_BY,
     REDRIVEN_FROM,
     DeadLetter,
@@ -33,9 +33,9 @@ from coordinator._admin_dlq import (
     dead_letters,
     redrive,
 )
-from coordinator._reading import read_to
-from coordinator._restore import _read, standing_status
-from streams import (
+from saga.coordinator._reading import read_to
+from saga.coordinator._restore import _read, standing_status
+from saga.streams import (
     RECORD_TYPES,
     ConfigurationError,
     InvalidRecord,
@@ -44,9 +44,9 @@ from streams import (
     decode_keyed,
     to_dict,
 )
-from streams._signing import HEADER_KEY_ID, Keyring
-from streams.kafka import KafkaSettings, Message, partition_for
-from streams.log import Log
+from saga.streams._signing import HEADER_KEY_ID, Keyring
+from saga.streams.kafka import KafkaSettings, Message, partition_for
+from saga.streams.log import Log
 
 __all__ = [
     "REDRIVEN_BY",

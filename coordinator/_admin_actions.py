@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from coordinator._admin import history, standing
-from coordinator._admin_dlq import _log_of
-from streams import (
+from saga.coordinator._admin import history, standing
+from saga.coordinator._admin_dlq import _log_of
+from saga.streams import (
     ConfigurationError,
     KafkaSettings,
     SagaAbort,
@@ -31,11 +31,11 @@ from streams import (
     StepStatus,
     encode,
 )
-from streams._lifecycle import wall_clock_ms
-from streams._routing import type_headers
-from streams._signed_log import signing
-from streams._signing import Keyring
-from streams.log import Log
+from saga.streams._lifecycle import wall_clock_ms
+from saga.streams._routing import type_headers
+from saga.streams._signed_log import signing
+from saga.streams._signing import Keyring
+from saga.streams.log import Log
 
 __all__ = ["ActionResult", "Verdict", "abort", "default_operator", "resolve"]
 

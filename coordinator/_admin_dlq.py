@@ -13,11 +13,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from coordinator._reading import read_to
-from streams import ConfigurationError
-from streams._signing import HEADER_SIGNATURE
-from streams.kafka import KafkaLog, KafkaSettings, Message
-from streams.log import Log
+from saga.coordinator._reading import read_to
+from saga.streams import ConfigurationError
+from saga.streams._signing import HEADER_SIGNATURE
+from saga.streams.kafka import KafkaLog, KafkaSettings, Message
+from saga.streams.log import Log
 
 __all__ = ["REDRIVEN_BY", "REDRIVEN_FROM", "DeadLetter", "dead_letter", "dead_letters", "redrive"]
 

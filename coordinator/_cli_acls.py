@@ -16,9 +16,9 @@ from typing import Any, TypeVar
 
 import click
 
-from coordinator._cli_common import kafka_options, settings_from
-from streams import Topics
-from streams.kafka import apply_acls, delete_acls, format_acls, saga_acls
+from saga.coordinator._cli_common import kafka_options, settings_from
+from saga.streams import Topics
+from saga.streams.kafka import apply_acls, delete_acls, format_acls, saga_acls
 
 F = TypeVar("F", bound=Callable[..., Any])
 

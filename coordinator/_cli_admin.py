@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 
 import click
 
-from coordinator._cli_common import (
+from saga.coordinator._cli_common import (
     Seconds,
     fail,
     kafka_options,
@@ -46,7 +46,7 @@ def by_option(fn: F) -> F:
 
 
 def _tx_id(tx_id: str) -> str:
-    from streams import TX_ID_PATTERN
+    from saga.streams import TX_ID_PATTERN
 
     if not re.fullmatch(TX_ID_PATTERN, tx_id):
         fail(f"{tx_id!r} is not a transaction id (1 to 128 of A-Z a-z 0-9 . _ : -)", 2)
@@ -71,7 +71,7 @@ def _duration(option: str) -> Callable[[click.Context, click.Parameter, str | No
     def parse(_ctx: click.Context, _param: click.Parameter, value: str | None) -> int | None:
         if value is None:
             return None
-        from streams._duration import parse_duration_ms
+        from saga.streams._duration import parse_duration_ms
 
         try:
             return parse_duration_ms(value)
@@ -137,7 +137,7 @@ def list_cmd(
 
     Example: saga list --state pending --older-than 5m
     """
-    from coordinator._admin import list_sagas
+    from saga.coordinator._admin import list_sagas
 
     wanted = [s.strip() for s in states.split(",") if s.strip()] if states else None
     settings = settings_from(bootstrap, prefix, kafka_config)
@@ -195,7 +195,7 @@ def history(
 
     Example: saga history tx-42
     """
-    from coordinator._admin import history as read_history
+    from saga.coordinator._admin import history as read_history
 
     settings = settings_from(bootstrap, prefix, kafka_config)
     entries = read_history(settings, _tx_id(tx_id), keys=load_keys(keys_dir, None))
@@ -262,7 +262,7 @@ def resolve(
 
     Example: saga resolve tx-42 --step 1 --note "refunded by hand, ticket 7"
     """
-    from coordinator._admin_actions import resolve as send_resolve
+    from saga.coordinator._admin_actions import resolve as send_resolve
 
     settings = settings_from(bootstrap, prefix, kafka_config)
     result = send_resolve(
@@ -328,7 +328,7 @@ def dlq_list(
 
     Example: saga dlq list --topic requests --since 1h
     """
-    from coordinator._admin import dead_letters
+    from saga.coordinator._admin import dead_letters
 
     settings = settings_from(bootstrap, prefix, kafka_config)
     since_ms = int(time.time() * 1000) - since if since is not None else None
@@ -368,7 +368,7 @@ def dlq_show(
 
     Example: saga dlq show 0:17
     """
-    from coordinator._admin import dead_letter
+    from saga.coordinator._admin import dead_letter
 
     partition, offset = _where(where)
     letter = dead_letter(settings_from(bootstrap, prefix, kafka_config), partition, offset)
@@ -421,8 +421,8 @@ def dlq_redrive(
 
     Example: saga dlq redrive 0:17 --yes
     """
-    from coordinator._admin import dead_letter, redrive
-    from coordinator._admin_actions import default_operator
+    from saga.coordinator._admin import dead_letter, redrive
+    from saga.coordinator._admin_actions import default_operator
 
     partition, offset = _where(where)
     settings = settings_from(bootstrap, prefix, kafka_config)

@@ -17,7 +17,7 @@ from typing import Any
 
 import click
 
-from coordinator._cli_common import (
+from saga.coordinator._cli_common import (
     MAX_TIMEOUT_S,
     Seconds,
     fail,
@@ -26,7 +26,7 @@ from coordinator._cli_common import (
     load_keys,
     settings_from,
 )
-from streams import ConfigurationError, InvalidRecord, SagaState, SagaTimeout, to_dict
+from saga.streams import ConfigurationError, InvalidRecord, SagaState, SagaTimeout, to_dict
 
 # The exit status of `saga submit --wait` and `saga status` for a transaction's state
 # (README "Command line"): final states get their own, anything else is "not final yet",
@@ -180,7 +180,7 @@ def submit(
     With --wait the exit status tells the outcome: 0 committed, 3 rolled back,
     5 failed (an operator must act), 4 still running when the wait ended.
     """
-    from coordinator._client import DEFAULT_TIMEOUT_S, SagaClient, build_request
+    from saga.coordinator._client import DEFAULT_TIMEOUT_S, SagaClient, build_request
 
     data = _read_submission(source)
     deadline_s = timeout if timeout is not None else float(data.get("timeout_s", DEFAULT_TIMEOUT_S))
@@ -245,8 +245,8 @@ def status(
     or rolling back, a line on standard error names each participant it waits on that
     is gone or never announced itself (see `saga participants`).
     """
-    from coordinator._cli_registry import waiting_notes
-    from coordinator._status_view import StatusView
+    from saga.coordinator._cli_registry import waiting_notes
+    from saga.coordinator._status_view import StatusView
 
     settings = settings_from(bootstrap, prefix, kafka_config)
     keys = load_keys(keys_dir, None)
@@ -286,7 +286,7 @@ def watch(
     from rich.live import Live
     from rich.table import Table
 
-    from coordinator._status_view import StatusView
+    from saga.coordinator._status_view import StatusView
 
     settings = settings_from(bootstrap, prefix, kafka_config)
     view = StatusView(settings, from_beginning=True, keys=load_keys(keys_dir, None))
@@ -382,8 +382,8 @@ def abort(
 
     Example: saga abort tx-42 --reason "customer cancelled"
     """
-    from coordinator._admin_actions import abort as send_abort
-    from coordinator._cli_admin import _report, _tx_id
+    from saga.coordinator._admin_actions import abort as send_abort
+    from saga.coordinator._cli_admin import _report, _tx_id
 
     keys = load_keys(keys_dir, "operator" if as_operator else "client")
     settings = settings_from(bootstrap, prefix, kafka_config)

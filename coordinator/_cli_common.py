@@ -1,7 +1,7 @@
 """What every ``saga`` command shares: Kafka options, settings, seconds, one-sentence failures.
 
 Imported by :mod:`coordinator.cli`, its command modules (``coordinator._cli_*``)
-and the tools' commands (:mod:`sagatools.cli`); it imports no storage driver.
+and the tools' commands (:mod:`saga.tools.cli`); it imports no storage driver.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import click
 
-from streams._secrets import redact, remember_settings
-from streams.kafka import KafkaSettings
+from saga.streams._secrets import redact, remember_settings
+from saga.streams.kafka import KafkaSettings
 
 if TYPE_CHECKING:
-    from streams._signing import Keyring
+    from saga.streams._signing import Keyring
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -69,7 +69,7 @@ def connect_timeout_option(fn: F) -> F:
 
 
 def _parse_retention(_ctx: click.Context, _param: click.Parameter, value: str) -> int:
-    from streams._duration import parse_duration_ms
+    from saga.streams._duration import parse_duration_ms
 
     try:
         return parse_duration_ms(value)
@@ -79,7 +79,7 @@ def _parse_retention(_ctx: click.Context, _param: click.Parameter, value: str) -
 
 def retention_option(what: str) -> Callable[[F], F]:
     """``--retention`` (a duration) as ``retention_ms``; the same default everywhere."""
-    from streams._duration import DEFAULT_RETENTION
+    from saga.streams._duration import DEFAULT_RETENTION
 
     return click.option(
         "--retention",
@@ -137,8 +137,8 @@ def load_keys(keys_dir: str | None, principal: str | None) -> Keyring | None:
     """
     if not keys_dir:
         return None
-    from streams._errors import ConfigurationError
-    from streams._signing import Keyring
+    from saga.streams._errors import ConfigurationError
+    from saga.streams._signing import Keyring
 
     try:
         return Keyring.load(keys_dir, principal)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import click
 
-from coordinator._cli_common import fail
+from saga.coordinator._cli_common import fail
 
 _DIR_HELP = "The key folder [env SAGA_KEYS_DIR]."
 
@@ -59,8 +59,8 @@ def keys() -> None:
 )
 def keys_create(directory: str, participants: str, rotate: bool) -> None:
     """Make keys for the coordinator, a client, an operator and each participant."""
-    from streams._errors import ConfigurationError
-    from streams._signing import CLIENT, COORDINATOR, OPERATOR, check_principal, create_key
+    from saga.streams._errors import ConfigurationError
+    from saga.streams._signing import CLIENT, COORDINATOR, OPERATOR, check_principal, create_key
 
     names = [p.strip() for p in participants.split(",") if p.strip()]
     principals = [COORDINATOR, CLIENT, OPERATOR, *(f"participant-{n}" for n in names)]
@@ -92,8 +92,8 @@ def keys_create(directory: str, participants: str, rotate: bool) -> None:
 @click.option("--principal", required=True, help="coordinator, client, operator or participant-X.")
 def keys_rotate(directory: str, principal: str) -> None:
     """Give PRINCIPAL a new key pair; its old public key stays valid until retired."""
-    from streams._errors import ConfigurationError
-    from streams._signing import create_key
+    from saga.streams._errors import ConfigurationError
+    from saga.streams._signing import create_key
 
     old = _current_kid(Path(directory), principal)
     try:
@@ -113,8 +113,8 @@ def keys_rotate(directory: str, principal: str) -> None:
 @click.option("--kid", required=True, help="The key id to remove (see `saga keys list`).")
 def keys_retire(directory: str, kid: str) -> None:
     """Remove public key KID: records signed with it are no longer accepted."""
-    from streams._errors import ConfigurationError
-    from streams._signing import retire_key
+    from saga.streams._errors import ConfigurationError
+    from saga.streams._signing import retire_key
 
     folder = Path(directory)
     if "/" in kid or "\\" in kid or kid.startswith("."):
@@ -137,8 +137,8 @@ def keys_retire(directory: str, kid: str) -> None:
 @_dir_option
 def keys_list(directory: str) -> None:
     """The public keys of the folder: principal, key id, whether its private key is here."""
-    from streams._errors import ConfigurationError
-    from streams._signing import _read_public
+    from saga.streams._errors import ConfigurationError
+    from saga.streams._signing import _read_public
 
     folder = Path(directory)
     if not folder.is_dir():

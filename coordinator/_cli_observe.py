@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
-from streams._logs import LOG_FORMATS, LogFormat, set_log_format
+from saga.streams._logs import LOG_FORMATS, LogFormat, set_log_format
 
 if TYPE_CHECKING:
-    from streams._observe import LoopObserver
+    from saga.streams._observe import LoopObserver
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -38,13 +38,13 @@ class Observability:
     @contextmanager
     def serve(self, observer: LoopObserver, service_name: str) -> Iterator[None]:
         """Export spans when configured, serve the endpoints when asked, for the block."""
-        from streams._otel import setup_export
+        from saga.streams._otel import setup_export
 
         setup_export(f"saga-{service_name}", os.environ)
         if not self.metrics_port:
             yield
             return
-        from streams._http import serve_metrics
+        from saga.streams._http import serve_metrics
 
         server = serve_metrics(observer, self.metrics_host, self.metrics_port)
         try:

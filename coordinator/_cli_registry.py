@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from coordinator._cli_common import (
+from saga.coordinator._cli_common import (
     Seconds,
     fail,
     kafka_options,
@@ -23,10 +23,10 @@ from coordinator._cli_common import (
 )
 
 if TYPE_CHECKING:
-    from streams import SagaStatus
-    from streams._registry import ParticipantRegistry
-    from streams._signing import Keyring
-    from streams.kafka import KafkaSettings
+    from saga.streams import SagaStatus
+    from saga.streams._registry import ParticipantRegistry
+    from saga.streams._signing import Keyring
+    from saga.streams.kafka import KafkaSettings
 
 __all__ = ["age", "participants", "waiting_notes"]
 
@@ -41,7 +41,7 @@ def age(ms: int) -> str:
 
 
 def _read(settings: KafkaSettings, timeout: float, keys: Keyring | None) -> ParticipantRegistry:
-    from streams._registry import read_registry
+    from saga.streams._registry import read_registry
 
     return read_registry(settings, timeout, keys=keys)
 
@@ -138,7 +138,7 @@ def _wait(
 ) -> ParticipantRegistry:
     import time
 
-    from streams import SagaTimeout
+    from saga.streams import SagaTimeout
 
     deadline = time.monotonic() + timeout
     while True:
@@ -157,8 +157,8 @@ def _wait(
 def _forget(
     settings: KafkaSettings, targets: Iterable[str], timeout: float, keys_dir: str | None
 ) -> None:
-    from streams._signed_log import signing
-    from streams.log import KafkaLog
+    from saga.streams._signed_log import signing
+    from saga.streams.log import KafkaLog
 
     keys = load_keys(keys_dir, "operator")
     registry = _read(settings, timeout, keys)
@@ -193,7 +193,7 @@ def waiting_notes(
     """For a saga still committing or rolling back: the participants it waits on that are
     gone or never announced themselves, one sentence each. Empty when the registry
     cannot be read (the status itself is what was asked for)."""
-    from streams import SagaError, SagaState, StepStatus
+    from saga.streams import SagaError, SagaState, StepStatus
 
     if status.state is SagaState.ROLLING_BACK:
         done = {StepStatus.COMPENSATED, StepStatus.COMPENSATION_FAILED}

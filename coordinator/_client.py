@@ -27,8 +27,8 @@ from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from coordinator._status_view import StatusView
-from streams import (
+from saga.coordinator._status_view import StatusView
+from saga.streams import (
     ConflictingRequest,
     InvalidRecord,
     Mode,
@@ -41,13 +41,13 @@ from streams import (
     decode,
     encode,
 )
-from streams._lifecycle import wall_clock_ms
-from streams._otel import Spans
-from streams._routing import request_headers, type_headers
-from streams._signed_log import signing
-from streams._signing import Keyring
-from streams.kafka import KafkaLog, KafkaSettings
-from streams.log import Log
+from saga.streams._lifecycle import wall_clock_ms
+from saga.streams._otel import Spans
+from saga.streams._routing import request_headers, type_headers
+from saga.streams._signed_log import signing
+from saga.streams._signing import Keyring
+from saga.streams.kafka import KafkaLog, KafkaSettings
+from saga.streams.log import Log
 
 log = logging.getLogger("saga.client")
 

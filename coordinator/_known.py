@@ -22,11 +22,11 @@ import time
 from collections.abc import Callable
 from typing import Final
 
-from streams import ConfigurationError, SagaRequest
-from streams._lifecycle import Clock, wall_clock_ms
-from streams._registry import ParticipantRegistry
-from streams._signing import Keyring
-from streams.log import Log
+from saga.streams import ConfigurationError, SagaRequest
+from saga.streams._lifecycle import Clock, wall_clock_ms
+from saga.streams._registry import ParticipantRegistry
+from saga.streams._signing import Keyring
+from saga.streams.log import Log
 
 __all__ = ["KnownParticipants"]
 

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from coordinator._machine_io import (
+from saga.coordinator._machine_io import (
     AbortRequested,
     Ignored,
     Input,
@@ -48,7 +48,7 @@ from coordinator._machine_io import (
     input_of,
     tx_of,
 )
-from streams import (
+from saga.streams import (
     MAX_REASON_CHARS,
     Decision,
     Mode,

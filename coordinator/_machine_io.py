@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from streams import (
+from saga.streams import (
     Decision,
     Record,
     SagaAbort,

@@ -32,16 +32,16 @@ from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
-from coordinator._machine import Saga
-from streams import Decision, SagaState, SagaStatus, StepEvent
-from streams._observe import LoopObserver
-from streams.kafka import Message
+from saga.coordinator._machine import Saga
+from saga.streams import Decision, SagaState, SagaStatus, StepEvent
+from saga.streams._observe import LoopObserver
+from saga.streams.kafka import Message
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry, Histogram
     from prometheus_client.core import Metric
 
-    from coordinator._service import CoordinatorService
+    from saga.coordinator._service import CoordinatorService
 
 REASON_CLASSES = (
     "all_applied",
@@ -179,7 +179,7 @@ class CoordinatorObserver(LoopObserver):
         # prometheus_client is imported only by a service that serves metrics.
         from prometheus_client import Histogram
 
-        from streams._metrics import LATENCY_BUCKETS
+        from saga.streams._metrics import LATENCY_BUCKETS
 
         self._decision_latency = Histogram(
             "saga_decision_latency_seconds",
@@ -198,7 +198,7 @@ class CoordinatorObserver(LoopObserver):
         super().enable_metrics(registry)
 
     def families(self) -> Iterable[Metric]:
-        from streams._metrics import counter, gauge
+        from saga.streams._metrics import counter, gauge
 
         stats = self._service.stats
         yield gauge(

@@ -5,8 +5,8 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 
-from streams.kafka import Message
-from streams.log import LogConsumer
+from saga.streams.kafka import Message
+from saga.streams.log import LogConsumer
 
 Partition = tuple[str, int]
 

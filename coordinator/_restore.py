@@ -18,13 +18,13 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Final
 
-from coordinator._machine import Saga
-from coordinator._txn import retrying
-from streams import InvalidRecord, SagaStatus
-from streams._codec import decode_keyed
-from streams._signing import COORDINATOR, Keyring
-from streams.kafka import Message
-from streams.log import Log, LogConsumer
+from saga.coordinator._machine import Saga
+from saga.coordinator._txn import retrying
+from saga.streams import InvalidRecord, SagaStatus
+from saga.streams._codec import decode_keyed
+from saga.streams._signing import COORDINATOR, Keyring
+from saga.streams.kafka import Message
+from saga.streams.log import Log, LogConsumer
 
 log = logging.getLogger("saga.coordinator")
 

@@ -13,8 +13,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Final
 
-from coordinator._machine import Saga
-from streams import SagaStatus, encode
+from saga.coordinator._machine import Saga
+from saga.streams import SagaStatus, encode
 
 __all__ = ["PartitionState", "due_to_forget", "due_to_refresh"]
 

@@ -8,9 +8,9 @@ costs that participant a decode.
 
 from __future__ import annotations
 
-from coordinator._machine import UNKNOWN_PARTICIPANT, Saga
-from streams import Decision, Outcome, StepEvent
-from streams._routing import Headers, decision_headers, event_headers
+from saga.coordinator._machine import UNKNOWN_PARTICIPANT, Saga
+from saga.streams import Decision, Outcome, StepEvent
+from saga.streams._routing import Headers, decision_headers, event_headers
 
 
 def decision_route(decision: Decision, saga: Saga | None) -> Headers:

@@ -22,9 +22,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
-from coordinator import _route
-from coordinator._known import KnownParticipants
-from coordinator._machine import (
+from saga.coordinator import _route
+from saga.coordinator._known import KnownParticipants
+from saga.coordinator._machine import (
     Ignored,
     Input,
     RequestReceived,
@@ -34,11 +34,11 @@ from coordinator._machine import (
     input_of,
     tx_of,
 )
-from coordinator._observe import CoordinatorObserver
-from coordinator._restore import restore
-from coordinator._retention import PartitionState, due_to_forget, due_to_refresh
-from coordinator._txn import Transactions, next_offsets
-from streams import (
+from saga.coordinator._observe import CoordinatorObserver
+from saga.coordinator._restore import restore
+from saga.coordinator._retention import PartitionState, due_to_forget, due_to_refresh
+from saga.coordinator._txn import Transactions, next_offsets
+from saga.streams import (
     Decision,
     FatalKafkaError,
     InvalidRecord,
@@ -52,19 +52,19 @@ from streams import (
     decode_keyed,
     encode,
 )
-from streams._duration import DEFAULT_RETENTION_MS
-from streams._faults import NO_FAULTS, Faults
-from streams._lifecycle import Clock, Stoppable, wall_clock_ms
-from streams._routing import Headers
-from streams._signed_log import signing
-from streams._signing import CLIENT, COORDINATOR, OPERATOR, Keyring, allowed_signers
-from streams.kafka import (
+from saga.streams._duration import DEFAULT_RETENTION_MS
+from saga.streams._faults import NO_FAULTS, Faults
+from saga.streams._lifecycle import Clock, Stoppable, wall_clock_ms
+from saga.streams._routing import Headers
+from saga.streams._signed_log import signing
+from saga.streams._signing import CLIENT, COORDINATOR, OPERATOR, Keyring, allowed_signers
+from saga.streams.kafka import (
     KafkaSettings,
     Message,
     partition_for,
     send_to_dlq,
 )
-from streams.log import KafkaLog, Log, LogTransactionalProducer
+from saga.streams.log import KafkaLog, Log, LogTransactionalProducer
 
 log = logging.getLogger("saga.coordinator")
 

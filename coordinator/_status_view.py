@@ -16,8 +16,8 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 
-from coordinator._restore import standing_status
-from streams import (
+from saga.coordinator._restore import standing_status
+from saga.streams import (
     ConfigurationError,
     ConflictingRequest,
     InvalidRecord,
@@ -25,9 +25,9 @@ from streams import (
     SagaStatus,
     decode_as,
 )
-from streams._signing import COORDINATOR, Keyring
-from streams.kafka import KafkaLog, KafkaSettings, Message
-from streams.log import Log
+from saga.streams._signing import COORDINATOR, Keyring
+from saga.streams.kafka import KafkaLog, KafkaSettings, Message
+from saga.streams.log import Log
 
 log = logging.getLogger("saga.client")
 

@@ -43,9 +43,9 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Final, TypeVar
 
-from streams import FatalKafkaError, SagaError, TransientError
-from streams.kafka import OFFSET_BEGINNING, Message, TransactionAborted
-from streams.log import LogConsumer, LogTransactionalProducer
+from saga.streams import FatalKafkaError, SagaError, TransientError
+from saga.streams.kafka import OFFSET_BEGINNING, Message, TransactionAborted
+from saga.streams.log import LogConsumer, LogTransactionalProducer
 
 log = logging.getLogger("saga.coordinator")
 

@@ -14,7 +14,7 @@ This module holds the group, the service commands (``topics``, ``coordinator``,
 :mod:`coordinator._cli_common`, the client commands in
 :mod:`coordinator._cli_client`, ``participants`` (the participant registry) in
 :mod:`coordinator._cli_registry`, and ``reconcile`` in :mod:`streams.reconcile.cli`.
-``demo`` and ``bench`` belong to the tools package (:mod:`sagatools.cli`, the
+``demo`` and ``bench`` belong to the tools package (:mod:`saga.tools.cli`, the
 ``tools`` extra) and are attached lazily: the core imports no storage driver.
 """
 
@@ -30,10 +30,10 @@ import sys
 
 import click
 
-from coordinator._cli_acls import acls
-from coordinator._cli_admin import COMMANDS as ADMIN_COMMANDS
-from coordinator._cli_client import abort, status, submit, watch
-from coordinator._cli_common import (
+from saga.coordinator._cli_acls import acls
+from saga.coordinator._cli_admin import COMMANDS as ADMIN_COMMANDS
+from saga.coordinator._cli_client import abort, status, submit, watch
+from saga.coordinator._cli_common import (
     TOOLS_HINT,
     connect_timeout_option,
     fail,
@@ -43,10 +43,10 @@ from coordinator._cli_common import (
     retention_option,
     settings_from,
 )
-from coordinator._cli_keys import keys
-from coordinator._cli_observe import Observability, log_format_option, observe_options
-from coordinator._cli_registry import participants
-from streams import (
+from saga.coordinator._cli_keys import keys
+from saga.coordinator._cli_observe import Observability, log_format_option, observe_options
+from saga.coordinator._cli_registry import participants
+from saga.streams import (
     ConfigurationError,
     ConflictingRequest,
     SagaError,
@@ -54,14 +54,14 @@ from streams import (
     StorageKind,
     schema,
 )
-from streams._logs import LogFormat, configure_logging
-from streams._secrets import redact, url_password
-from streams.kafka import create_topics, wait_for_broker
+from saga.streams._logs import LogFormat, configure_logging
+from saga.streams._secrets import redact, url_password
+from saga.streams.kafka import create_topics, wait_for_broker
 
 # The tools' commands: name -> module of the tools package that defines it.
-TOOL_COMMANDS = {"bench": "sagatools.cli", "demo": "sagatools.cli"}
+TOOL_COMMANDS = {"bench": "saga.tools.cli", "demo": "saga.tools.cli"}
 # Core commands imported only when run (a web server is no start-up cost for the rest).
-LAZY_COMMANDS = {"console": "coordinator._console._cli"}
+LAZY_COMMANDS = {"console": "saga.coordinator._console._cli"}
 
 
 def _tools_missing(name: str, problem: str) -> click.Command:
@@ -160,7 +160,7 @@ def default_instance_id() -> str:
 
 
 def _duration_ms(value: str, option: str, least_ms: int, most_ms: int) -> int:
-    from streams._duration import parse_duration_ms
+    from saga.streams._duration import parse_duration_ms
 
     try:
         ms = parse_duration_ms(value)
@@ -257,7 +257,7 @@ def topics_delete(
 
     Topics that do not exist are skipped, so running it twice is harmless.
     """
-    from streams.kafka import delete_topics
+    from saga.streams.kafka import delete_topics
 
     settings = settings_from(bootstrap, prefix, kafka_config)
     names = list(settings.topics.all)
@@ -340,9 +340,9 @@ def coordinator_run(
     itself on the participant registry rolls back at once (see --unknown-participants);
     the coordinator reads the registry to its end before it decides anything.
     """
-    from coordinator._service import CoordinatorService
-    from streams._faults import faults_from_env
-    from streams.log import KafkaLog
+    from saga.coordinator._service import CoordinatorService
+    from saga.streams._faults import faults_from_env
+    from saga.streams.log import KafkaLog
 
     faults = faults_from_env(os.environ)
     known = (
@@ -481,10 +481,10 @@ def participant_run(
     storage exits with code 2; Kafka not answering within --connect-timeout
     seconds exits with code 1.
     """
-    from participants import ParticipantRuntime, open_storage
-    from participants._open import storage_url
-    from streams._faults import faults_from_env
-    from streams.log import KafkaLog
+    from saga.participants import ParticipantRuntime, open_storage
+    from saga.participants._open import storage_url
+    from saga.streams._faults import faults_from_env
+    from saga.streams.log import KafkaLog
 
     faults = faults_from_env(os.environ)
 
@@ -533,7 +533,7 @@ def participant_run(
 @click.argument("record_type", required=False)
 def schema_cmd(record_type: str | None) -> None:
     """Print the JSON Schema of a record type (saga.request, saga.step, ...), or list them."""
-    from streams import SCHEMA_NAMES
+    from saga.streams import SCHEMA_NAMES
 
     if record_type is None:
         for name in SCHEMA_NAMES:
@@ -544,7 +544,7 @@ def schema_cmd(record_type: str | None) -> None:
     click.echo(json.dumps(schema(record_type), indent=2))
 
 
-from streams.reconcile.cli import reconcile  # noqa: E402  (registered after main exists)
+from saga.streams.reconcile.cli import reconcile  # noqa: E402  (registered after main exists)
 
 main.add_command(reconcile)
 main.add_command(acls)

@@ -25,17 +25,17 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from participants._barrier import (
+from saga.participants._barrier import (
     LedgerEntry,
     LedgerStatus,
     PredecessorApplied,
     Requested,
     SuccessorCompensated,
 )
-from participants._handlers import Handler, Reject, load_handlers
-from participants._open import open_storage
-from participants._runtime import ParticipantRuntime, ParticipantStats
-from participants._storage import (
+from saga.participants._handlers import Handler, Reject, load_handlers
+from saga.participants._open import open_storage
+from saga.participants._runtime import ParticipantRuntime, ParticipantStats
+from saga.participants._storage import (
     Actions,
     DecisionArrived,
     LedgerStorage,
@@ -48,18 +48,18 @@ from participants._storage import (
 )
 
 if TYPE_CHECKING:
-    from participants._mongo import MongoSession, MongoStorage
-    from participants._redis import RedisSession, RedisStorage
-    from participants._sql import SqlSession, SqlStorage
+    from saga.participants.mongo._adapter import MongoSession, MongoStorage
+    from saga.participants.redis._adapter import RedisSession, RedisStorage
+    from saga.participants.sql._adapter import SqlSession, SqlStorage
 
 # The adapters import their drivers (SQLAlchemy, pymongo, redis-py): only on first use.
 _ADAPTERS = {
-    "SqlStorage": "participants._sql",
-    "SqlSession": "participants._sql",
-    "MongoStorage": "participants._mongo",
-    "MongoSession": "participants._mongo",
-    "RedisStorage": "participants._redis",
-    "RedisSession": "participants._redis",
+    "SqlStorage": "saga.participants.sql._adapter",
+    "SqlSession": "saga.participants.sql._adapter",
+    "MongoStorage": "saga.participants.mongo._adapter",
+    "MongoSession": "saga.participants.mongo._adapter",
+    "RedisStorage": "saga.participants.redis._adapter",
+    "RedisSession": "saga.participants.redis._adapter",
 }
 
 

@@ -42,8 +42,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final, Protocol, TypeAlias
 
-from participants._storage import Actions, NativeT
-from streams import BusinessRejection, ConfigurationError
+from saga.participants._storage import Actions, NativeT
+from saga.streams import BusinessRejection, ConfigurationError
 
 IDENTIFIER: Final = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
 """Target and field names: letters, digits and ``_``, not starting with a digit, 1-63 characters

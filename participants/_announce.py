@@ -22,7 +22,7 @@ from collections.abc import Iterable
 from importlib import metadata
 from typing import Final
 
-from streams import (
+from saga.streams import (
     ConfigurationError,
     ParticipantAnnouncement,
     ParticipantState,
@@ -31,9 +31,9 @@ from streams import (
     Topics,
     encode,
 )
-from streams._lifecycle import Clock, wall_clock_ms
-from streams.kafka import Message
-from streams.log import Log
+from saga.streams._lifecycle import Clock, wall_clock_ms
+from saga.streams.kafka import Message
+from saga.streams.log import Log
 
 __all__ = ["DEFAULT_HEARTBEAT_MS", "Announcer", "package_version", "storage_kind"]
 
@@ -62,9 +62,9 @@ def storage_kind(storage: object) -> StorageKind:
     """The kind of a storage adapter: ``sql``, ``mongo``, ``redis``, else ``other``."""
     module = type(storage).__module__
     for kind, home in (
-        (StorageKind.SQL, "participants._sql"),
-        (StorageKind.MONGO, "participants._mongo"),
-        (StorageKind.REDIS, "participants._redis"),
+        (StorageKind.SQL, "saga.participants.sql._adapter"),
+        (StorageKind.MONGO, "saga.participants.mongo._adapter"),
+        (StorageKind.REDIS, "saga.participants.redis._adapter"),
     ):
         if module == home:
             return kind

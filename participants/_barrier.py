@@ -66,7 +66,7 @@ from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Any
 
-from streams import Mode, Outcome, StepStatus
+from saga.streams import Mode, Outcome, StepStatus
 
 
 class LedgerStatus(StrEnum):

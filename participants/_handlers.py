@@ -33,9 +33,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from participants._actions import is_builtin
-from participants._storage import Actions, NativeT
-from streams import BusinessRejection, ConfigurationError
+from saga.participants._actions import is_builtin
+from saga.participants._storage import Actions, NativeT
+from saga.streams import BusinessRejection, ConfigurationError
 
 Reject = BusinessRejection
 """Raise ``Reject("why")`` in a handler's ``try_`` to fail the step (the saga rolls back)."""

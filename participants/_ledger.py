@@ -22,8 +22,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
-from participants._barrier import LedgerEntry, LedgerStatus
-from streams import Mode
+from saga.participants._barrier import LedgerEntry, LedgerStatus
+from saga.streams import Mode
 
 MARKER_STEP: Final = -1
 """The step of the transaction-level rollback marker."""

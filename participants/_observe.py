@@ -34,16 +34,16 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
-from participants._storage import Report, RequestSeen, WorkItem
-from streams import StepStatus
-from streams._observe import LoopObserver
-from streams.kafka import Message
+from saga.participants._storage import Report, RequestSeen, WorkItem
+from saga.streams import StepStatus
+from saga.streams._observe import LoopObserver
+from saga.streams.kafka import Message
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry, Histogram
     from prometheus_client.core import Metric
 
-    from participants._runtime import ParticipantRuntime
+    from saga.participants._runtime import ParticipantRuntime
 
 T = TypeVar("T")
 
@@ -131,7 +131,7 @@ class ParticipantObserver(LoopObserver):
         # prometheus_client is imported only by a service that serves metrics.
         from prometheus_client import Histogram
 
-        from streams._metrics import LATENCY_BUCKETS
+        from saga.streams._metrics import LATENCY_BUCKETS
 
         self._storage_seconds = Histogram(
             "saga_participant_storage_seconds",
@@ -143,7 +143,7 @@ class ParticipantObserver(LoopObserver):
         super().enable_metrics(registry)
 
     def families(self) -> Iterable[Metric]:
-        from streams._metrics import counter
+        from saga.streams._metrics import counter
 
         stats = self._runtime.stats
         name = self._runtime.name

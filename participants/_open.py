@@ -15,10 +15,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from urllib.parse import quote
 
-from participants._storage import Storage
-from streams import ConfigurationError
-from streams._faults import NO_FAULTS, Faults
-from streams._secrets import redact_url, remember, url_password
+from saga.participants._storage import Storage
+from saga.streams import ConfigurationError
+from saga.streams._faults import NO_FAULTS, Faults
+from saga.streams._secrets import redact_url, remember, url_password
 
 KINDS = ("sql", "mongo", "redis")
 
@@ -173,19 +173,19 @@ def open_storage(
     require_driver(kind, url)
     custom = None
     if handlers is not None:
-        from participants._handlers import load_handlers
+        from saga.participants._handlers import load_handlers
 
         custom = load_handlers(handlers)
     if kind == "sql":
-        from participants._sql import SqlStorage
+        from saga.participants.sql._adapter import SqlStorage
 
         return SqlStorage(name, url, targets, schema=schema, handlers=custom, faults=faults)
     if kind == "mongo":
-        from participants._mongo import MongoStorage
+        from saga.participants.mongo._adapter import MongoStorage
 
         return MongoStorage(name, url, targets, database=schema, handlers=custom, faults=faults)
     if kind == "redis":
-        from participants._redis import DEFAULT_PREFIX, RedisStorage
+        from saga.participants.redis._adapter import DEFAULT_PREFIX, RedisStorage
 
         return RedisStorage(
             name,

@@ -32,11 +32,20 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from enum import Enum
 
-from participants._storage import RequestSeen
-from streams import Mode, Outcome, SagaRequest, StepStatus, Topics
-from streams._routing import FOR, OUTCOME, PARTS, TYPE, Headers, event_headers, names, seen_fields
-from streams._signing import CLIENT, OPERATOR, Keyring
-from streams.kafka import Message, partition_for
+from saga.participants._storage import RequestSeen
+from saga.streams import Mode, Outcome, SagaRequest, StepStatus, Topics
+from saga.streams._routing import (
+    FOR,
+    OUTCOME,
+    PARTS,
+    TYPE,
+    Headers,
+    event_headers,
+    names,
+    seen_fields,
+)
+from saga.streams._signing import CLIENT, OPERATOR, Keyring
+from saga.streams.kafka import Message, partition_for
 
 _REQUEST_TYPE = SagaRequest.TYPE.encode()
 _COMMIT = str(Outcome.COMMIT).encode()

@@ -54,11 +54,11 @@ from tenacity import (
     wait_exponential,
 )
 
-from participants._announce import DEFAULT_HEARTBEAT_MS, Announcer, storage_kind
-from participants._barrier import PredecessorApplied, Requested, SuccessorCompensated
-from participants._observe import ParticipantObserver
-from participants._routing import Router, Seen, Verdict
-from participants._storage import (
+from saga.participants._announce import DEFAULT_HEARTBEAT_MS, Announcer, storage_kind
+from saga.participants._barrier import PredecessorApplied, Requested, SuccessorCompensated
+from saga.participants._observe import ParticipantObserver
+from saga.participants._routing import Router, Seen, Verdict
+from saga.participants._storage import (
     DecisionArrived,
     Report,
     RequestSeen,
@@ -66,7 +66,7 @@ from participants._storage import (
     WorkItem,
     unique,
 )
-from streams import (
+from saga.streams import (
     MAX_REASON_CHARS,
     ConfigurationError,
     Decision,
@@ -84,13 +84,13 @@ from streams import (
     decode_keyed,
     encode,
 )
-from streams._duration import DEFAULT_RETENTION_MS
-from streams._faults import NO_FAULTS, Faults
-from streams._lifecycle import Clock, Stoppable, wall_clock_ms
-from streams._signed_log import signing
-from streams._signing import Keyring, allowed_signers
-from streams.kafka import KafkaSettings, Message, partition_for
-from streams.log import KafkaLog, Log
+from saga.streams._duration import DEFAULT_RETENTION_MS
+from saga.streams._faults import NO_FAULTS, Faults
+from saga.streams._lifecycle import Clock, Stoppable, wall_clock_ms
+from saga.streams._signed_log import signing
+from saga.streams._signing import Keyring, allowed_signers
+from saga.streams.kafka import KafkaSettings, Message, partition_for
+from saga.streams.log import KafkaLog, Log
 
 log = logging.getLogger("saga.participant")
 

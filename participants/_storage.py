@@ -48,7 +48,7 @@ from typing import Any, ClassVar, Generic, NoReturn
 
 from typing_extensions import TypeVar
 
-from participants._barrier import (
+from saga.participants._barrier import (
     Decided,
     Effect,
     LedgerEntry,
@@ -59,9 +59,9 @@ from participants._barrier import (
     SuccessorCompensated,
     plan,
 )
-from participants._ledger import rolled_back_marker, seen_marker
-from streams import BusinessRejection, Outcome, StepStatus, TransientError
-from streams._faults import NO_FAULTS, Faults
+from saga.participants._ledger import rolled_back_marker, seen_marker
+from saga.streams import BusinessRejection, Outcome, StepStatus, TransientError
+from saga.streams._faults import NO_FAULTS, Faults
 
 log = logging.getLogger("saga.participant")
 

@@ -3,7 +3,7 @@
 Everything public is re-exported here; the ``_``-prefixed modules are private.
 """
 
-from ._codec import (
+from saga.streams._codec import (
     SCHEMA_NAMES,
     decode,
     decode_announcement,
@@ -13,7 +13,7 @@ from ._codec import (
     schema,
     to_dict,
 )
-from ._errors import (
+from saga.streams._errors import (
     BusinessRejection,
     ConfigurationError,
     ConflictingRequest,
@@ -23,14 +23,14 @@ from ._errors import (
     SagaTimeout,
     TransientError,
 )
-from ._limits import (
+from saga.streams._limits import (
     MAX_NAME_CHARS,
     MAX_NESTING,
     MAX_REASON_CHARS,
     MAX_RECORD_BYTES,
     MAX_SAGA_CHARS,
 )
-from ._records import (
+from saga.streams._records import (
     MAX_STEPS,
     RECORD_TYPES,
     TX_ID_PATTERN,
@@ -52,11 +52,11 @@ from ._records import (
     StepStatus,
     StorageKind,
 )
-from ._registry import ParticipantInfo, ParticipantRegistry, read_registry
-from ._signed_log import SignedLog
-from ._signing import Keyring
-from ._topics import Topics
-from .kafka import KafkaSettings
+from saga.streams._registry import ParticipantInfo, ParticipantRegistry, read_registry
+from saga.streams._signed_log import SignedLog
+from saga.streams._signing import Keyring
+from saga.streams._topics import Topics
+from saga.streams.kafka import KafkaSettings
 
 __all__ = [
     "MAX_NAME_CHARS",

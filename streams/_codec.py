@@ -42,9 +42,9 @@ from typing import Any, Final, TypeVar
 import fastjsonschema
 import orjson
 
-from ._errors import ConfigurationError, InvalidRecord
-from ._limits import INT64_MAX, INT64_MIN, MAX_NESTING, MAX_RECORD_BYTES
-from ._records import (
+from saga.streams._errors import ConfigurationError, InvalidRecord
+from saga.streams._limits import INT64_MAX, INT64_MIN, MAX_NESTING, MAX_RECORD_BYTES
+from saga.streams._records import (
     RECORD_TYPES,
     WIRE_VERSION,
     Decision,

@@ -32,7 +32,7 @@ import signal
 from collections.abc import Mapping
 from typing import Final, Protocol
 
-from streams._errors import ConfigurationError
+from saga.streams._errors import ConfigurationError
 
 POINTS: Final = frozenset(
     {

@@ -17,12 +17,12 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from streams._errors import ConfigurationError
+from saga.streams._errors import ConfigurationError
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
-    from streams._observe import Health, LoopObserver
+    from saga.streams._observe import Health, LoopObserver
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -122,7 +122,7 @@ class MetricsServer:
 
 def serve_metrics(observer: LoopObserver, host: str, port: int) -> MetricsServer:
     """Turn ``observer``'s metrics on in a registry of its own and serve them (started)."""
-    from streams._metrics import new_registry
+    from saga.streams._metrics import new_registry
 
     registry = new_registry()
     server = MetricsServer(registry, observer.health, host, port)

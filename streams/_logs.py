@@ -22,8 +22,8 @@ import json
 import logging
 from typing import Any, Final, Literal
 
-from streams._observe import ready_log
-from streams._secrets import install_log_redaction, redact
+from saga.streams._observe import ready_log
+from saga.streams._secrets import install_log_redaction, redact
 
 LogFormat = Literal["text", "json"]
 LOG_FORMATS: Final = ("text", "json")

@@ -34,16 +34,16 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
-from streams._otel import Spans
-from streams._trace import TraceContext, TraceMemory, parse
-from streams.kafka import Message
+from saga.streams._otel import Spans
+from saga.streams._trace import TraceContext, TraceMemory, parse
+from saga.streams.kafka import Message
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry, Histogram
     from prometheus_client.core import Metric
 
-    from streams._topics import Topics
-    from streams.log import LogConsumer
+    from saga.streams._topics import Topics
+    from saga.streams.log import LogConsumer
 
 log = logging.getLogger("saga.observe")
 ready_log = logging.getLogger("saga.ready")
@@ -230,14 +230,14 @@ class LoopObserver:
         Subclasses add their histograms, then call this; their counters and gauges come
         from :meth:`families`, read at scrape time.
         """
-        from streams._metrics import ServiceCollector, batch_histogram
+        from saga.streams._metrics import ServiceCollector, batch_histogram
 
         self._batch = batch_histogram(registry)
         registry.register(ServiceCollector(self._all_families))
         self.registry = registry
 
     def _all_families(self) -> Iterator[Metric]:
-        from streams._metrics import counter, gauge
+        from saga.streams._metrics import counter, gauge
 
         me = (self.service,)
         yield gauge(

@@ -30,7 +30,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from streams._trace import TraceContext, new_trace
+from saga.streams._trace import TraceContext, new_trace
 
 log = logging.getLogger("saga.trace")
 

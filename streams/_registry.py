@@ -36,13 +36,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Final
 
-from streams._codec import decode_announcement
-from streams._errors import InvalidRecord, TransientError
-from streams._lifecycle import Clock, wall_clock_ms
-from streams._records import ParticipantAnnouncement, ParticipantState
-from streams._signing import OPERATOR, Keyring, participant_principal
-from streams.kafka import OFFSET_BEGINNING, KafkaLog, KafkaSettings, Message
-from streams.log import Log, LogConsumer
+from saga.streams._codec import decode_announcement
+from saga.streams._errors import InvalidRecord, TransientError
+from saga.streams._lifecycle import Clock, wall_clock_ms
+from saga.streams._records import ParticipantAnnouncement, ParticipantState
+from saga.streams._signing import OPERATOR, Keyring, participant_principal
+from saga.streams.kafka import OFFSET_BEGINNING, KafkaLog, KafkaSettings, Message
+from saga.streams.log import Log, LogConsumer
 
 __all__ = ["GONE_AFTER_INTERVALS", "ParticipantInfo", "ParticipantRegistry", "read_registry"]
 

@@ -44,7 +44,7 @@ import re
 from collections.abc import Iterable, Sequence
 from typing import Final
 
-from ._records import Decision, SagaAbort, SagaRequest, SagaResolve
+from saga.streams._records import Decision, SagaAbort, SagaRequest, SagaResolve
 
 __all__ = [
     "DEADLINE",

@@ -14,10 +14,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Literal, Self
 
-from streams._errors import ConfigurationError
-from streams._signing import Keyring
-from streams.kafka import DeliveryCallback, KafkaSettings, Partition, RebalanceCallback
-from streams.log import Log, LogConsumer, LogProducer, LogTransactionalProducer
+from saga.streams._errors import ConfigurationError
+from saga.streams._signing import Keyring
+from saga.streams.kafka import DeliveryCallback, KafkaSettings, Partition, RebalanceCallback
+from saga.streams.log import Log, LogConsumer, LogProducer, LogTransactionalProducer
 
 __all__ = ["SignedLog"]
 

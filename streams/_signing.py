@@ -55,8 +55,8 @@ from typing import Final
 from nacl.exceptions import BadSignatureError
 from nacl.signing import SigningKey, VerifyKey
 
-from streams._errors import ConfigurationError
-from streams._records import (
+from saga.streams._errors import ConfigurationError
+from saga.streams._records import (
     ParticipantAnnouncement,
     Record,
     SagaAbort,

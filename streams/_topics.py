@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass
 from typing import Final
 
-from ._errors import ConfigurationError
+from saga.streams._errors import ConfigurationError
 
 __all__ = ["Topics"]
 

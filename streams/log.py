@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Literal, Protocol, Self
 
-from streams.kafka import (
+from saga.streams.kafka import (
     DeliveryCallback,
     KafkaLog,
     KafkaSettings,

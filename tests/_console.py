@@ -22,7 +22,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from streams import SagaState, Step
+from saga.streams import SagaState, Step
 from tests._infra import Services, eventually
 from tests._system import Proc, SagaSystem, bank_schema, engine_for
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from streams import KafkaSettings
-from streams.testing import InMemoryLog, ManualClock
+from saga.streams import KafkaSettings
+from saga.streams.testing import InMemoryLog, ManualClock
 
 
 def memory_log(settings: KafkaSettings, clock: ManualClock, partitions: int) -> InMemoryLog:

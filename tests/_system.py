@@ -34,9 +34,9 @@ from typing import Any, Literal
 
 import sqlalchemy as sa
 
-from coordinator import SagaClient
-from streams import Decision, StepEvent, decode
-from streams._signing import (
+from saga.coordinator import SagaClient
+from saga.streams import Decision, StepEvent, decode
+from saga.streams._signing import (
     CLIENT,
     COORDINATOR,
     OPERATOR,
@@ -44,7 +44,7 @@ from streams._signing import (
     create_key,
     participant_principal,
 )
-from streams.kafka import (
+from saga.streams.kafka import (
     Consumer,
     KafkaSettings,
     Message,
@@ -195,7 +195,7 @@ class SagaSystem:
 
     def wait_announced(self, *names: str, timeout: float = 60.0) -> None:
         """Return once each of ``names`` is up on the participant registry."""
-        from streams._registry import read_registry
+        from saga.streams._registry import read_registry
 
         deadline = time.monotonic() + timeout
         while True:

@@ -35,8 +35,8 @@ from pathlib import Path
 
 import sqlalchemy as sa
 
-from coordinator import SagaClient
-from streams import Decision, Outcome, SagaRequest, SagaState, SagaStatus, Step
+from saga.coordinator import SagaClient
+from saga.streams import Decision, Outcome, SagaRequest, SagaState, SagaStatus, Step
 from tests._infra import Services, eventually
 from tests._system import SagaSystem, balances, bank_schema, engine_for
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from participants import Handler
+from saga.participants import Handler
 
 _ADD = sa.text("UPDATE accounts SET balance = balance + :by WHERE id = :key")
 

@@ -24,10 +24,10 @@ from pathlib import Path
 
 from pymongo import MongoClient
 
-from participants._barrier import Requested
-from participants._mongo import MongoStorage
-from participants._storage import WorkItem
-from streams import Mode
+from saga.participants._barrier import Requested
+from saga.participants._storage import WorkItem
+from saga.participants.mongo._adapter import MongoStorage
+from saga.streams import Mode
 from tests.sql_batch_bench import backend_cpu, batch_args
 
 URL = os.environ.get("SAGA_MONGO_URL", "mongodb://127.0.0.1:27027/")

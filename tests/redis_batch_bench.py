@@ -20,10 +20,10 @@ from typing import Any
 
 import redis
 
-from participants._barrier import Requested
-from participants._redis import RedisStorage
-from participants._storage import DecisionArrived, WorkItem
-from streams import Mode, Outcome, StepStatus
+from saga.participants._barrier import Requested
+from saga.participants._storage import DecisionArrived, WorkItem
+from saga.participants.redis._adapter import RedisStorage
+from saga.streams import Mode, Outcome, StepStatus
 
 BATCH = 500
 RECORDS = 50

@@ -26,10 +26,10 @@ from pathlib import Path
 import sqlalchemy as sa
 from sqlalchemy.schema import CreateSchema, DropSchema
 
-from participants._barrier import Requested
-from participants._sql import SqlStorage
-from participants._storage import DecisionArrived, WorkItem
-from streams import Mode, Outcome
+from saga.participants._barrier import Requested
+from saga.participants._storage import DecisionArrived, WorkItem
+from saga.participants.sql._adapter import SqlStorage
+from saga.streams import Mode, Outcome
 
 URL = os.environ.get("SAGA_POSTGRES_URL", "postgresql://saga:saga@127.0.0.1:15432/saga")
 TICK = os.sysconf("SC_CLK_TCK")

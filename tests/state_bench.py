@@ -34,8 +34,8 @@ from pathlib import Path
 from statistics import median
 from typing import Any
 
-from coordinator import SagaClient
-from streams import (
+from saga.coordinator import SagaClient
+from saga.streams import (
     Decision,
     Mode,
     Outcome,
@@ -48,8 +48,8 @@ from streams import (
     StepStatus,
     encode,
 )
-from streams._duration import parse_duration_ms
-from streams.kafka import Consumer, KafkaSettings, Producer, create_topics, delete_topics
+from saga.streams._duration import parse_duration_ms
+from saga.streams.kafka import Consumer, KafkaSettings, Producer, create_topics, delete_topics
 from tests._infra import unique_name
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -9,9 +9,9 @@ Built from small modules, standard library only apart from the product's own:
 * :mod:`._cli`: the ``saga console`` command.
 """
 
-from coordinator._console._actions import ActionRefused, Operations
-from coordinator._console._server import Console, make_server
-from coordinator._console._store import ViewStore
-from coordinator._console._view import StatusTable
+from saga.coordinator._console._actions import ActionRefused, Operations
+from saga.coordinator._console._server import Console, make_server
+from saga.coordinator._console._store import ViewStore
+from saga.coordinator._console._view import StatusTable
 
 __all__ = ["ActionRefused", "Console", "Operations", "StatusTable", "ViewStore", "make_server"]

@@ -24,13 +24,13 @@ import time
 from dataclasses import asdict, is_dataclass
 from typing import Any
 
-from coordinator._console._store import ViewStore
-from streams import MAX_REASON_CHARS, TX_ID_PATTERN, SagaError
-from streams._lifecycle import wall_clock_ms
-from streams._secrets import redact
-from streams._signing import Keyring
-from streams.kafka import KafkaSettings
-from streams.log import Log
+from saga.coordinator._console._store import ViewStore
+from saga.streams import MAX_REASON_CHARS, TX_ID_PATTERN, SagaError
+from saga.streams._lifecycle import wall_clock_ms
+from saga.streams._secrets import redact
+from saga.streams._signing import Keyring
+from saga.streams.kafka import KafkaSettings
+from saga.streams.log import Log
 
 log = logging.getLogger("saga.console")
 
@@ -79,7 +79,7 @@ def registry_participants(
     A registry topic that cannot be read yet shows as an empty list.
     """
     try:
-        module = importlib.import_module("streams._registry")
+        module = importlib.import_module("saga.streams._registry")
     except ImportError:
         return None
     read = getattr(module, "read_registry", None)
@@ -126,7 +126,7 @@ class Operations:
 
     def history(self, tx_id: str, timeout: float) -> list[Any]:
         """Every record of ``tx_id`` from every topic, oldest first (``saga history``)."""
-        from coordinator._admin import history
+        from saga.coordinator._admin import history
 
         _check_tx_id(tx_id)
         entries = history(self._source, tx_id, timeout=timeout, keys=self._verify_keys)
@@ -147,7 +147,7 @@ class Operations:
     def capabilities(self) -> dict[str, bool]:
         """Which actions this console may take (the page shows only those)."""
         on = self.actions_disabled is None
-        registry = importlib.util.find_spec("streams._registry") is not None
+        registry = importlib.util.find_spec("saga.streams._registry") is not None
         return {"abort": on, "resolve": on, "redrive": on, "participants": registry}
 
     # ------------------------------------------------------------------ acting
@@ -162,7 +162,7 @@ class Operations:
         The ``saga.abort`` record names ``<operator> (saga console)``, and so does the
         coordinator's decision (``aborted by operator alice (saga console): ...``).
         """
-        from coordinator._admin_actions import Verdict, abort
+        from saga.coordinator._admin_actions import Verdict, abort
 
         self._check_allowed()
         _check_tx_id(tx_id)
@@ -186,7 +186,7 @@ class Operations:
 
     def resolve(self, tx_id: str, step: int, note: str, operator: str) -> dict[str, Any]:
         """Record that step ``step``'s failed compensation was handled by hand."""
-        from coordinator._admin_actions import Verdict, resolve
+        from saga.coordinator._admin_actions import Verdict, resolve
 
         self._check_allowed()
         _check_tx_id(tx_id)
@@ -214,7 +214,7 @@ class Operations:
 
     def redrive(self, partition: int, offset: int, operator: str) -> dict[str, Any]:
         """Send the dead letter at ``partition:offset`` back to its source topic."""
-        from coordinator._admin import dead_letter, redrive
+        from saga.coordinator._admin import dead_letter, redrive
 
         self._check_allowed()
         where = f"dlq {partition}:{offset}"

@@ -12,16 +12,16 @@ from pathlib import Path
 
 import click
 
-from coordinator._cli_common import (
+from saga.coordinator._cli_common import (
     connect_timeout_option,
     fail,
     kafka_options,
     keys_dir_option,
     settings_from,
 )
-from streams import ConfigurationError
-from streams._secrets import redact_url, remember, url_password
-from streams.log import Log
+from saga.streams import ConfigurationError
+from saga.streams._secrets import redact_url, remember, url_password
+from saga.streams.log import Log
 
 
 def _default_db(prefix: str) -> str:
@@ -112,10 +112,10 @@ def console(
     otherwise; put it behind an authenticating proxy to share it (see the README).
     Actions are sent as --operator (with --keys-dir: signed with the operator key).
     """
-    from coordinator._console import Console, Operations, StatusTable, ViewStore, make_server
-    from coordinator._console._actions import OPERATOR_PATTERN
-    from streams._signing import Keyring
-    from streams.kafka import KafkaLog, wait_for_broker
+    from saga.coordinator._console import Console, Operations, StatusTable, ViewStore, make_server
+    from saga.coordinator._console._actions import OPERATOR_PATTERN
+    from saga.streams._signing import Keyring
+    from saga.streams.kafka import KafkaLog, wait_for_broker
 
     try:
         name = operator or getpass.getuser()

@@ -38,12 +38,12 @@ from importlib import resources
 from typing import Any, TypeGuard
 from urllib.parse import parse_qs, unquote, urlsplit
 
-from coordinator._console._actions import OPERATOR_PATTERN, ActionRefused, Operations
-from coordinator._console._store import ViewStore
-from coordinator._console._view import StatusTable
-from streams import SagaError, SagaState
-from streams._lifecycle import wall_clock_ms
-from streams._secrets import redact
+from saga.coordinator._console._actions import OPERATOR_PATTERN, ActionRefused, Operations
+from saga.coordinator._console._store import ViewStore
+from saga.coordinator._console._view import StatusTable
+from saga.streams import SagaError, SagaState
+from saga.streams._lifecycle import wall_clock_ms
+from saga.streams._secrets import redact
 
 log = logging.getLogger("saga.console")
 
@@ -187,7 +187,11 @@ class _Handler(BaseHTTPRequestHandler):
         elif parts == ["healthz"]:
             self._send(200, b"ok\n", "text/plain; charset=utf-8")
         elif len(parts) == 2 and parts[0] == "static" and parts[1] in _STATIC:
-            data = resources.files("coordinator._console").joinpath("static", parts[1]).read_bytes()
+            data = (
+                resources.files("saga.coordinator._console")
+                .joinpath("static", parts[1])
+                .read_bytes()
+            )
             self._send(200, data, _STATIC[parts[1]] + "; charset=utf-8")
         elif parts == ["api", "sagas"]:
             state = query.get("state", "")
@@ -257,7 +261,11 @@ class _Handler(BaseHTTPRequestHandler):
             operator = c.who(self.headers)
         except ActionRefused:
             operator = "unknown"
-        page = resources.files("coordinator._console").joinpath("static", "index.html").read_text()
+        page = (
+            resources.files("saga.coordinator._console")
+            .joinpath("static", "index.html")
+            .read_text()
+        )
         page = (
             page.replace("{{token}}", html.escape(c.token))
             .replace("{{operator}}", html.escape(operator))

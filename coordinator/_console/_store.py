@@ -31,8 +31,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from streams import ConfigurationError, SagaState, SagaStatus
-from streams._secrets import redact
+from saga.streams import ConfigurationError, SagaState, SagaStatus
+from saga.streams._secrets import redact
 
 DLQ_ROWS_KEPT = 10_000
 """How many dead letters the console keeps (the newest); Kafka's retention keeps the rest."""

@@ -30,14 +30,14 @@ import threading
 import time
 from collections.abc import Sequence
 
-from coordinator._console._store import DeadLetter, ViewStore
-from coordinator._restore import standing_status
-from streams import TX_ID_PATTERN, ConfigurationError, SagaStatus
-from streams._limits import DLQ_EXCERPT_BYTES
-from streams._secrets import redact
-from streams._signing import Keyring
-from streams.kafka import Message
-from streams.log import Log, LogConsumer
+from saga.coordinator._console._store import DeadLetter, ViewStore
+from saga.coordinator._restore import standing_status
+from saga.streams import TX_ID_PATTERN, ConfigurationError, SagaStatus
+from saga.streams._limits import DLQ_EXCERPT_BYTES
+from saga.streams._secrets import redact
+from saga.streams._signing import Keyring
+from saga.streams.kafka import Message
+from saga.streams.log import Log, LogConsumer
 
 log = logging.getLogger("saga.console")
 

@@ -44,12 +44,18 @@ readiness), ``_dlq`` (:func:`partition_for`, :func:`send_to_dlq`) and ``_log``
 (:class:`KafkaLog`, the production :class:`streams.log.Log`).
 """
 
-from ._acls import AclRule, apply_acls, delete_acls, format_acls, saga_acls
-from ._admin import create_topics, delete_topics, describe_partitions, topic_config, wait_for_broker
-from ._consumer import Consumer
-from ._dlq import partition_for, send_to_dlq
-from ._log import KafkaLog
-from ._message import (
+from saga.streams.kafka._acls import AclRule, apply_acls, delete_acls, format_acls, saga_acls
+from saga.streams.kafka._admin import (
+    create_topics,
+    delete_topics,
+    describe_partitions,
+    topic_config,
+    wait_for_broker,
+)
+from saga.streams.kafka._consumer import Consumer
+from saga.streams.kafka._dlq import partition_for, send_to_dlq
+from saga.streams.kafka._log import KafkaLog
+from saga.streams.kafka._message import (
     OFFSET_BEGINNING,
     OFFSET_END,
     DeliveryCallback,
@@ -57,9 +63,9 @@ from ._message import (
     Partition,
     RebalanceCallback,
 )
-from ._producer import Producer, TransactionalProducer
-from ._settings import KafkaSettings
-from ._translate import TransactionAborted
+from saga.streams.kafka._producer import Producer, TransactionalProducer
+from saga.streams.kafka._settings import KafkaSettings
+from saga.streams.kafka._translate import TransactionAborted
 
 __all__ = [
     "OFFSET_BEGINNING",

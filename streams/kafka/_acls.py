@@ -45,10 +45,10 @@ from confluent_kafka.admin._acl import (
 )
 from confluent_kafka.admin._resource import ResourcePatternType, ResourceType
 
-from .._errors import ConfigurationError, SagaError, TransientError
-from .._topics import Topics
-from ._settings import KafkaSettings, _client_config
-from ._translate import _AUTH_CODES, _E, _error_of, _log_client_error, _translate
+from saga.streams._errors import ConfigurationError, SagaError, TransientError
+from saga.streams._topics import Topics
+from saga.streams.kafka._settings import KafkaSettings, _client_config
+from saga.streams.kafka._translate import _AUTH_CODES, _E, _error_of, _log_client_error, _translate
 
 Resource = Literal["topic", "group", "transactional-id"]
 Pattern = Literal["literal", "prefixed"]

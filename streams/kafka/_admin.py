@@ -13,11 +13,11 @@ from confluent_kafka.admin import AdminClient
 from confluent_kafka.admin._config import ConfigResource
 from confluent_kafka.cimpl import NewTopic
 
-from .._duration import DEFAULT_RETENTION_MS
-from .._errors import ConfigurationError, TransientError
-from .._topics import Topics
-from ._settings import KafkaSettings, _client_config
-from ._translate import (
+from saga.streams._duration import DEFAULT_RETENTION_MS
+from saga.streams._errors import ConfigurationError, TransientError
+from saga.streams._topics import Topics
+from saga.streams.kafka._settings import KafkaSettings, _client_config
+from saga.streams.kafka._translate import (
     _AUTH_CODES,
     _E,
     _UNKNOWN_TOPIC_CODES,

@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Mapping
 
-from ._message import Partition
+from saga.streams.kafka._message import Partition
 
 # How long an unanswered commit holds the next one back: a backstop only, librdkafka
 # answers every commit (its request timeouts included).

@@ -10,10 +10,10 @@ from typing import Any, Literal, TypeVar
 
 import confluent_kafka as ck
 
-from .._errors import ConfigurationError, FatalKafkaError, TransientError
-from .._rejoin import RejoinPolicy, is_instance_fence
-from ._commits import CommitGate
-from ._message import (
+from saga.streams._errors import ConfigurationError, FatalKafkaError, TransientError
+from saga.streams._rejoin import RejoinPolicy, is_instance_fence
+from saga.streams.kafka._commits import CommitGate
+from saga.streams.kafka._message import (
     Message,
     Partition,
     RebalanceCallback,
@@ -22,14 +22,14 @@ from ._message import (
     _tps,
     _tps_at,
 )
-from ._settings import (
+from saga.streams.kafka._settings import (
     CONSUMER_SOCKET_TIMEOUT_MS,
     KafkaSettings,
     _checked_instance_id,
     _client_config,
     _group_timeouts,
 )
-from ._translate import (
+from saga.streams.kafka._translate import (
     _E,
     _UNKNOWN_TOPIC_CODES,
     _error_of,

@@ -8,12 +8,12 @@ from typing import TYPE_CHECKING
 
 import confluent_kafka as ck
 
-from .._limits import DLQ_EXCERPT_BYTES, MAX_RECORD_BYTES
-from .._topics import Topics
-from ._message import Message
+from saga.streams._limits import DLQ_EXCERPT_BYTES, MAX_RECORD_BYTES
+from saga.streams._topics import Topics
+from saga.streams.kafka._message import Message
 
 if TYPE_CHECKING:
-    from streams.log import LogProducer
+    from saga.streams.log import LogProducer
 
 
 def partition_for(key: str | bytes, partitions: int) -> int:

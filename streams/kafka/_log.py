@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Literal
 
-from ._consumer import Consumer
-from ._message import RebalanceCallback
-from ._producer import Producer, TransactionalProducer
-from ._settings import KafkaSettings
+from saga.streams.kafka._consumer import Consumer
+from saga.streams.kafka._message import RebalanceCallback
+from saga.streams.kafka._producer import Producer, TransactionalProducer
+from saga.streams.kafka._settings import KafkaSettings
 
 
 class KafkaLog:

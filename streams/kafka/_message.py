@@ -12,7 +12,7 @@ from typing import Final
 
 import confluent_kafka as ck
 
-from .._errors import SagaError
+from saga.streams._errors import SagaError
 
 Partition = tuple[str, int]
 """A partition as ``(topic, partition number)``."""

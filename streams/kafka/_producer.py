@@ -21,11 +21,11 @@ from typing import Any, Final, Literal, NoReturn, Self, TypeVar
 
 import confluent_kafka as ck
 
-from .._errors import ConfigurationError, FatalKafkaError, SagaError, TransientError
-from ._consumer import Consumer
-from ._message import DeliveryCallback, Partition, _to_message, _tps_at
-from ._settings import TXN_RETRY_BACKOFF_MS, KafkaSettings, _client_config
-from ._translate import (
+from saga.streams._errors import ConfigurationError, FatalKafkaError, SagaError, TransientError
+from saga.streams.kafka._consumer import Consumer
+from saga.streams.kafka._message import DeliveryCallback, Partition, _to_message, _tps_at
+from saga.streams.kafka._settings import TXN_RETRY_BACKOFF_MS, KafkaSettings, _client_config
+from saga.streams.kafka._translate import (
     _E,
     _FENCED_CODES,
     TransactionAborted,

@@ -14,9 +14,9 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Final
 
-from .._errors import ConfigurationError
-from .._repeats import RepeatFilter
-from .._topics import Topics
+from saga.streams._errors import ConfigurationError
+from saga.streams._repeats import RepeatFilter
+from saga.streams._topics import Topics
 
 # librdkafka's own log lines (connection failures, retries, ...) go here; a line it
 # repeats (a refused connection, every reconnect backoff) shows once per 10 s.

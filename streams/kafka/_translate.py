@@ -20,7 +20,7 @@ from typing import Any, Final
 
 import confluent_kafka as ck
 
-from .._errors import ConfigurationError, FatalKafkaError, SagaError, TransientError
+from saga.streams._errors import ConfigurationError, FatalKafkaError, SagaError, TransientError
 
 _log = logging.getLogger("saga.kafka")
 

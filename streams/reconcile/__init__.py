@@ -15,8 +15,8 @@ Public API::
     ReconcileError                                              "could not run" (exit 2)
 """
 
-from ._audit import CLASSES, INVARIANTS
-from ._config import (
+from saga.streams.reconcile._audit import CLASSES, INVARIANTS
+from saga.streams.reconcile._config import (
     DEFAULT_GRACE_MS,
     BusinessCheck,
     LedgerSource,
@@ -28,8 +28,8 @@ from ._config import (
     parse_ledger,
     parse_table,
 )
-from ._job import RunResult, run
-from ._spark import ReconcileError
+from saga.streams.reconcile._job import RunResult, run
+from saga.streams.reconcile._spark import ReconcileError
 
 __all__ = [
     "CLASSES",

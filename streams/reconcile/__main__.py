@@ -1,6 +1,6 @@
 """``python -m streams.reconcile`` (and ``spark-submit streams/reconcile/__main__.py``) run
 ``saga reconcile``."""
 
-from streams.reconcile.cli import main
+from saga.streams.reconcile.cli import main
 
 main()

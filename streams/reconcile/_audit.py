@@ -29,7 +29,12 @@ from __future__ import annotations
 
 from typing import Any, Final
 
-from ._parse import EVENT_STATUSES, parse_decisions, parse_events, parse_requests
+from saga.streams.reconcile._parse import (
+    EVENT_STATUSES,
+    parse_decisions,
+    parse_events,
+    parse_requests,
+)
 
 __all__ = [
     "CLASSES",

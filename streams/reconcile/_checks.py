@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import _sources
-from ._config import ReconcileConfig
-from ._spark import ReconcileError, spark_boundary
+from saga.streams.reconcile import _sources
+from saga.streams.reconcile._config import ReconcileConfig
+from saga.streams.reconcile._spark import ReconcileError, spark_boundary
 
 __all__ = ["run_checks"]
 

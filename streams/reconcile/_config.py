@@ -40,8 +40,8 @@ from types import MappingProxyType
 from typing import Final, Literal, cast
 from urllib.parse import parse_qsl, urlsplit
 
-from streams._errors import ConfigurationError
-from streams.kafka import KafkaSettings
+from saga.streams._errors import ConfigurationError
+from saga.streams.kafka import KafkaSettings
 
 __all__ = [
     "DEFAULT_GRACE_MS",

@@ -52,10 +52,10 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Final
 
-from streams._codec import decode, decode_as
-from streams._errors import InvalidRecord
-from streams._limits import MAX_RECORD_BYTES
-from streams._records import (
+from saga.streams._codec import decode, decode_as
+from saga.streams._errors import InvalidRecord
+from saga.streams._limits import MAX_RECORD_BYTES
+from saga.streams._records import (
     Decision,
     Record,
     SagaAbort,
@@ -65,11 +65,10 @@ from streams._records import (
     StepEvent,
     TxRecord,
 )
-from streams._topics import Topics
-from streams.kafka import partition_for
-
-from ._signatures import Verifier
-from ._spark import Original
+from saga.streams._topics import Topics
+from saga.streams.kafka import partition_for
+from saga.streams.reconcile._signatures import Verifier
+from saga.streams.reconcile._spark import Original
 
 __all__ = ["COORDINATOR", "DeadLetter", "DlqVerdict", "TxFacts", "judge", "rejected_at"]
 

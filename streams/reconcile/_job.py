@@ -35,15 +35,14 @@ from functools import reduce
 from pathlib import Path
 from typing import Any
 
-from streams._codec import decode_as
-from streams._errors import InvalidRecord
-from streams._records import SagaRequest
-
-from . import _audit, _dlq, _replay, _signatures, _sources
-from ._checks import run_checks
-from ._config import ReconcileConfig
-from ._operators import collect_actions
-from ._spark import (
+from saga.streams._codec import decode_as
+from saga.streams._errors import InvalidRecord
+from saga.streams._records import SagaRequest
+from saga.streams.reconcile import _audit, _dlq, _replay, _signatures, _sources
+from saga.streams.reconcile._checks import run_checks
+from saga.streams.reconcile._config import ReconcileConfig
+from saga.streams.reconcile._operators import collect_actions
+from saga.streams.reconcile._spark import (
     LogRange,
     Original,
     ReconcileError,
@@ -456,7 +455,7 @@ def _finish(
         "exit_code": exit_code,
         "verdict": verdict_text,
     }
-    from ._report import write_json, write_jsonl
+    from saga.streams.reconcile._report import write_json, write_jsonl
 
     write_json(config.out / "summary.json", summary)
     write_jsonl(

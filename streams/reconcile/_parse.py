@@ -50,15 +50,14 @@ from __future__ import annotations
 
 from typing import Any, Final
 
-from streams._limits import (
+from saga.streams._limits import (
     MAX_KEY_BYTES,
     MAX_NAME_CHARS,
     MAX_REASON_CHARS,
     MAX_RECORD_BYTES,
     MAX_SAGA_CHARS,
 )
-
-from ._signatures import REQUEST_SIGNERS, SignerColumn
+from saga.streams.reconcile._signatures import REQUEST_SIGNERS, SignerColumn
 
 __all__ = [
     "EVENT_STATUSES",

@@ -32,14 +32,13 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from streams._codec import decode_keyed
-from streams._errors import InvalidRecord
-from streams._records import Decision, SagaRequest
-from streams._signing import UNSIGNED_HEADER_PREFIX
-from streams.kafka import Consumer, KafkaSettings, Producer, partition_for
-
-from ._signatures import Verifier
-from ._spark import Original
+from saga.streams._codec import decode_keyed
+from saga.streams._errors import InvalidRecord
+from saga.streams._records import Decision, SagaRequest
+from saga.streams._signing import UNSIGNED_HEADER_PREFIX
+from saga.streams.kafka import Consumer, KafkaSettings, Producer, partition_for
+from saga.streams.reconcile._signatures import Verifier
+from saga.streams.reconcile._spark import Original
 
 __all__ = ["REPLAYED_BY", "Resend", "plan_resends", "replay_headers", "send"]
 

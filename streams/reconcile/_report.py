@@ -10,8 +10,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from ._audit import CLASSES, INVARIANTS
-from ._operators import render_actions
+from saga.streams.reconcile._audit import CLASSES, INVARIANTS
+from saga.streams.reconcile._operators import render_actions
 
 __all__ = ["render", "write_json", "write_jsonl"]
 

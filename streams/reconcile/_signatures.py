@@ -25,11 +25,10 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, Final
 
-from streams._errors import ConfigurationError
-from streams._records import Record
-from streams._signing import COORDINATOR, Keyring, allowed_signers
-
-from ._spark import ReconcileError
+from saga.streams._errors import ConfigurationError
+from saga.streams._records import Record
+from saga.streams._signing import COORDINATOR, Keyring, allowed_signers
+from saga.streams.reconcile._spark import ReconcileError
 
 __all__ = [
     "REQUEST_SIGNERS",

@@ -53,8 +53,8 @@ from pathlib import Path
 from typing import Any, Final
 from urllib.parse import unquote, urlsplit
 
-from ._config import LedgerSource, StoreSpec, TableSource
-from ._spark import ReconcileError
+from saga.streams.reconcile._config import LedgerSource, StoreSpec, TableSource
+from saga.streams.reconcile._spark import ReconcileError
 
 __all__ = [
     "LEDGER_SCHEMA",
@@ -281,7 +281,7 @@ def _redis_batches(client: Any, pattern: str) -> Iterator[list[tuple[str, dict[s
 
 
 def _redis_ledger_rows(url: str, prefix: str, label: str) -> Iterator[tuple[Any, ...]]:
-    from participants._ledger import redis_ledger_pattern, redis_tx_key_parts, step_of_field
+    from saga.participants._ledger import redis_ledger_pattern, redis_tx_key_parts, step_of_field
 
     client = _redis_client(url)
     try:

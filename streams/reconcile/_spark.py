@@ -21,10 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
-from streams._errors import ConfigurationError, SagaError, TransientError
-from streams.kafka import Consumer, KafkaSettings, wait_for_broker
-
-from ._config import ReconcileConfig
+from saga.streams._errors import ConfigurationError, SagaError, TransientError
+from saga.streams.kafka import Consumer, KafkaSettings, wait_for_broker
+from saga.streams.reconcile._config import ReconcileConfig
 
 __all__ = [
     "QUICK_JVM_OPTIONS",

@@ -31,7 +31,7 @@ from typing import Any, Final
 
 import click
 
-from streams.kafka import KafkaSettings, create_topics, delete_topics
+from saga.streams.kafka import KafkaSettings, create_topics, delete_topics
 
 __all__ = ["MIX", "expected_classes", "generate", "main"]
 
@@ -196,8 +196,8 @@ def main(
     keep: bool,
 ) -> None:
     """Generate a log of SAGAS sagas and time `saga reconcile` on it."""
-    from ._config import ReconcileConfig
-    from ._spark import check_jars, start_spark
+    from saga.streams.reconcile._config import ReconcileConfig
+    from saga.streams.reconcile._spark import check_jars, start_spark
 
     settings = KafkaSettings(bootstrap=bootstrap, prefix=f"bench{int(time.time())}")
     scratch = None if out else Path(tempfile.mkdtemp(prefix="saga-bench-"))
@@ -220,7 +220,7 @@ def main(
         command = [
             sys.executable,
             "-m",
-            "streams.reconcile",
+            "saga.streams.reconcile",
             "--bootstrap",
             bootstrap,
             "--prefix",

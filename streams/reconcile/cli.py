@@ -15,10 +15,9 @@ from pathlib import Path
 
 import click
 
-from streams._errors import ConfigurationError, SagaError
-from streams.kafka import KafkaSettings
-
-from ._config import (
+from saga.streams._errors import ConfigurationError, SagaError
+from saga.streams.kafka import KafkaSettings
+from saga.streams.reconcile._config import (
     DEFAULT_GRACE_MS,
     ReconcileConfig,
     parse_check,
@@ -274,7 +273,7 @@ def reconcile(
             verbose=verbose,
         )
         _require_spark(config)
-        from ._job import run
+        from saga.streams.reconcile._job import run
 
         def say(line: str) -> None:
             click.echo(f"saga reconcile: [{time.monotonic() - started:5.1f}s] {line}", err=True)
@@ -293,7 +292,7 @@ def reconcile(
     else:
         from rich.console import Console
 
-        from ._report import render
+        from saga.streams.reconcile._report import render
 
         render(Console(), result.summary, result.shown)
     sys.exit(result.exit_code)

@@ -95,10 +95,14 @@ once (Kafka times out later).
 
 from __future__ import annotations
 
-from ._clients import InMemoryConsumer, InMemoryProducer, InMemoryTransactionalProducer
-from ._log import InMemoryLog
-from ._model import Killed, ManualClock
-from ._stepper import KillAt, Stepper, key_on
+from saga.streams.testing._clients import (
+    InMemoryConsumer,
+    InMemoryProducer,
+    InMemoryTransactionalProducer,
+)
+from saga.streams.testing._log import InMemoryLog
+from saga.streams.testing._model import Killed, ManualClock
+from saga.streams.testing._stepper import KillAt, Stepper, key_on
 
 __all__ = [
     "InMemoryConsumer",

@@ -6,9 +6,9 @@ import logging
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Self
 
-from streams._errors import ConfigurationError, FatalKafkaError, TransientError
-from streams._rejoin import RejoinPolicy
-from streams.kafka import (
+from saga.streams._errors import ConfigurationError, FatalKafkaError, TransientError
+from saga.streams._rejoin import RejoinPolicy
+from saga.streams.kafka import (
     OFFSET_BEGINNING,
     OFFSET_END,
     DeliveryCallback,
@@ -18,14 +18,13 @@ from streams.kafka import (
     TransactionAborted,
     partition_for,
 )
-from streams.log import LogConsumer
-
-from ._model import _Client, _Entry, _message, _Txn
+from saga.streams.log import LogConsumer
+from saga.streams.testing._model import _Client, _Entry, _message, _Txn
 
 _log = logging.getLogger("saga.kafka")
 
 if TYPE_CHECKING:
-    from ._log import InMemoryLog
+    from saga.streams.testing._log import InMemoryLog
 
 
 class InMemoryConsumer(_Client):

@@ -6,16 +6,19 @@ import itertools
 import threading
 from typing import TYPE_CHECKING, Literal
 
-from streams._errors import ConfigurationError, SagaError
-from streams._lifecycle import Clock, wall_clock_ms
-from streams._topics import Topics
-from streams.kafka import KafkaSettings, Message, Partition, RebalanceCallback
-
-from ._clients import InMemoryConsumer, InMemoryProducer, InMemoryTransactionalProducer
-from ._model import _Client, _Entry, _Gate, _Group, _message, _Txn
+from saga.streams._errors import ConfigurationError, SagaError
+from saga.streams._lifecycle import Clock, wall_clock_ms
+from saga.streams._topics import Topics
+from saga.streams.kafka import KafkaSettings, Message, Partition, RebalanceCallback
+from saga.streams.testing._clients import (
+    InMemoryConsumer,
+    InMemoryProducer,
+    InMemoryTransactionalProducer,
+)
+from saga.streams.testing._model import _Client, _Entry, _Gate, _Group, _message, _Txn
 
 if TYPE_CHECKING:
-    from streams.log import Log
+    from saga.streams.log import Log
 
 
 class InMemoryLog:

@@ -6,11 +6,11 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
-from streams.kafka import Message, Partition
+from saga.streams.kafka import Message, Partition
 
 if TYPE_CHECKING:
-    from ._clients import InMemoryConsumer
-    from ._log import InMemoryLog
+    from saga.streams.testing._clients import InMemoryConsumer
+    from saga.streams.testing._log import InMemoryLog
 
 _PARK_LIMIT_S = 60.0  # a parked service thread nobody releases ends itself
 

@@ -6,10 +6,9 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import Self
 
-from streams.kafka import partition_for
-
-from ._log import InMemoryLog
-from ._model import Killed, _Gate
+from saga.streams.kafka import partition_for
+from saga.streams.testing._log import InMemoryLog
+from saga.streams.testing._model import Killed, _Gate
 
 
 class KillAt:

@@ -53,8 +53,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from streams import MAX_RECORD_BYTES, SagaState
-from streams._limits import DLQ_EXCERPT_BYTES
+from saga.streams import MAX_RECORD_BYTES, SagaState
+from saga.streams._limits import DLQ_EXCERPT_BYTES
 from tests.chaos.log import Delivery, LogView
 from tests.chaos.stores import LedgerKey, LedgerRow
 from tests.chaos.workload import MISSING_ACCOUNT, PARTICIPANTS, Transfer

@@ -25,7 +25,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from streams import (
+from saga.streams import (
     Decision,
     InvalidRecord,
     SagaAbort,
@@ -34,9 +34,9 @@ from streams import (
     StepEvent,
     decode_as,
 )
-from streams._errors import SagaError
-from streams._signing import COORDINATOR, UNSIGNED_HEADER_PREFIX, Keyring, allowed_signers
-from streams.kafka import Consumer, KafkaSettings, Message, Producer
+from saga.streams._errors import SagaError
+from saga.streams._signing import COORDINATOR, UNSIGNED_HEADER_PREFIX, Keyring, allowed_signers
+from saga.streams.kafka import Consumer, KafkaSettings, Message, Producer
 
 INJECTED_HEADER = f"{UNSIGNED_HEADER_PREFIX}chaos"
 """Header on the records the run repeats on purpose (value ``duplicate``); under

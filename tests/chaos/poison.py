@@ -23,7 +23,7 @@ from typing import Any
 
 import orjson
 
-from streams import (
+from saga.streams import (
     Decision,
     Outcome,
     SagaAbort,
@@ -35,8 +35,8 @@ from streams import (
     StepStatus,
     encode,
 )
-from streams._records import Mode
-from streams._signing import Keyring
+from saga.streams._records import Mode
+from saga.streams._signing import Keyring
 from tests.chaos.workload import FIELD, PARTICIPANTS, TARGET
 
 Poison = tuple[str, str, str | None, bytes | None]  # (label, topic kind, key, value)

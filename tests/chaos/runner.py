@@ -513,7 +513,7 @@ class Runner:
         def launch(i: int, attempt: int) -> tuple[subprocess.Popen[str], list[str]]:
             out = main.workdir / f"replay-r{r}-{i}-{attempt}"
             args = [
-                sys.executable, "-m", "streams.reconcile", "--replay",
+                sys.executable, "-m", "saga.streams.reconcile", "--replay",
                 "--grace", "0s", "--now-ms", str(far), "--out", str(out),
                 "--driver-memory", "1g", "--shuffle-partitions", "2", "--master", "local[1]",
             ]  # fmt: skip
@@ -684,8 +684,8 @@ class Runner:
     # ------------------------------------------------------------ the reconciliation job
 
     def _spark(self, main: System) -> Any:
-        from streams.reconcile import ReconcileConfig
-        from streams.reconcile._spark import check_jars, start_spark
+        from saga.streams.reconcile import ReconcileConfig
+        from saga.streams.reconcile._spark import check_jars, start_spark
 
         config = ReconcileConfig(
             settings=main.settings,
@@ -704,7 +704,13 @@ class Runner:
         starting: concurrent.futures.Future[Any],
     ) -> dict[str, Any]:
         """``saga reconcile`` (no replay) over each system's log and ledgers, in one Spark."""
-        from streams.reconcile import ReconcileConfig, parse_check, parse_ledger, parse_table, run
+        from saga.streams.reconcile import (
+            ReconcileConfig,
+            parse_check,
+            parse_ledger,
+            parse_table,
+            run,
+        )
 
         self.log("saga reconcile over the main system and the negative controls")
         systems = [("main", main)] + [

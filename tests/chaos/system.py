@@ -30,9 +30,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from streams import Mode, SagaAbort, SagaRequest, encode
-from streams._errors import SagaError
-from streams._signing import (
+from saga.streams import Mode, SagaAbort, SagaRequest, encode
+from saga.streams._errors import SagaError
+from saga.streams._signing import (
     CLIENT,
     COORDINATOR,
     OPERATOR,
@@ -40,7 +40,7 @@ from streams._signing import (
     create_key,
     participant_principal,
 )
-from streams.kafka import Consumer, KafkaSettings, create_topics, delete_topics, partition_for
+from saga.streams.kafka import Consumer, KafkaSettings, create_topics, delete_topics, partition_for
 from tests._infra import Services
 from tests.chaos import poison
 from tests.chaos.checker import CheckInput, Verdict, check

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from streams.kafka import Consumer, KafkaSettings, create_topics, delete_topics
+from saga.streams.kafka import Consumer, KafkaSettings, create_topics, delete_topics
 from tests._infra import Services
 from tests.chaos.cluster_profile import CLUSTER_PROFILE, KILLS_PER_ROLE, PAUSES, ClusterRunner
 from tests.chaos.kafka_cluster import BrokerCluster, coordinator_partition, java_hash

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from streams import Mode, SagaRequest, SagaState, SagaStatus, Step
+from saga.streams import Mode, SagaRequest, SagaState, SagaStatus, Step
 from tests.chaos.checker import COUNTS, CheckInput, check
 from tests.chaos.log import DeadLetter, DecisionRecord, Delivery, LogView
 from tests.chaos.stores import LedgerRow
@@ -214,8 +214,8 @@ def test_an_account_created_from_nothing() -> None:
 def test_forged_records_fail_their_signature_and_duplicates_keep_theirs(tmp_path: Any) -> None:
     """Each forged record of the hostile profile is refused for its signature; a duplicate
     (the original record and headers, plus the run's unsigned mark) is accepted."""
-    from streams import decode
-    from streams._signing import Keyring, allowed_signers, create_key
+    from saga.streams import decode
+    from saga.streams._signing import Keyring, allowed_signers, create_key
     from tests.chaos import poison
     from tests.chaos.log import INJECTED_HEADER
 

@@ -32,7 +32,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from streams import Step
+from saga.streams import Step
 
 STORES = ("sql", "mongo", "redis")
 PARTICIPANTS = {"sql": "bank-sql", "mongo": "bank-mongo", "redis": "bank-redis"}

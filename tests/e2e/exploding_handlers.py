@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from participants import Handler
+from saga.participants import Handler
 
 
 def _try(native: Any, args: Mapping[str, Any]) -> Any:

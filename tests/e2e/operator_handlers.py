@@ -7,7 +7,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from participants import Handler, Reject
+from saga.participants import Handler, Reject
 
 
 def _nothing(native: Any, args: Mapping[str, Any]) -> None:

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from streams import SagaState, Step
+from saga.streams import SagaState, Step
 from tests._infra import Services, eventually
 from tests._system import Proc, SagaSystem
 from tests._workload import seed

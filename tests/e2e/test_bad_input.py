@@ -32,8 +32,8 @@ import orjson
 import pytest
 import sqlalchemy as sa
 
-from coordinator import SagaClient
-from streams import (
+from saga.coordinator import SagaClient
+from saga.streams import (
     Decision,
     InvalidRecord,
     Outcome,
@@ -43,7 +43,7 @@ from streams import (
     StepStatus,
     encode,
 )
-from streams.kafka import Message, Producer
+from saga.streams.kafka import Message, Producer
 from tests._infra import Services, eventually
 from tests._system import SagaSystem, engine_for
 from tests._workload import (

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from streams import SagaState, SagaStatus, StepProgress, StepStatus, encode
+from saga.streams import SagaState, SagaStatus, StepProgress, StepStatus, encode
 from tests._infra import ROOT, Services
 from tests._system import SagaSystem, balances, bank_system
 

@@ -22,9 +22,9 @@ import pytest
 import redis
 import sqlalchemy as sa
 
-from coordinator import AsyncSagaClient, SagaClient
-from streams import ConflictingRequest, SagaState, Step, encode
-from streams.kafka import partition_for
+from saga.coordinator import AsyncSagaClient, SagaClient
+from saga.streams import ConflictingRequest, SagaState, Step, encode
+from saga.streams.kafka import partition_for
 from tests._infra import Services, eventually
 from tests._system import SagaSystem, engine_for
 

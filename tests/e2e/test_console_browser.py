@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from streams import SagaState
+from saga.streams import SagaState
 from tests._console import bank_system, debit, shop, start_console, stuck_saga
 from tests._infra import ROOT, Services
 from tests._system import SagaSystem

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from streams import SagaState, SagaStatus, StepProgress, StepStatus, encode
+from saga.streams import SagaState, SagaStatus, StepProgress, StepStatus, encode
 from tests._console import ConsoleApi, bank_system, shop, start_console, stuck_saga
 from tests._infra import Services, eventually
 from tests._system import SagaSystem

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from streams import SagaState, StepEvent, StepStatus
-from streams.kafka import Consumer
+from saga.streams import SagaState, StepEvent, StepStatus
+from saga.streams.kafka import Consumer
 from tests._infra import Services, eventually
 from tests._system import Proc, SagaSystem
 from tests._workload import (

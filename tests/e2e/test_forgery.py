@@ -34,9 +34,9 @@ import pytest
 import redis
 import sqlalchemy as sa
 
-from coordinator import SagaClient
-from coordinator._cli_client import exit_code_of
-from streams import (
+from saga.coordinator import SagaClient
+from saga.coordinator._cli_client import exit_code_of
+from saga.streams import (
     Decision,
     Outcome,
     SagaAbort,
@@ -49,8 +49,8 @@ from streams import (
     StepStatus,
     encode,
 )
-from streams._signing import HEADER_KEY_ID, HEADER_SIGNATURE, participant_principal
-from streams.kafka import Message, Producer
+from saga.streams._signing import HEADER_KEY_ID, HEADER_SIGNATURE, participant_principal
+from saga.streams.kafka import Message, Producer
 from tests._infra import Services, eventually
 from tests._system import Proc, SagaSystem, engine_for
 

@@ -21,7 +21,7 @@ from typing import Any
 import orjson
 import pytest
 
-from streams import (
+from saga.streams import (
     MAX_RECORD_BYTES,
     Decision,
     Outcome,
@@ -32,7 +32,7 @@ from streams import (
     StepStatus,
     encode,
 )
-from streams.kafka import KafkaSettings, Message, Producer, partition_for
+from saga.streams.kafka import KafkaSettings, Message, Producer, partition_for
 from tests._infra import Services, eventually
 from tests._system import SagaSystem
 from tests.e2e.test_three_stores import Stores, order, start
@@ -354,7 +354,7 @@ def test_integers_beyond_64_bits_are_rejected_not_rounded(rig: Rig) -> None:
 
 def encode_unchecked(record: SagaAbort | StepEvent | Decision) -> bytes:
     """The wire form of a record that breaks the contract (the codec refuses to write it)."""
-    from streams import to_dict
+    from saga.streams import to_dict
 
     return orjson.dumps(to_dict(record), option=orjson.OPT_SORT_KEYS)
 

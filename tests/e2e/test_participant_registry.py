@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from streams import Mode, SagaState, Step, StepStatus
+from saga.streams import Mode, SagaState, Step, StepStatus
 from tests._infra import Services, eventually
 from tests._system import SagaSystem, balances, bank_system
 

@@ -37,10 +37,10 @@ from typing import Any
 
 import pytest
 
-from streams import Decision, SagaState, StepStatus, decode
-from streams.kafka import Consumer
-from streams.reconcile import ReconcileConfig, parse_ledger, run
-from streams.reconcile._spark import check_jars, start_spark
+from saga.streams import Decision, SagaState, StepStatus, decode
+from saga.streams.kafka import Consumer
+from saga.streams.reconcile import ReconcileConfig, parse_ledger, run
+from saga.streams.reconcile._spark import check_jars, start_spark
 from tests._infra import ROOT, Services, eventually
 from tests._system import SagaSystem
 from tests._workload import (
@@ -65,7 +65,7 @@ TIMEOUT_S = 3.0  # the sagas' deadline
 
 @pytest.fixture(scope="module")
 def spark(services: Services, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    from streams.kafka import KafkaSettings
+    from saga.streams.kafka import KafkaSettings
 
     config = ReconcileConfig(
         settings=KafkaSettings(bootstrap=services.kafka_bootstrap),
@@ -295,7 +295,7 @@ def test_kill_9_mid_replay_then_rerun(
             [
                 sys.executable,
                 "-m",
-                "streams.reconcile",
+                "saga.streams.reconcile",
                 "--replay",
                 "--replay-rate",
                 "10",

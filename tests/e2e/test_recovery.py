@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from confluent_kafka.admin import AdminClient
 
-from streams.kafka._settings import GROUP_SESSION_TIMEOUT_MS
+from saga.streams.kafka._settings import GROUP_SESSION_TIMEOUT_MS
 from tests._infra import Services, eventually
 from tests._system import Proc, SagaSystem
 from tests._workload import (

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from participants._ledger import SEEN_STEP
-from streams import SagaRequest, SagaState, Step, decode
-from streams._routing import DEADLINE, FINGERPRINT, FOR, OUTCOME, PARTS, TYPE, names
+from saga.participants._ledger import SEEN_STEP
+from saga.streams import SagaRequest, SagaState, Step, decode
+from saga.streams._routing import DEADLINE, FINGERPRINT, FOR, OUTCOME, PARTS, TYPE, names
 from tests._infra import Services
 from tests._system import SagaSystem, bank_system, engine_for
 

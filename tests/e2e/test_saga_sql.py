@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from streams import Decision, Outcome, SagaState, Step, StepStatus, encode
+from saga.streams import Decision, Outcome, SagaState, Step, StepStatus, encode
 from tests._infra import Services, eventually
 from tests._system import SagaSystem, balances, bank_system, engine_for
 

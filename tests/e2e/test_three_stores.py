@@ -20,7 +20,7 @@ import pytest
 import redis
 import sqlalchemy as sa
 
-from streams import SagaState, Step
+from saga.streams import SagaState, Step
 from tests._infra import Services, eventually
 from tests._system import Proc, SagaSystem, engine_for
 

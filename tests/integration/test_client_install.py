@@ -26,6 +26,7 @@ import subprocess
 import sys
 import time
 import uuid
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -66,10 +67,12 @@ def small_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
     work = tmp_path_factory.mktemp("client-install")
     src = work / "src"
     src.mkdir()
-    for name in (*SOURCES, "sagatools"):
+    for name in (*SOURCES, "saga"):
         origin = ROOT / name
         if origin.is_dir():
-            shutil.copytree(origin, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+            shutil.copytree(
+                origin, src / name, symlinks=True, ignore=shutil.ignore_patterns("__pycache__")
+            )
         else:
             shutil.copy2(origin, src / name)
     wheels = work / "wheels"
@@ -77,6 +80,13 @@ def small_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
         _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(wheels), str(src)])
     )
     (wheel,) = wheels.glob("saga_olep-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        tops = {name.split("/")[0] for name in archive.namelist()}
+    # One import name: `saga`, with coordinator/participants/streams beneath it.
+    assert {t for t in tops if not t.endswith(".dist-info")} == {"saga"}, tops
+    assert "saga/coordinator/_client.py" in archive.namelist()
+    assert "saga/participants/sql/_adapter.py" in archive.namelist()
+    assert "saga/py.typed" in archive.namelist()
     venv = work / "venv"
     _ok(_run([sys.executable, "-m", "venv", str(venv)]))
     started = time.monotonic()
@@ -122,8 +132,8 @@ def test_no_driver_or_spark_and_at_most_100_mb(small_venv: Path) -> None:
 
 _CLIENT_SCRIPT = """
 import json, os, sys
-from coordinator import SagaClient
-from streams import KafkaSettings, SagaTimeout, Step
+from saga.coordinator import SagaClient
+from saga.streams import KafkaSettings, SagaTimeout, Step
 
 settings = KafkaSettings.from_sources(None, None, None, os.environ)
 with SagaClient(settings) as client:

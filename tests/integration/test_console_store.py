@@ -16,9 +16,9 @@ from urllib.parse import quote
 
 import pytest
 
-from coordinator._console import ViewStore
-from coordinator._console._store import DeadLetter
-from streams import ConfigurationError, SagaState, SagaStatus, StepProgress, StepStatus
+from saga.coordinator._console import ViewStore
+from saga.coordinator._console._store import DeadLetter
+from saga.streams import ConfigurationError, SagaState, SagaStatus, StepProgress, StepStatus
 from tests._infra import Services, unique_name
 
 pytestmark = pytest.mark.integration

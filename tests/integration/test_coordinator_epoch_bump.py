@@ -17,8 +17,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from coordinator._service import CoordinatorService
-from streams import (
+from saga.coordinator._service import CoordinatorService
+from saga.streams import (
     Decision,
     FatalKafkaError,
     Mode,
@@ -29,7 +29,7 @@ from streams import (
     decode_as,
     encode,
 )
-from streams.kafka import (
+from saga.streams.kafka import (
     Consumer,
     KafkaSettings,
     Producer,

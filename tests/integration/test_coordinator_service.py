@@ -14,9 +14,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from coordinator._retention import PartitionState
-from coordinator._service import CoordinatorService
-from streams import (
+from saga.coordinator._retention import PartitionState
+from saga.coordinator._service import CoordinatorService
+from saga.streams import (
     Mode,
     SagaRequest,
     SagaState,
@@ -27,7 +27,7 @@ from streams import (
     decode_as,
     encode,
 )
-from streams.kafka import (
+from saga.streams.kafka import (
     Consumer,
     KafkaSettings,
     Message,

@@ -24,8 +24,8 @@ from typing import Any
 
 import pytest
 
-from streams import ConfigurationError
-from streams.kafka import Consumer, KafkaSettings, Producer, delete_acls, saga_acls
+from saga.streams import ConfigurationError
+from saga.streams.kafka import Consumer, KafkaSettings, Producer, delete_acls, saga_acls
 from tests._infra import ROOT, KafkaSasl, Services, eventually
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]

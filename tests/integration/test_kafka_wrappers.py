@@ -12,8 +12,8 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from streams._errors import ConfigurationError, FatalKafkaError, SagaError
-from streams.kafka import (
+from saga.streams._errors import ConfigurationError, FatalKafkaError, SagaError
+from saga.streams.kafka import (
     OFFSET_BEGINNING,
     Consumer,
     KafkaSettings,

@@ -26,8 +26,8 @@ from typing import Any
 
 import pytest
 
-from streams import SagaState, Step
-from streams._trace import parse
+from saga.streams import SagaState, Step
+from saga.streams._trace import parse
 from tests._infra import Services, eventually
 from tests._system import SagaSystem, bank_system
 

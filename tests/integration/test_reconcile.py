@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import sqlalchemy as sa
 
-from streams import (
+from saga.streams import (
     Decision,
     Mode,
     Outcome,
@@ -39,14 +39,14 @@ from streams import (
     StepStatus,
     encode,
 )
-from streams.kafka import (
+from saga.streams.kafka import (
     Consumer,
     KafkaSettings,
     Producer,
     partition_for,
 )
-from streams.reconcile import ReconcileConfig, parse_check, parse_ledger, parse_table, run
-from streams.reconcile._spark import check_jars, start_spark
+from saga.streams.reconcile import ReconcileConfig, parse_check, parse_ledger, parse_table, run
+from saga.streams.reconcile._spark import check_jars, start_spark
 from tests._infra import Services
 from tests._system import fresh_topics
 
@@ -410,10 +410,10 @@ def write_ledgers(
     redis_prefix: str,
 ) -> None:
     """Each participant's entries in its store's layout (the adapters' own helpers)."""
-    from participants._barrier import LedgerEntry, LedgerStatus
-    from participants._ledger import entry_json as _entry_text
-    from participants._mongo_ledger import _entry_fields
-    from participants._sql import define_ledger
+    from saga.participants._barrier import LedgerEntry, LedgerStatus
+    from saga.participants._ledger import entry_json as _entry_text
+    from saga.participants.mongo._ledger import _entry_fields
+    from saga.participants.sql._adapter import define_ledger
 
     def entry(e: Entry) -> LedgerEntry:
         return LedgerEntry(

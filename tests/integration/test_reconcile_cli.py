@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from streams import Decision, Mode, Outcome, SagaRequest, Step, StepEvent, StepStatus, encode
-from streams.kafka import KafkaSettings, Producer, create_topics, delete_topics
+from saga.streams import Decision, Mode, Outcome, SagaRequest, Step, StepEvent, StepStatus, encode
+from saga.streams.kafka import KafkaSettings, Producer, create_topics, delete_topics
 from tests._infra import ROOT, Services, unique_name
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -37,7 +37,7 @@ def reconcile(
         environ["SAGA_TOPIC_PREFIX"] = prefix
     environ.update(env or {})
     return subprocess.run(
-        [sys.executable, "-m", "streams.reconcile", *args],
+        [sys.executable, "-m", "saga.streams.reconcile", *args],
         cwd=ROOT,
         env=environ,
         capture_output=True,
@@ -142,7 +142,8 @@ def test_store_unreachable(topics: KafkaSettings, services: Services, tmp_path: 
 def test_usage_error_through_the_saga_command(services: Services, tmp_path: Path) -> None:
     """Registered under ``saga`` (``main.add_command(reconcile)``), a bad option still exits 2."""
     code = (
-        "from coordinator.cli import main, run; from streams.reconcile.cli import reconcile; "
+        "from saga.coordinator.cli import main, run; "
+        "from saga.streams.reconcile.cli import reconcile; "
         "main.add_command(reconcile); run()"
     )
     done = subprocess.run(
@@ -235,7 +236,7 @@ def test_benchmark_command_runs(services: Services) -> None:
         [
             sys.executable,
             "-m",
-            "streams.reconcile.bench",
+            "saga.streams.reconcile.bench",
             "--sagas",
             "2000",
             "--driver-memory",

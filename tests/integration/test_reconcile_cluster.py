@@ -35,9 +35,9 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from streams.kafka import KafkaSettings
-from streams.reconcile import ReconcileConfig
-from streams.reconcile._spark import start_spark
+from saga.streams.kafka import KafkaSettings
+from saga.streams.reconcile import ReconcileConfig
+from saga.streams.reconcile._spark import start_spark
 from tests._infra import ROOT, Services
 from tests._system import fresh_topics
 from tests.integration.test_reconcile import (
@@ -215,7 +215,7 @@ def reconcile(
         SAGA_TOPIC_PREFIX=settings.prefix,
     )
     env.update({var: getattr(services, field) for field, var in URL_VARIABLES.items()})
-    args = [sys.executable, "-m", "streams.reconcile", "--master", master]
+    args = [sys.executable, "-m", "saga.streams.reconcile", "--master", master]
     for spec in ledger_specs(stores):
         args += ["--ledger", spec]
     args += ["--now-ms", str(NOW), "--grace", f"{GRACE}ms", "--all", "--json", "--out", str(out)]

@@ -30,7 +30,7 @@ from typing import Any
 
 import pytest
 
-from streams import (
+from saga.streams import (
     Decision,
     InvalidRecord,
     Record,
@@ -40,7 +40,7 @@ from streams import (
     StepEvent,
     decode_keyed,
 )
-from streams._limits import (
+from saga.streams._limits import (
     INT64_MAX,
     MAX_KEY_BYTES,
     MAX_NAME_CHARS,
@@ -49,15 +49,15 @@ from streams._limits import (
     MAX_RECORD_BYTES,
     MAX_SAGA_CHARS,
 )
-from streams.kafka import (
+from saga.streams.kafka import (
     KafkaSettings,
     Message,
     Producer,
     send_to_dlq,
 )
-from streams.reconcile import ReconcileConfig, run
-from streams.reconcile._audit import parse_decisions, parse_events, parse_requests
-from streams.reconcile._spark import check_jars, start_spark
+from saga.streams.reconcile import ReconcileConfig, run
+from saga.streams.reconcile._audit import parse_decisions, parse_events, parse_requests
+from saga.streams.reconcile._spark import check_jars, start_spark
 from tests._infra import Services
 from tests._system import fresh_topics
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from streams import (
+from saga.streams import (
     ConfigurationError,
     Decision,
     Mode,
@@ -25,15 +25,15 @@ from streams import (
     Topics,
     encode,
 )
-from streams._limits import DLQ_EXCERPT_BYTES, MAX_RECORD_BYTES
-from streams.kafka import partition_for
-from streams.reconcile import parse_check, parse_duration_ms, parse_ledger, parse_table
-from streams.reconcile._config import parse_offsets, parse_since
-from streams.reconcile._dlq import DeadLetter, TxFacts, judge, rejected_at
-from streams.reconcile._replay import plan_resends
-from streams.reconcile._sources import jdbc_address
-from streams.reconcile._spark import SMALL_LOG, class_archive_options, shuffle_partitions_for
-from streams.reconcile.bench import expected_classes
+from saga.streams._limits import DLQ_EXCERPT_BYTES, MAX_RECORD_BYTES
+from saga.streams.kafka import partition_for
+from saga.streams.reconcile import parse_check, parse_duration_ms, parse_ledger, parse_table
+from saga.streams.reconcile._config import parse_offsets, parse_since
+from saga.streams.reconcile._dlq import DeadLetter, TxFacts, judge, rejected_at
+from saga.streams.reconcile._replay import plan_resends
+from saga.streams.reconcile._sources import jdbc_address
+from saga.streams.reconcile._spark import SMALL_LOG, class_archive_options, shuffle_partitions_for
+from saga.streams.reconcile.bench import expected_classes
 
 pytestmark = pytest.mark.unit
 
@@ -231,7 +231,7 @@ def test_a_misplaced_or_expired_request_was_rightly_rejected() -> None:
 def test_only_records_the_coordinator_accepts_are_replayed() -> None:
     """A hostile request the coordinator has not read yet may look stuck to the audit;
     re-published, one on another partition than its key's would become a real saga."""
-    from streams.reconcile._replay import Resend, replayable
+    from saga.streams.reconcile._replay import Resend, replayable
 
     tx = "t-replay"
     request = encode(SagaRequest(tx, "s", Mode.PARALLEL, (Step("a", "x"),), 10, 0))
@@ -328,9 +328,9 @@ def test_the_class_archive_is_written_once_then_used(tmp_path: Path) -> None:
 
 
 def test_public_names() -> None:
-    import streams.reconcile
+    from saga.streams import reconcile
 
-    assert set(streams.reconcile.__all__) == {
+    assert set(reconcile.__all__) == {
         "CLASSES",
         "DEFAULT_GRACE_MS",
         "INVARIANTS",
@@ -347,7 +347,7 @@ def test_public_names() -> None:
         "parse_table",
         "run",
     }
-    assert streams.reconcile.CLASSES == (
+    assert reconcile.CLASSES == (
         "violation",
         "compensation_failed",
         "resolved_by_hand",

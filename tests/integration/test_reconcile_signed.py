@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING, Any, cast
 
 import pytest
 
-from streams import decode
-from streams._signing import Keyring, create_key
-from streams.kafka import (
+from saga.streams import decode
+from saga.streams._signing import Keyring, create_key
+from saga.streams.kafka import (
     Consumer,
     KafkaSettings,
     Message,
@@ -33,16 +33,16 @@ from streams.kafka import (
     partition_for,
     send_to_dlq,
 )
-from streams.reconcile import ReconcileConfig, run
-from streams.reconcile._dlq import DeadLetter, TxFacts, judge, rejected_at
-from streams.reconcile._replay import Resend, replay_headers, replayable
-from streams.reconcile._signatures import Verifier
-from streams.reconcile._spark import check_jars, start_spark
+from saga.streams.reconcile import ReconcileConfig, run
+from saga.streams.reconcile._dlq import DeadLetter, TxFacts, judge, rejected_at
+from saga.streams.reconcile._replay import Resend, replay_headers, replayable
+from saga.streams.reconcile._signatures import Verifier
+from saga.streams.reconcile._spark import check_jars, start_spark
 from tests._infra import Services
 from tests._system import fresh_topics
 
 if TYPE_CHECKING:
-    from streams.log import LogProducer
+    from saga.streams.log import LogProducer
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 

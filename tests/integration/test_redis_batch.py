@@ -17,11 +17,11 @@ import pytest
 import redis
 from test_sql_storage import DEADLINE, NOW, requested, rollback
 
-from participants import _redis_batch
-from participants._barrier import Requested
-from participants._redis import RedisStorage
-from participants._storage import RequestSeen, WorkItem
-from streams import ConfigurationError, Mode, StepStatus
+from saga.participants._barrier import Requested
+from saga.participants._storage import RequestSeen, WorkItem
+from saga.participants.redis import _batch as _redis_batch
+from saga.participants.redis._adapter import RedisStorage
+from saga.streams import ConfigurationError, Mode, StepStatus
 from tests._infra import Services
 
 TARGETS = ("accounts", "orders")

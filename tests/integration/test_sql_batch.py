@@ -18,9 +18,9 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from participants._sql import SqlStorage
-from participants._storage import WorkItem
-from streams import StepStatus, TransientError
+from saga.participants._storage import WorkItem
+from saga.participants.sql._adapter import SqlStorage
+from saga.streams import StepStatus, TransientError
 from tests.integration.test_sql_storage import (
     Database,
     postgres_database,
@@ -228,7 +228,7 @@ def test_a_batch_costs_the_same_statements_whatever_its_size(database: Database)
 def test_keys_the_database_matches_but_python_does_not(postgres_db: Database) -> None:
     """A ``char(4)`` key comes back padded: such a row is not held in the batch's copy but
     changed by its own statement, and still sees the increments before it."""
-    from participants._sql_rows import NOT_CACHED, BatchRows
+    from saga.participants.sql._rows import NOT_CACHED, BatchRows
 
     metadata = sa.MetaData(schema=postgres_db.schema)
     codes = sa.Table(

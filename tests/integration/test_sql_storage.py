@@ -27,11 +27,11 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.schema import CreateSchema, DropSchema
 
-from participants._barrier import LedgerStatus, Requested
-from participants._handlers import Handler, Reject
-from participants._sql import SqlSession, SqlStorage
-from participants._storage import DecisionArrived, Report, Storage
-from streams import (
+from saga.participants._barrier import LedgerStatus, Requested
+from saga.participants._handlers import Handler, Reject
+from saga.participants._storage import DecisionArrived, Report, Storage
+from saga.participants.sql._adapter import SqlSession, SqlStorage
+from saga.streams import (
     BusinessRejection,
     ConfigurationError,
     Mode,
@@ -406,7 +406,7 @@ def test_a_database_error_rejects_only_its_own_step(database: Database) -> None:
 def test_the_barrier_off_switch_is_the_storages_own(database: Database) -> None:
     """The chaos suite's negative control reaches the barrier through the storage's fault
     hooks: with ``barrier-off`` a repeated request applies again; without, it does not."""
-    from streams._faults import KillFaults
+    from saga.streams._faults import KillFaults
 
     bump = {"target": "accounts", "key": 1, "field": "balance", "by": 5}
     with sql_harness(database) as harness:
@@ -599,8 +599,8 @@ def test_request_racing_its_rollback_on_another_worker_is_never_applied(
 
 def test_ledger_entry_written_meanwhile_is_a_transient_error(database: Database) -> None:
     """The backstop: an entry read as absent but written by someone else before our insert."""
-    from participants._barrier import LedgerEntry
-    from participants._sql_ledger import BatchLedger
+    from saga.participants._barrier import LedgerEntry
+    from saga.participants.sql._ledger import BatchLedger
 
     with sql_harness(database) as harness:
         storage = harness.storage

@@ -17,8 +17,14 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from streams._errors import FatalKafkaError
-from streams.kafka import Consumer, KafkaSettings, create_topics, delete_topics, wait_for_broker
+from saga.streams._errors import FatalKafkaError
+from saga.streams.kafka import (
+    Consumer,
+    KafkaSettings,
+    create_topics,
+    delete_topics,
+    wait_for_broker,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 

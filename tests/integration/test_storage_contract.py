@@ -54,22 +54,23 @@ from test_sql_storage import (
     sqlite_database,
 )
 
-from participants import _mongo, _mongo_unit
-from participants._barrier import (
+from saga.participants._barrier import (
     LedgerStatus,
     PredecessorApplied,
     Requested,
     SuccessorCompensated,
 )
-from participants._handlers import Handler, Reject
-from participants._mongo import DocumentWrite, MongoSession, MongoStorage
-from participants._mongo_shared import SharedState
-from participants._mongo_unit import _MongoUnit
-from participants._open import open_storage
-from participants._redis import RedisSession, RedisStorage
-from participants._sql import SqlSession, SqlStorage
-from participants._storage import RequestSeen, Storage
-from streams import ConfigurationError, Mode, Outcome, StepStatus, TransientError
+from saga.participants._handlers import Handler, Reject
+from saga.participants._open import open_storage
+from saga.participants._storage import RequestSeen, Storage
+from saga.participants.mongo import _adapter as _mongo
+from saga.participants.mongo import _unit as _mongo_unit
+from saga.participants.mongo._adapter import DocumentWrite, MongoSession, MongoStorage
+from saga.participants.mongo._shared import SharedState
+from saga.participants.mongo._unit import _MongoUnit
+from saga.participants.redis._adapter import RedisSession, RedisStorage
+from saga.participants.sql._adapter import SqlSession, SqlStorage
+from saga.streams import ConfigurationError, Mode, Outcome, StepStatus, TransientError
 from tests._infra import Services
 
 pytestmark = pytest.mark.integration
@@ -2030,7 +2031,7 @@ class TestRedis:
     ) -> None:
         """One key layout (participants._ledger): the audit's reader finds every step entry
         the adapter wrote, under the right participant and transaction, and no marker."""
-        from streams.reconcile._sources import _redis_ledger_rows
+        from saga.streams.reconcile._sources import _redis_ledger_rows
 
         bump = {"target": "accounts", "key": 1, "field": "balance", "by": 1}
         redis_store.storage.execute(

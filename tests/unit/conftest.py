@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from streams.testing import ManualClock
+from saga.streams.testing import ManualClock
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from participants._actions import (
+from saga.participants._actions import (
     BUILTIN_ACTIONS,
     IDENTIFIER,
     Delete,
@@ -21,7 +21,7 @@ from participants._actions import (
     is_builtin,
     parse_action,
 )
-from streams import BusinessRejection
+from saga.streams import BusinessRejection
 
 pytestmark = pytest.mark.unit
 

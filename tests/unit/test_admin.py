@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator import _admin
-from streams import (
+from saga.coordinator import _admin
+from saga.streams import (
     ConfigurationError,
     Decision,
     KafkaSettings,
@@ -23,8 +23,8 @@ from streams import (
     StepStatus,
     encode,
 )
-from streams.kafka import Message, send_to_dlq
-from streams.testing import InMemoryLog, ManualClock
+from saga.streams.kafka import Message, send_to_dlq
+from saga.streams.testing import InMemoryLog, ManualClock
 
 pytestmark = pytest.mark.unit
 

@@ -22,7 +22,7 @@ import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from participants._barrier import (
+from saga.participants._barrier import (
     Decided,
     Effect,
     LedgerEntry,
@@ -36,7 +36,7 @@ from participants._barrier import (
     finished_ms,
     plan,
 )
-from streams import Mode, Outcome, StepStatus
+from saga.streams import Mode, Outcome, StepStatus
 
 pytestmark = pytest.mark.unit
 

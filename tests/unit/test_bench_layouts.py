@@ -12,18 +12,18 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from sagatools.bench.config import (
+from saga.streams import ConfigurationError
+from saga.streams.kafka import KafkaSettings
+from saga.tools.bench.config import (
     DEFAULT_LAYOUT,
     LAYOUTS,
     BenchConfig,
     Layout,
     parse_layout,
 )
-from sagatools.bench.phases import SagaPhaseResult
-from sagatools.bench.profile import summarise
-from sagatools.bench.report import build_report, print_summary, role
-from streams import ConfigurationError
-from streams.kafka import KafkaSettings
+from saga.tools.bench.phases import SagaPhaseResult
+from saga.tools.bench.profile import summarise
+from saga.tools.bench.report import build_report, print_summary, role
 
 
 def test_named_layouts_and_specs() -> None:

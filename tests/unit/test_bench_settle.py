@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sagatools.bench.proc import settle
+from saga.tools.bench.proc import settle
 
 pytestmark = pytest.mark.unit
 

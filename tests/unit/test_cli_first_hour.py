@@ -22,9 +22,9 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from coordinator import cli
-from coordinator._cli_client import exit_code_of
-from streams import KafkaSettings, SagaState
+from saga.coordinator import cli
+from saga.coordinator._cli_client import exit_code_of
+from saga.streams import KafkaSettings, SagaState
 from tests._infra import ROOT
 
 pytestmark = pytest.mark.unit
@@ -62,7 +62,7 @@ def test_every_command_accepts_verbose_after_its_name() -> None:
 
 _LEVEL_AFTER = """
 import logging, sys
-from coordinator.cli import run
+from saga.coordinator.cli import run
 sys.argv = ["saga", *sys.argv[1:]]
 try:
     run()
@@ -150,7 +150,7 @@ def test_the_instance_id_comes_from_the_environment_first() -> None:
 
 
 def _demo_config(bootstrap: str = "127.0.0.1:19092") -> object:
-    from sagatools.demo import DemoConfig
+    from saga.tools.demo import DemoConfig
 
     return DemoConfig(
         KafkaSettings(bootstrap=bootstrap, prefix="demo-1764000000"),
@@ -161,7 +161,7 @@ def _demo_config(bootstrap: str = "127.0.0.1:19092") -> object:
 
 
 def test_the_demo_prints_a_reconcile_command_for_its_prefix_without_passwords() -> None:
-    from sagatools.demo import DemoConfig, reconcile_command
+    from saga.tools.demo import DemoConfig, reconcile_command
 
     cfg = _demo_config()
     assert isinstance(cfg, DemoConfig)
@@ -175,7 +175,7 @@ def test_the_demo_prints_a_reconcile_command_for_its_prefix_without_passwords() 
 
 
 def test_the_readme_shows_the_command_the_demo_prints() -> None:
-    from sagatools.demo import DemoConfig, reconcile_command
+    from saga.tools.demo import DemoConfig, reconcile_command
 
     cfg = _demo_config()
     assert isinstance(cfg, DemoConfig)

@@ -19,11 +19,11 @@ import pytest
 from click.testing import CliRunner
 from sqlalchemy import exc as sa_exc
 
-from coordinator._client import build_request
-from coordinator.cli import run
-from participants._sql import SqlStorage
-from streams import ConfigurationError, InvalidRecord
-from streams._secrets import forget_all
+from saga.coordinator._client import build_request
+from saga.coordinator.cli import run
+from saga.participants.sql._adapter import SqlStorage
+from saga.streams import ConfigurationError, InvalidRecord
+from saga.streams._secrets import forget_all
 
 pytestmark = pytest.mark.unit
 
@@ -320,7 +320,7 @@ def test_postgresql_authentication_failures_are_configuration_errors(message: st
 
 
 def test_postgresql_unreachable_is_still_transient() -> None:
-    from streams import TransientError
+    from saga.streams import TransientError
 
     store = SqlStorage("p", "postgresql://saga:x@127.0.0.1:5432/saga", ["t"])
     with pytest.raises(TransientError), store.boundary("run a batch"):
@@ -331,13 +331,13 @@ def test_postgresql_unreachable_is_still_transient() -> None:
 
 
 def test_coordinator_run_gives_the_service_its_faults_and_a_log_that_exits_when_wedged() -> None:
-    from coordinator import cli
-    from streams._faults import NO_FAULTS, KillFaults
-    from streams.log import KafkaLog
+    from saga.coordinator import cli
+    from saga.streams._faults import NO_FAULTS, KillFaults
+    from saga.streams.log import KafkaLog
 
     with (
-        mock.patch("coordinator.cli.wait_for_broker"),
-        mock.patch("coordinator._service.CoordinatorService") as service,
+        mock.patch("saga.coordinator.cli.wait_for_broker"),
+        mock.patch("saga.coordinator._service.CoordinatorService") as service,
     ):
         plain = saga("coordinator", "run")
         armed = saga("coordinator", "run", env={"SAGA_FAULTS": "coordinator.after_read:3"})
@@ -351,14 +351,14 @@ def test_coordinator_run_gives_the_service_its_faults_and_a_log_that_exits_when_
 
 
 def test_participant_run_gives_runtime_and_storage_the_same_faults() -> None:
-    from coordinator import cli
-    from streams._faults import KillFaults
-    from streams.log import KafkaLog
+    from saga.coordinator import cli
+    from saga.streams._faults import KillFaults
+    from saga.streams.log import KafkaLog
 
     with (
-        mock.patch("coordinator.cli.wait_for_broker"),
-        mock.patch("participants.open_storage") as open_storage,
-        mock.patch("participants.ParticipantRuntime") as runtime,
+        mock.patch("saga.coordinator.cli.wait_for_broker"),
+        mock.patch("saga.participants.open_storage") as open_storage,
+        mock.patch("saga.participants.ParticipantRuntime") as runtime,
     ):
         outcome = saga(
             "participant", "run", "--name", "p", "--storage", "sql", "--targets", "t",
@@ -382,7 +382,7 @@ def test_a_bad_fault_point_is_one_sentence() -> None:
 def test_a_wedged_kafka_client_exits_the_process_after_one_sentence(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    from coordinator import cli
+    from saga.coordinator import cli
 
     with (
         mock.patch("os._exit", side_effect=SystemExit(1)) as exit_,
@@ -499,7 +499,7 @@ def test_a_missing_key_folder_is_one_sentence_before_connecting(
 def test_a_key_folder_without_the_processs_private_key_is_one_sentence(
     tmp_path: Path, args: list[str], principal: str
 ) -> None:
-    from streams._signing import create_key
+    from saga.streams._signing import create_key
 
     folder = tmp_path / "keys"
     create_key(folder, "participant-other")
@@ -510,16 +510,16 @@ def test_a_key_folder_without_the_processs_private_key_is_one_sentence(
 
 
 def test_the_services_get_their_keyring_from_the_key_folder(tmp_path: Path) -> None:
-    from streams._signing import create_key
+    from saga.streams._signing import create_key
 
     folder = tmp_path / "keys"
     for principal in ("coordinator", "participant-bank"):
         create_key(folder, principal)
     with (
-        mock.patch("coordinator.cli.wait_for_broker"),
-        mock.patch("coordinator._service.CoordinatorService") as service,
-        mock.patch("participants.open_storage"),
-        mock.patch("participants.ParticipantRuntime") as runtime,
+        mock.patch("saga.coordinator.cli.wait_for_broker"),
+        mock.patch("saga.coordinator._service.CoordinatorService") as service,
+        mock.patch("saga.participants.open_storage"),
+        mock.patch("saga.participants.ParticipantRuntime") as runtime,
     ):
         signed = saga("coordinator", "run", env={"SAGA_KEYS_DIR": str(folder)})
         unsigned = saga("coordinator", "run")
@@ -540,8 +540,8 @@ def test_coordinator_aborters_name_client_or_operator() -> None:
         "--aborters must name client, operator or both",
     )
     with (
-        mock.patch("coordinator.cli.wait_for_broker"),
-        mock.patch("coordinator._service.CoordinatorService") as service,
+        mock.patch("saga.coordinator.cli.wait_for_broker"),
+        mock.patch("saga.coordinator._service.CoordinatorService") as service,
     ):
         assert saga("coordinator", "run", "--aborters", "operator").code == 0
     assert service.call_args.kwargs["aborters"] == {"operator"}
@@ -554,7 +554,7 @@ def test_abort_refuses_a_bad_transaction_id() -> None:
 def test_a_service_leaves_its_start_up_objects_out_of_garbage_collection() -> None:
     import gc
 
-    from coordinator.cli import _freeze_start_up
+    from saga.coordinator.cli import _freeze_start_up
 
     try:
         _freeze_start_up()

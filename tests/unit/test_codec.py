@@ -20,8 +20,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import streams
-from streams import (
+import saga.streams
+from saga.streams import (
     MAX_STEPS,
     RECORD_TYPES,
     SCHEMA_NAMES,
@@ -898,7 +898,7 @@ def test_public_names_are_exported() -> None:
         "encode", "decode", "decode_as", "schema", "to_dict", "SCHEMA_NAMES",
         "Topics",
     }  # fmt: skip
-    assert expected <= set(streams.__all__)
-    assert len(streams.__all__) == len(set(streams.__all__))
-    for name in streams.__all__:
-        assert hasattr(streams, name), name
+    assert expected <= set(saga.streams.__all__)
+    assert len(saga.streams.__all__) == len(set(saga.streams.__all__))
+    for name in saga.streams.__all__:
+        assert hasattr(saga.streams, name), name

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from streams.kafka._commits import COMMIT_ANSWER_S, CommitGate
-from streams.testing import ManualClock
+from saga.streams.kafka._commits import COMMIT_ANSWER_S, CommitGate
+from saga.streams.testing import ManualClock
 
 pytestmark = pytest.mark.unit
 

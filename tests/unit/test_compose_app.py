@@ -83,7 +83,7 @@ def test_participants_use_the_data_init_creates(
     services: dict[str, dict[str, Any]], name: str
 ) -> None:
     """The demo's setup puts its data under one schema / database / key prefix."""
-    from sagatools.demo import SCHEMA
+    from saga.tools.demo import SCHEMA
 
     words = words_of(services[name].get("command"))
     assert option(words, "--schema") == SCHEMA, (

@@ -17,9 +17,9 @@ from typing import Any
 
 import pytest
 
-from coordinator._console import Console, Operations, StatusTable, ViewStore, make_server
-from coordinator._console._server import TOKEN_HEADER
-from streams import (
+from saga.coordinator._console import Console, Operations, StatusTable, ViewStore, make_server
+from saga.coordinator._console._server import TOKEN_HEADER
+from saga.streams import (
     KafkaSettings,
     SagaAbort,
     SagaState,
@@ -29,7 +29,7 @@ from streams import (
     decode,
     encode,
 )
-from streams.testing import InMemoryLog
+from saga.streams.testing import InMemoryLog
 
 pytestmark = pytest.mark.unit
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from coordinator._console import StatusTable, ViewStore
-from streams import (
+from saga.coordinator._console import StatusTable, ViewStore
+from saga.streams import (
     KafkaSettings,
     SagaState,
     SagaStatus,
@@ -20,9 +20,9 @@ from streams import (
     StepStatus,
     encode,
 )
-from streams._signed_log import SignedLog
-from streams._signing import COORDINATOR, Keyring, create_key
-from streams.testing import InMemoryLog
+from saga.streams._signed_log import SignedLog
+from saga.streams._signing import COORDINATOR, Keyring, create_key
+from saga.streams.testing import InMemoryLog
 
 pytestmark = pytest.mark.unit
 

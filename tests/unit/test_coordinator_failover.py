@@ -12,10 +12,10 @@ from collections.abc import Iterator
 
 import pytest
 
-import coordinator._txn as txn_module
-from streams import FatalKafkaError, Outcome, SagaState, StepStatus, TransientError
-from streams.kafka import TransactionAborted
-from streams.testing import InMemoryConsumer, InMemoryLog, ManualClock
+import saga.coordinator._txn as txn_module
+from saga.streams import FatalKafkaError, Outcome, SagaState, StepStatus, TransientError
+from saga.streams.kafka import TransactionAborted
+from saga.streams.testing import InMemoryConsumer, InMemoryLog, ManualClock
 from tests.unit.test_coordinator_service_unit import (
     GROUP,
     PARTITIONS,
@@ -52,7 +52,7 @@ def coordinators(
 ) -> Iterator[Running]:
     # One paused poll is enough here: the in-memory group fences a replaced member at once.
     monkeypatch.setattr(txn_module, "FENCE_CHECK_S", 0.0)
-    monkeypatch.setattr("coordinator._txn.time.sleep", lambda _s: None)
+    monkeypatch.setattr("saga.coordinator._txn.time.sleep", lambda _s: None)
     running = Running(log, clock)
     yield running
     for stepper in running.steppers:
@@ -185,7 +185,9 @@ def test_a_restore_retries_the_status_topic_end_while_its_leader_moves(
         return real(self, topic, partition, timeout)
 
     monkeypatch.setattr(InMemoryConsumer, "watermarks", flaky)
-    monkeypatch.setattr("coordinator._txn.time.sleep", lambda _s: None)  # the retry lives there
+    monkeypatch.setattr(
+        "saga.coordinator._txn.time.sleep", lambda _s: None
+    )  # the retry lives there
     again, stepper = coordinators.start("a")
     stepper.step()
     assert stepper.running
@@ -208,7 +210,7 @@ def test_an_abortable_epoch_error_aborts_the_transaction_instead_of_stopping() -
     """KIP-360: librdkafka bumps the epoch itself and reports an abortable error."""
     import confluent_kafka as ck
 
-    from streams.kafka._translate import _translate
+    from saga.streams.kafka._translate import _translate
 
     err = _kafka_error(ck.KafkaError.INVALID_PRODUCER_EPOCH, abortable=True)
     error = _translate(err, "committing", text="x", transactional_id=TXN_ID)  # type: ignore[arg-type]
@@ -224,7 +226,7 @@ def test_fatal_transactional_errors_say_whether_the_epoch_was_refused(
 ) -> None:
     import confluent_kafka as ck
 
-    from streams.kafka._translate import _translate
+    from saga.streams.kafka._translate import _translate
 
     err = _kafka_error(getattr(ck.KafkaError, code), fatal=True)
     error = _translate(err, "committing", text="x", transactional_id=TXN_ID)  # type: ignore[arg-type]

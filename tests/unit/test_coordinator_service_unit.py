@@ -18,8 +18,8 @@ from typing import Any, cast
 
 import pytest
 
-from coordinator._service import CoordinatorService
-from streams import (
+from saga.coordinator._service import CoordinatorService
+from saga.streams import (
     Decision,
     FatalKafkaError,
     KafkaSettings,
@@ -36,7 +36,7 @@ from streams import (
     decode_as,
     encode,
 )
-from streams.testing import InMemoryLog, KillAt, ManualClock, Stepper, key_on
+from saga.streams.testing import InMemoryLog, KillAt, ManualClock, Stepper, key_on
 from tests._helpers import memory_log
 
 pytestmark = pytest.mark.unit

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from streams._duration import DEFAULT_RETENTION, DEFAULT_RETENTION_MS, parse_duration_ms
+from saga.streams._duration import DEFAULT_RETENTION, DEFAULT_RETENTION_MS, parse_duration_ms
 
 pytestmark = pytest.mark.unit
 

@@ -14,11 +14,11 @@ import re
 
 import pytest
 
-import streams
-import streams._errors
-from streams._errors import SagaError
-from streams.kafka import TransactionAborted
-from streams.reconcile import ReconcileError
+import saga.streams
+import saga.streams._errors
+from saga.streams._errors import SagaError
+from saga.streams.kafka import TransactionAborted
+from saga.streams.reconcile import ReconcileError
 
 # name -> (parent, retryable), as drawn.
 EXPECTED: dict[str, tuple[str, bool]] = {
@@ -35,15 +35,15 @@ EXPECTED: dict[str, tuple[str, bool]] = {
 
 CLASSES: dict[str, type[SagaError]] = {
     "SagaError": SagaError,
-    "BusinessRejection": streams.BusinessRejection,
-    "ConfigurationError": streams.ConfigurationError,
-    "ConflictingRequest": streams.ConflictingRequest,
-    "FatalKafkaError": streams.FatalKafkaError,
-    "InvalidRecord": streams.InvalidRecord,
+    "BusinessRejection": saga.streams.BusinessRejection,
+    "ConfigurationError": saga.streams.ConfigurationError,
+    "ConflictingRequest": saga.streams.ConflictingRequest,
+    "FatalKafkaError": saga.streams.FatalKafkaError,
+    "InvalidRecord": saga.streams.InvalidRecord,
     "ReconcileError": ReconcileError,
-    "SagaTimeout": streams.SagaTimeout,
+    "SagaTimeout": saga.streams.SagaTimeout,
     "TransactionAborted": TransactionAborted,
-    "TransientError": streams.TransientError,
+    "TransientError": saga.streams.TransientError,
 }
 
 _DRAWN = re.compile(r"^(?P<lead>[ │]*)[├└]── (?P<name>\w+)\s+(?P<retry>yes|no)\b")
@@ -51,7 +51,7 @@ _DRAWN = re.compile(r"^(?P<lead>[ │]*)[├└]── (?P<name>\w+)\s+(?P<retry
 
 def _drawing() -> dict[str, tuple[str, bool]]:
     """The tree in the docstring of streams._errors, as name -> (parent, retryable)."""
-    doc = streams._errors.__doc__ or ""
+    doc = saga.streams._errors.__doc__ or ""
     drawn: dict[str, tuple[str, bool]] = {}
     parents = ["SagaError"]  # parents[depth] is the class at that depth
     for line in doc.splitlines():

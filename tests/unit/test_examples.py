@@ -20,9 +20,9 @@ from typing import Any
 import fastjsonschema
 import pytest
 
-from coordinator._client import build_request
-from participants._actions import is_builtin, parse_action
-from streams import InvalidRecord, schema, to_dict
+from saga.coordinator._client import build_request
+from saga.participants._actions import is_builtin, parse_action
+from saga.streams import InvalidRecord, schema, to_dict
 from tests._infra import ROOT
 
 pytestmark = pytest.mark.unit

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from streams.kafka import KafkaSettings
-from streams.kafka._settings import CONSUMER_SOCKET_TIMEOUT_MS, FAILOVER_DEFAULTS, _client_config
+from saga.streams.kafka import KafkaSettings
+from saga.streams.kafka._settings import (
+    CONSUMER_SOCKET_TIMEOUT_MS,
+    FAILOVER_DEFAULTS,
+    _client_config,
+)
 from tests.unit.test_group_membership import recorded  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.unit
@@ -22,7 +26,7 @@ def test_every_client_gets_the_failover_defaults_and_the_user_can_change_them() 
 
 
 def test_a_consumer_times_requests_out_sooner_unless_told(recorded: list) -> None:  # noqa: F811
-    from streams.kafka import Consumer
+    from saga.streams.kafka import Consumer
 
     Consumer(KafkaSettings(bootstrap="b:1"), "g").close()
     Consumer(KafkaSettings(bootstrap="b:1", extra={"socket.timeout.ms": "60000"}), "g").close()
@@ -35,8 +39,8 @@ def test_a_transactional_producer_retries_sooner_unless_told() -> None:
     """CONCURRENT_TRANSACTIONS right after a commit is retried after retry.backoff.ms."""
     from unittest import mock
 
-    from streams.kafka import TransactionalProducer
-    from streams.kafka._settings import TXN_RETRY_BACKOFF_MS
+    from saga.streams.kafka import TransactionalProducer
+    from saga.streams.kafka._settings import TXN_RETRY_BACKOFF_MS
 
     made: list[dict[str, object]] = []
 
@@ -44,7 +48,7 @@ def test_a_transactional_producer_retries_sooner_unless_told() -> None:
         made.append(config)
         return mock.MagicMock()
 
-    with mock.patch("streams.kafka._producer.ck.Producer", record):
+    with mock.patch("saga.streams.kafka._producer.ck.Producer", record):
         TransactionalProducer(KafkaSettings(bootstrap="b:1"), "t")
         own = KafkaSettings(bootstrap="b:1", extra={"retry.backoff.ms": "100"})
         TransactionalProducer(own, "t")

@@ -14,13 +14,13 @@ from unittest import mock
 import confluent_kafka as ck
 import pytest
 
-from coordinator import CoordinatorService
-from participants import ParticipantRuntime
-from streams import ConfigurationError, FatalKafkaError
-from streams.kafka import Consumer, KafkaSettings
-from streams.kafka._producer import TransactionalProducer
-from streams.kafka._settings import GROUP_SESSION_TIMEOUT_MS, _group_timeouts
-from streams.testing import InMemoryLog
+from saga.coordinator import CoordinatorService
+from saga.participants import ParticipantRuntime
+from saga.streams import ConfigurationError, FatalKafkaError
+from saga.streams.kafka import Consumer, KafkaSettings
+from saga.streams.kafka._producer import TransactionalProducer
+from saga.streams.kafka._settings import GROUP_SESSION_TIMEOUT_MS, _group_timeouts
+from saga.streams.testing import InMemoryLog
 
 pytestmark = pytest.mark.unit
 
@@ -48,7 +48,7 @@ class _Recorder:
 @pytest.fixture
 def recorded() -> Any:
     _Recorder.made = []
-    with mock.patch("streams.kafka._consumer.ck.Consumer", _Recorder):
+    with mock.patch("saga.streams.kafka._consumer.ck.Consumer", _Recorder):
         yield _Recorder.made
 
 
@@ -162,9 +162,9 @@ def test_the_participant_command_passes_its_worker_id() -> None:
     from tests.unit.test_cli_inputs import saga
 
     with (
-        mock.patch("coordinator.cli.wait_for_broker"),
-        mock.patch("participants.open_storage"),
-        mock.patch("participants.ParticipantRuntime") as runtime,
+        mock.patch("saga.coordinator.cli.wait_for_broker"),
+        mock.patch("saga.participants.open_storage"),
+        mock.patch("saga.participants.ParticipantRuntime") as runtime,
     ):
         by_option = saga(
             "participant", "run", "--name", "p", "--storage", "sql", "--targets", "t",

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from streams import (
+from saga.streams import (
     MAX_NESTING,
     MAX_REASON_CHARS,
     MAX_RECORD_BYTES,

@@ -10,9 +10,15 @@ from __future__ import annotations
 
 import pytest
 
-from streams import ConfigurationError, FatalKafkaError, TransientError
-from streams.kafka import OFFSET_BEGINNING, OFFSET_END, Message, TransactionAborted, partition_for
-from streams.testing import (
+from saga.streams import ConfigurationError, FatalKafkaError, TransientError
+from saga.streams.kafka import (
+    OFFSET_BEGINNING,
+    OFFSET_END,
+    Message,
+    TransactionAborted,
+    partition_for,
+)
+from saga.streams.testing import (
     InMemoryConsumer,
     InMemoryLog,
     KillAt,

@@ -7,8 +7,8 @@ is a decision: update this list with it.
 
 from __future__ import annotations
 
-import streams.kafka
-import streams.log
+import saga.streams.kafka
+import saga.streams.log
 
 # In sorted() order: code points, so upper case before lower case.
 EXPECTED = [
@@ -41,15 +41,15 @@ EXPECTED = [
 
 def test_all_is_pinned() -> None:
     assert sorted(EXPECTED) == EXPECTED
-    assert sorted(streams.kafka.__all__) == EXPECTED
-    assert len(streams.kafka.__all__) == len(set(streams.kafka.__all__))
+    assert sorted(saga.streams.kafka.__all__) == EXPECTED
+    assert len(saga.streams.kafka.__all__) == len(set(saga.streams.kafka.__all__))
 
 
 def test_every_public_name_exists() -> None:
-    for name in streams.kafka.__all__:
-        assert hasattr(streams.kafka, name), name
+    for name in saga.streams.kafka.__all__:
+        assert hasattr(saga.streams.kafka, name), name
 
 
 def test_the_log_protocols_module_re_exports_the_kafka_log() -> None:
-    assert streams.log.KafkaLog is streams.kafka.KafkaLog
-    assert streams.log.RebalanceCallback is streams.kafka.RebalanceCallback
+    assert saga.streams.log.KafkaLog is saga.streams.kafka.KafkaLog
+    assert saga.streams.log.RebalanceCallback is saga.streams.kafka.RebalanceCallback

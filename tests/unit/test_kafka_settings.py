@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from streams._errors import ConfigurationError
-from streams.kafka import KafkaSettings, Message, partition_for
+from saga.streams._errors import ConfigurationError
+from saga.streams.kafka import KafkaSettings, Message, partition_for
 
 pytestmark = pytest.mark.unit
 

@@ -4,7 +4,7 @@
 line) must not import SQLAlchemy, psycopg, pymongo, redis or pyspark: the
 participants own the drivers and import them when a participant runs, the
 reconciliation job imports pyspark when ``saga reconcile`` runs, the tools package
-(:mod:`sagatools`) its drivers when ``saga demo`` or ``saga bench`` runs. Checked
+(:mod:`saga.tools`) its drivers when ``saga demo`` or ``saga bench`` runs. Checked
 twice: in the source (every import statement of every module, and the client's
 modules of ``streams``) and at run time (importing the client, the command line and
 the participant runtime loads none of them), which is what lets ``pip install
@@ -126,10 +126,11 @@ def _run_python(code: str, *args: str) -> subprocess.CompletedProcess[str]:
 def test_importing_the_core_and_its_command_line_loads_no_driver() -> None:
     code = (
         "import json, sys\n"
-        "import coordinator, coordinator.cli, coordinator._client, coordinator._cli_client\n"
-        "import streams, streams.kafka, streams.log, streams.reconcile.cli\n"
-        "import participants, participants._runtime\n"
-        "from coordinator import SagaClient\n"
+        "import saga, saga.coordinator.cli, saga.coordinator._client\n"
+        "import saga.coordinator._cli_client\n"
+        "import saga.streams, saga.streams.kafka, saga.streams.log, saga.streams.reconcile.cli\n"
+        "import saga.participants, saga.participants._runtime\n"
+        "from saga.coordinator import SagaClient\n"
         "print(json.dumps(sorted(sys.modules)))\n"
     )
     done = _run_python(code)
@@ -147,19 +148,19 @@ BLOCKED = set(sys.argv[1].split(","))
 
 class Missing(MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in BLOCKED:
+        if any(name == b or name.startswith(b + ".") for b in BLOCKED):
             raise ModuleNotFoundError(f"No module named {name!r}", name=name)
         return None
 
 sys.meta_path.insert(0, Missing())
 sys.argv = ["saga", *sys.argv[2:]]
-from coordinator.cli import run
+from saga.coordinator.cli import run
 run()
 """
 
 
 @pytest.mark.parametrize("command", ["bench", "demo"])
-@pytest.mark.parametrize("blocked", ["sagatools", "sqlalchemy", "pymongo,redis"])
+@pytest.mark.parametrize("blocked", ["saga.tools", "sqlalchemy", "pymongo,redis"])
 def test_without_the_tools_the_command_says_to_install_the_extra(
     command: str, blocked: str
 ) -> None:
@@ -176,11 +177,11 @@ def test_without_the_tools_the_command_says_to_install_the_extra(
 
 
 def test_the_tools_commands_are_listed_and_keep_their_options() -> None:
-    listed = _run_python("from coordinator.cli import run; run()", "--help")
+    listed = _run_python("from saga.coordinator.cli import run; run()", "--help")
     assert listed.returncode == 0, listed.stderr
     names = [line.split()[0] for line in listed.stdout.splitlines() if line.startswith("  ")]
     assert {"bench", "demo", "submit", "reconcile", "coordinator"} <= set(names), names
-    bench = _run_python("from coordinator.cli import run; run()", "bench", "--help")
+    bench = _run_python("from saga.coordinator.cli import run; run()", "bench", "--help")
     assert bench.returncode == 0, bench.stderr
     for option in ("--phases", "--rate", "--window", "--service-pid", "--redis-url"):
         assert option in bench.stdout, (option, bench.stdout)

@@ -21,7 +21,7 @@ import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from coordinator._machine import (
+from saga.coordinator._machine import (
     _RANK,
     UNKNOWN_PARTICIPANT,
     AbortRequested,
@@ -34,7 +34,7 @@ from coordinator._machine import (
     Tick,
     decide,
 )
-from streams import (
+from saga.streams import (
     Decision,
     Mode,
     Outcome,

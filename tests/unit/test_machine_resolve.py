@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator._machine import ResolveRequested, Saga, decide, tx_of
-from streams import SagaResolve, SagaState, SagaStatus, StepStatus, decode, encode
+from saga.coordinator._machine import ResolveRequested, Saga, decide, tx_of
+from saga.streams import SagaResolve, SagaState, SagaStatus, StepStatus, decode, encode
 from tests.unit.test_machine import (
     CREATED,
     TX,

@@ -15,7 +15,7 @@ import pytest
 pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("coordinator", "participants", "streams", "sagatools", "tests")
+PACKAGES = ("coordinator", "participants", "streams", "saga/tools", "tests")
 LIMIT = 600
 
 

@@ -26,11 +26,11 @@ from click.testing import CliRunner
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from coordinator._observe import reason_class
-from coordinator._service import CoordinatorService
-from coordinator.cli import main
-from participants import ParticipantRuntime, open_storage
-from streams import (
+from saga.coordinator._observe import reason_class
+from saga.coordinator._service import CoordinatorService
+from saga.coordinator.cli import main
+from saga.participants import ParticipantRuntime, open_storage
+from saga.streams import (
     Decision,
     KafkaSettings,
     Mode,
@@ -42,13 +42,13 @@ from streams import (
     StepStatus,
     encode,
 )
-from streams._http import MetricsServer
-from streams._logs import JsonFormatter
-from streams._metrics import new_registry
-from streams._observe import Health
-from streams._secrets import forget_all, install_log_redaction, remember
-from streams._trace import TRACEPARENT, TRACESTATE, TraceContext, new_trace, parse
-from streams.testing import InMemoryLog, ManualClock, Stepper, key_on
+from saga.streams._http import MetricsServer
+from saga.streams._logs import JsonFormatter
+from saga.streams._metrics import new_registry
+from saga.streams._observe import Health
+from saga.streams._secrets import forget_all, install_log_redaction, remember
+from saga.streams._trace import TRACEPARENT, TRACESTATE, TraceContext, new_trace, parse
+from saga.streams.testing import InMemoryLog, ManualClock, Stepper, key_on
 from tests._helpers import memory_log
 
 pytestmark = pytest.mark.unit
@@ -364,7 +364,7 @@ def test_the_endpoint_serves_metrics_health_and_readiness() -> None:
 
 def test_a_port_in_use_is_one_sentence() -> None:
     with MetricsServer(new_registry(), Health(), "127.0.0.1", 0) as server:
-        from streams import ConfigurationError
+        from saga.streams import ConfigurationError
 
         with pytest.raises(ConfigurationError, match="choose another --metrics-port"):
             MetricsServer(new_registry(), Health(), "127.0.0.1", server.address[1])

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from streams import Mode, Outcome, StepStatus
-from streams.testing import InMemoryConsumer, InMemoryLog, ManualClock
+from saga.streams import Mode, Outcome, StepStatus
+from saga.streams.testing import InMemoryConsumer, InMemoryLog, ManualClock
 from tests.unit.test_participant_runtime_unit import (  # noqa: F401 (fixtures)
     Runtimes,
     balance,

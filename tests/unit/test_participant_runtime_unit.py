@@ -22,7 +22,7 @@ from typing import Any, cast
 import pytest
 import sqlalchemy as sa
 
-from participants import (
+from saga.participants import (
     LedgerEntry,
     LedgerStatus,
     ParticipantRuntime,
@@ -32,7 +32,7 @@ from participants import (
     WorkItem,
     open_storage,
 )
-from streams import (
+from saga.streams import (
     Decision,
     InvalidRecord,
     KafkaSettings,
@@ -47,9 +47,9 @@ from streams import (
     decode_as,
     encode,
 )
-from streams._faults import NO_FAULTS, Faults
-from streams._routing import FOR, PARTS, request_headers, type_headers
-from streams.testing import InMemoryLog, KillAt, ManualClock, Stepper, key_on
+from saga.streams._faults import NO_FAULTS, Faults
+from saga.streams._routing import FOR, PARTS, request_headers, type_headers
+from saga.streams.testing import InMemoryLog, KillAt, ManualClock, Stepper, key_on
 from tests._helpers import memory_log
 
 pytestmark = pytest.mark.unit

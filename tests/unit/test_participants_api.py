@@ -13,8 +13,8 @@ from typing import Any, NoReturn
 
 import pytest
 
-import participants
-from streams import Mode, Outcome, StepStatus, TransientError
+from saga import participants
+from saga.streams import Mode, Outcome, StepStatus, TransientError
 
 PUBLIC = [
     "Actions",
@@ -56,7 +56,11 @@ def test_every_public_name_resolves() -> None:
 
 
 def test_the_adapters_derive_from_the_storage_base_class() -> None:
-    for adapter in (participants.SqlStorage, participants.MongoStorage, participants.RedisStorage):
+    for adapter in (
+        participants.SqlStorage,
+        participants.MongoStorage,
+        participants.RedisStorage,
+    ):
         assert issubclass(adapter, participants.LedgerStorage)
         assert issubclass(adapter, participants.Storage)
 

@@ -82,7 +82,7 @@ PINNED: dict[str, list[str]] = {
         "schema",
         "to_dict",
     ],
-    "streams.reconcile": [
+    "saga.streams.reconcile": [
         "CLASSES",
         "DEFAULT_GRACE_MS",
         "INVARIANTS",
@@ -99,7 +99,7 @@ PINNED: dict[str, list[str]] = {
         "parse_table",
         "run",
     ],
-    "streams.log": [
+    "saga.streams.log": [
         "KafkaLog",
         "Log",
         "LogConsumer",
@@ -107,7 +107,7 @@ PINNED: dict[str, list[str]] = {
         "LogTransactionalProducer",
         "RebalanceCallback",
     ],
-    "streams.testing": [
+    "saga.streams.testing": [
         "InMemoryConsumer",
         "InMemoryLog",
         "InMemoryProducer",

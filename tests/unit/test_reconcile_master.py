@@ -9,10 +9,10 @@ import sys
 import pytest
 from click.testing import CliRunner
 
-from streams import ConfigurationError, KafkaSettings
-from streams.reconcile import ReconcileConfig, parse_ledger, parse_table
-from streams.reconcile._spark import executor_python, kafka_options, on_loopback
-from streams.reconcile.cli import reconcile
+from saga.streams import ConfigurationError, KafkaSettings
+from saga.streams.reconcile import ReconcileConfig, parse_ledger, parse_table
+from saga.streams.reconcile._spark import executor_python, kafka_options, on_loopback
+from saga.streams.reconcile.cli import reconcile
 
 pytestmark = pytest.mark.unit
 
@@ -92,7 +92,7 @@ def test_the_command_fails_in_one_sentence_on_an_unset_variable() -> None:
 def test_the_command_takes_the_master_from_the_environment(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from streams.reconcile import _job
+    from saga.streams.reconcile import _job
 
     def run(config: ReconcileConfig, **_: object) -> None:
         # Stop before Spark: say what the job was asked to do.

@@ -14,14 +14,14 @@ from typing import Any
 
 import pytest
 
-from participants._barrier import LedgerEntry, LedgerStatus, Requested
-from participants._handlers import Handler
-from participants._ledger import entry_json, entry_of_json, field_of_step
-from participants._redis import RedisStorage
-from participants._redis_batch import Planner, Prepared, _hash_flags
-from participants._redis_unit import may_wait, steps_of, tx_finished_ms
-from participants._storage import DecisionArrived
-from streams import Mode, Outcome
+from saga.participants._barrier import LedgerEntry, LedgerStatus, Requested
+from saga.participants._handlers import Handler
+from saga.participants._ledger import entry_json, entry_of_json, field_of_step
+from saga.participants._storage import DecisionArrived
+from saga.participants.redis._adapter import RedisStorage
+from saga.participants.redis._batch import Planner, Prepared, _hash_flags
+from saga.participants.redis._unit import may_wait, steps_of, tx_finished_ms
+from saga.streams import Mode, Outcome
 
 pytestmark = pytest.mark.unit
 

@@ -22,10 +22,10 @@ from typing import Any
 import orjson
 import pytest
 
-from coordinator._machine import RequestReceived, decide
-from coordinator._service import CoordinatorService
-from participants import ParticipantRuntime, open_storage
-from streams import (
+from saga.coordinator._machine import RequestReceived, decide
+from saga.coordinator._service import CoordinatorService
+from saga.participants import ParticipantRuntime, open_storage
+from saga.streams import (
     Decision,
     InvalidRecord,
     KafkaSettings,
@@ -45,9 +45,9 @@ from streams import (
     decode_as,
     encode,
 )
-from streams._signed_log import SignedLog
-from streams._signing import OPERATOR, Keyring, create_key
-from streams.testing import InMemoryLog, ManualClock, Stepper, key_on
+from saga.streams._signed_log import SignedLog
+from saga.streams._signing import OPERATOR, Keyring, create_key
+from saga.streams.testing import InMemoryLog, ManualClock, Stepper, key_on
 from tests._helpers import memory_log
 
 pytestmark = pytest.mark.unit
@@ -115,7 +115,7 @@ def test_an_announcement_round_trips_and_its_key_is_name_slash_instance(
 
 
 def test_an_announcement_is_not_a_transaction_record() -> None:
-    from streams import decode_keyed
+    from saga.streams import decode_keyed
 
     record = ParticipantAnnouncement("bank", StorageKind.REDIS, (), "1", "i", 1, 2, 3)
     with pytest.raises(InvalidRecord, match="not a transaction's record"):
@@ -515,8 +515,8 @@ def test_saga_participants_prints_a_table_and_json(
 ) -> None:
     from click.testing import CliRunner
 
-    from coordinator import _cli_registry
-    from coordinator.cli import main
+    from saga.coordinator import _cli_registry
+    from saga.coordinator.cli import main
 
     announce(log, clock, "bank")
     clock.advance(4 * INTERVAL_MS)
@@ -541,8 +541,8 @@ def test_saga_participants_prints_a_table_and_json(
 def test_status_notes_the_gone_and_the_never_announced_a_saga_waits_on(
     log: InMemoryLog, clock: ManualClock, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from coordinator import _cli_registry
-    from streams import StepProgress
+    from saga.coordinator import _cli_registry
+    from saga.streams import StepProgress
 
     announce(log, clock, "bank")
     announce(log, clock, "shop")

@@ -18,10 +18,10 @@ from unittest import mock
 import confluent_kafka as ck
 import pytest
 
-from streams import FatalKafkaError, KafkaSettings, TransientError
-from streams._rejoin import FENCES_TO_STOP, REJOIN_WINDOW_S, RejoinPolicy, is_instance_fence
-from streams.kafka import Consumer
-from streams.testing import InMemoryLog, ManualClock
+from saga.streams import FatalKafkaError, KafkaSettings, TransientError
+from saga.streams._rejoin import FENCES_TO_STOP, REJOIN_WINDOW_S, RejoinPolicy, is_instance_fence
+from saga.streams.kafka import Consumer
+from saga.streams.testing import InMemoryLog, ManualClock
 from tests._helpers import memory_log
 
 pytestmark = pytest.mark.unit
@@ -86,7 +86,7 @@ def _fence() -> Any:
 def test_the_kafka_consumer_rejoins_with_the_same_id_until_a_streak_stops_it() -> None:
     _Recorder.made = []
     lost: list[list[tuple[str, int]]] = []
-    with mock.patch("streams.kafka._consumer.ck.Consumer", _Recorder):
+    with mock.patch("saga.streams.kafka._consumer.ck.Consumer", _Recorder):
         consumer = Consumer(SETTINGS, "g", group_instance_id="r.w1", on_revoke=lost.append)
         consumer.subscribe(["t"])
         first = _Recorder.made[0]
@@ -114,7 +114,7 @@ def test_the_kafka_consumer_rejoins_with_the_same_id_until_a_streak_stops_it() -
 
 def test_a_consumer_without_an_instance_id_does_not_rejoin() -> None:
     _Recorder.made = []
-    with mock.patch("streams.kafka._consumer.ck.Consumer", _Recorder):
+    with mock.patch("saga.streams.kafka._consumer.ck.Consumer", _Recorder):
         consumer = Consumer(SETTINGS, "g")
         _Recorder.made[0].queue = [_fence()]
         with pytest.raises(FatalKafkaError):
@@ -173,7 +173,7 @@ def test_a_commit_failing_on_the_fence_rejoins_and_is_transient() -> None:
     """After the fatal error, a commit fails only with "Local: Fatal error": the error
     callback's text tells that it was the instance fence (seen in the cluster profile)."""
     _Recorder.made = []
-    with mock.patch("streams.kafka._consumer.ck.Consumer", _Recorder):
+    with mock.patch("saga.streams.kafka._consumer.ck.Consumer", _Recorder):
         consumer = Consumer(SETTINGS, "g", group_instance_id="r.w1")
         consumer.subscribe(["t"])
         first = _Recorder.made[0]
@@ -193,7 +193,7 @@ def test_a_commit_failing_on_the_fence_rejoins_and_is_transient() -> None:
 
 def test_any_call_that_meets_the_fence_first_rejoins_and_is_transient() -> None:
     _Recorder.made = []
-    with mock.patch("streams.kafka._consumer.ck.Consumer", _Recorder):
+    with mock.patch("saga.streams.kafka._consumer.ck.Consumer", _Recorder):
         consumer = Consumer(SETTINGS, "g", group_instance_id="r.w1")
         consumer.subscribe(["t"])
         first = _Recorder.made[0]
@@ -213,7 +213,7 @@ def test_a_commit_before_the_poll_that_says_why_finds_the_cause_in_the_queue() -
     """The commit can fail with "Local: Fatal error" before any poll served the fence
     event (seen in the cluster profile): the queue is served to learn the cause."""
     _Recorder.made = []
-    with mock.patch("streams.kafka._consumer.ck.Consumer", _Recorder):
+    with mock.patch("saga.streams.kafka._consumer.ck.Consumer", _Recorder):
         consumer = Consumer(SETTINGS, "g", group_instance_id="r.w1")
         consumer.subscribe(["t"])
         first = _Recorder.made[0]
@@ -237,7 +237,7 @@ def test_a_commit_whose_cause_only_the_clients_log_line_names_rejoins() -> None:
     cluster profile: the participant exited instead of rejoining). The line still goes
     to the log."""
     _Recorder.made = []
-    with mock.patch("streams.kafka._consumer.ck.Consumer", _Recorder):
+    with mock.patch("saga.streams.kafka._consumer.ck.Consumer", _Recorder):
         consumer = Consumer(SETTINGS, "g", group_instance_id="r.w1")
         consumer.subscribe(["t"])
         first = _Recorder.made[0]

@@ -6,8 +6,8 @@ import logging
 
 import pytest
 
-from streams._repeats import RepeatFilter
-from streams.kafka._settings import _librdkafka_log
+from saga.streams._repeats import RepeatFilter
+from saga.streams.kafka._settings import _librdkafka_log
 
 pytestmark = pytest.mark.unit
 

@@ -64,7 +64,7 @@ from typing import Any
 
 import pytest
 
-from coordinator._machine import (
+from saga.coordinator._machine import (
     AbortRequested,
     Ignored,
     Input,
@@ -75,7 +75,7 @@ from coordinator._machine import (
     Tick,
     decide,
 )
-from participants._barrier import (
+from saga.participants._barrier import (
     Decided,
     Effect,
     LedgerEntry,
@@ -86,7 +86,7 @@ from participants._barrier import (
     SuccessorCompensated,
     plan,
 )
-from streams import (
+from saga.streams import (
     Decision,
     Mode,
     Outcome,

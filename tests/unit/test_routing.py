@@ -16,10 +16,10 @@ from collections.abc import Sequence
 
 import pytest
 
-from coordinator._machine import Saga
-from coordinator._route import decision_route, event_route
-from participants._routing import Router, Seen, Verdict
-from streams import (
+from saga.coordinator._machine import Saga
+from saga.coordinator._route import decision_route, event_route
+from saga.participants._routing import Router, Seen, Verdict
+from saga.streams import (
     Decision,
     KafkaSettings,
     Mode,
@@ -30,7 +30,7 @@ from streams import (
     StepEvent,
     StepStatus,
 )
-from streams._routing import (
+from saga.streams._routing import (
     DEADLINE,
     FINGERPRINT,
     FOR,
@@ -39,8 +39,8 @@ from streams._routing import (
     TYPE,
     seen_fields,
 )
-from streams.kafka import Message
-from streams.testing import InMemoryLog, ManualClock
+from saga.streams.kafka import Message
+from saga.streams.testing import InMemoryLog, ManualClock
 from tests.unit.test_participant_runtime_unit import move, shop_step
 
 pytestmark = pytest.mark.unit

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from participants._open import storage_url, with_password
-from streams._errors import ConfigurationError
-from streams._secrets import (
+from saga.participants._open import storage_url, with_password
+from saga.streams._errors import ConfigurationError
+from saga.streams._secrets import (
     forget_all,
     install_log_redaction,
     is_secret_name,

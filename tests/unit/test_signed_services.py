@@ -41,9 +41,9 @@ from typing import Any, cast
 import pytest
 import sqlalchemy as sa
 
-from coordinator import AsyncSagaClient, CoordinatorService, SagaClient, StatusView
-from participants import ParticipantRuntime, open_storage
-from streams import (
+from saga.coordinator import AsyncSagaClient, CoordinatorService, SagaClient, StatusView
+from saga.participants import ParticipantRuntime, open_storage
+from saga.streams import (
     ConflictingRequest,
     Decision,
     KafkaSettings,
@@ -64,17 +64,17 @@ from streams import (
     decode_keyed,
     encode,
 )
-from streams._routing import PARTS, request_headers
-from streams._signing import (
+from saga.streams._routing import PARTS, request_headers
+from saga.streams._signing import (
     CLIENT,
     COORDINATOR,
     OPERATOR,
     allowed_signers,
     create_key,
 )
-from streams.kafka import Message
-from streams.log import LogConsumer, LogProducer, LogTransactionalProducer
-from streams.testing import InMemoryLog, ManualClock, Stepper, key_on
+from saga.streams.kafka import Message
+from saga.streams.log import LogConsumer, LogProducer, LogTransactionalProducer
+from saga.streams.testing import InMemoryLog, ManualClock, Stepper, key_on
 from tests._helpers import memory_log
 
 pytestmark = pytest.mark.unit

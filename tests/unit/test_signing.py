@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from nacl.signing import VerifyKey
 
-from streams import (
+from saga.streams import (
     ConfigurationError,
     Decision,
     KafkaSettings,
@@ -33,7 +33,7 @@ from streams import (
     StepEvent,
     StepStatus,
 )
-from streams._signing import (
+from saga.streams._signing import (
     CLIENT,
     COORDINATOR,
     OPERATOR,
@@ -42,7 +42,7 @@ from streams._signing import (
     create_key,
     retire_key,
 )
-from streams.testing import InMemoryLog, ManualClock
+from saga.streams.testing import InMemoryLog, ManualClock
 
 pytestmark = pytest.mark.unit
 

@@ -20,10 +20,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from coordinator import SagaClient
-from streams import KafkaSettings, Step
-from streams._trace import TRACEPARENT, TRACESTATE, TraceContext, parse
-from streams.testing import InMemoryLog, ManualClock
+from saga.coordinator import SagaClient
+from saga.streams import KafkaSettings, Step
+from saga.streams._trace import TRACEPARENT, TRACESTATE, TraceContext, parse
+from saga.streams.testing import InMemoryLog, ManualClock
 
 pytestmark = pytest.mark.unit
 
@@ -118,8 +118,8 @@ def test_spans_are_exported_with_opentelemetry_and_continue_the_trace(tmp_path: 
     script.write_text(
         "import os\n"
         "from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter\n"
-        "from streams._otel import Spans, setup_export\n"
-        "from streams._trace import new_trace\n"
+        "from saga.streams._otel import Spans, setup_export\n"
+        "from saga.streams._trace import new_trace\n"
         "exporter = InMemorySpanExporter()\n"
         "assert setup_export('saga-test', os.environ, exporter=exporter)\n"
         "parent = new_trace()\n"
@@ -162,8 +162,8 @@ def test_with_an_endpoint_spans_go_to_the_collector_over_otlp(tmp_path: Path) ->
         threading.Thread(target=collector.serve_forever, daemon=True).start()
         script = (
             "import os\n"
-            "from streams._otel import Spans, setup_export\n"
-            "from streams._trace import new_trace\n"
+            "from saga.streams._otel import Spans, setup_export\n"
+            "from saga.streams._trace import new_trace\n"
             "assert setup_export('saga-test', os.environ)\n"
             "Spans('saga.coordinator').record('saga.coordinator.decide', new_trace())\n"
             "print('ok')\n"  # the tracer provider sends what it holds at exit
@@ -182,8 +182,8 @@ def test_with_an_endpoint_spans_go_to_the_collector_over_otlp(tmp_path: Path) ->
 def test_without_an_endpoint_nothing_imports_opentelemetry(tmp_path: Path) -> None:
     script = (
         "import sys\n"
-        "from coordinator import SagaClient\n"
-        "from streams._otel import Spans, setup_export\n"
+        "from saga.coordinator import SagaClient\n"
+        "from saga.streams._otel import Spans, setup_export\n"
         "assert not setup_export('saga-test', {})\n"
         "Spans('saga.client').record('saga.client.submit', Spans('x').current())\n"
         "assert not any(m.startswith('opentelemetry') for m in sys.modules), 'imported'\n"

@@ -18,9 +18,9 @@ from unittest import mock
 import confluent_kafka as ck
 import pytest
 
-from streams import FatalKafkaError, KafkaSettings, TransientError
-from streams.kafka import Consumer
-from streams.kafka import _producer as P
+from saga.streams import FatalKafkaError, KafkaSettings, TransientError
+from saga.streams.kafka import Consumer
+from saga.streams.kafka import _producer as P
 
 SETTINGS = KafkaSettings(bootstrap="nowhere:9092", prefix="u")
 

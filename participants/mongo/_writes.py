@@ -1,0 +1,146 @@
+"""Staged writes: the one document write a step makes, its marker, and the removal of a
+document a recorded delete marked (see *Effects are staged* in :mod:`participants._mongo`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final, Literal
+
+from pymongo import errors as mongo_errors
+from pymongo.collection import Collection
+
+from saga.participants.mongo._cas import _SERVER_CAS, _Cas
+from saga.participants.mongo._values import MARKER_FIELD, Document, _from_text, _to_text
+
+log = logging.getLogger("saga.participant.mongo")
+
+
+DELETED: Final = "!deleted"
+"""Ends the marker of a delete: the document is removed once the ledger records the step."""
+FENCED: Final = "!fenced"
+"""Ends a marker set by fencing: the write it names did not happen and never will."""
+
+
+@dataclass(frozen=True, slots=True)
+class DocumentWrite:
+    """One single-document write, run when the step's ledger entry is written.
+
+    ``kind``: ``insert`` (``document``, fails when the key exists), ``update``
+    (``set`` and ``unset`` field names), ``replace`` (the whole ``document``) or
+    ``delete``. Every kind but ``insert`` applies only while the document's
+    ``_saga`` field still equals ``expect`` (``None``: absent) and it matches
+    ``guard`` (extra equality conditions), so a change made in between makes the
+    write miss instead of overwrite it. The write sets ``_saga`` to the step's
+    marker; ``_id`` and ``_saga`` must not appear in ``document``/``set``.
+    """
+
+    target: str
+    key: Any
+    kind: Literal["insert", "update", "replace", "delete"]
+    expect: Any = None
+    document: Mapping[str, Any] = field(default_factory=dict)
+    set: Mapping[str, Any] = field(default_factory=dict)
+    unset: Sequence[str] = ()
+    guard: Mapping[str, Any] = field(default_factory=dict)
+
+    def run(
+        self,
+        collection: Collection[Document],
+        marker: str,
+        session: Any,
+        cas: _Cas = _SERVER_CAS,
+    ) -> bool:
+        """Run the write; whether it took effect (``False``: the document changed meanwhile).
+
+        A ``delete`` only marks the document (``marker`` ends with ``!deleted``);
+        :func:`_purge` removes it once the ledger records the step.
+        """
+        if self.kind == "insert":
+            try:
+                collection.insert_one(
+                    {"_id": self.key, **self.document, MARKER_FIELD: marker}, session=session
+                )
+            except mongo_errors.DuplicateKeyError:
+                return False
+            return True
+        expect = {MARKER_FIELD: self.expect, **self.guard}
+        if self.kind == "replace":
+            replacement = {**self.document, MARKER_FIELD: marker}
+            return cas.replace(collection, self.key, expect, replacement, session)
+        change: Document = {"$set": {MARKER_FIELD: marker}}
+        if self.kind == "update":
+            change["$set"] = {**self.set, MARKER_FIELD: marker}
+            if self.unset:
+                change["$unset"] = dict.fromkeys(self.unset, "")
+        return cas.update(collection, self.key, expect, change, session)
+
+    def happened(self, current: Document | None, marker: str) -> bool:
+        """Whether this write (with ``marker``) is what ``current`` shows."""
+        return current is not None and current.get(MARKER_FIELD) == marker
+
+    def to_bson(self) -> Document:
+        return {
+            "target": self.target,
+            "key": self.key,
+            "kind": self.kind,
+            "expect": self.expect,
+            "document": _to_text(dict(self.document)),
+            "set": _to_text(dict(self.set)),
+            "unset": list(self.unset),
+            "guard": _to_text(dict(self.guard)),
+        }
+
+    @classmethod
+    def from_bson(cls, doc: Mapping[str, Any]) -> DocumentWrite:
+        return cls(
+            target=doc["target"],
+            key=doc["key"],
+            kind=doc["kind"],
+            expect=doc.get("expect"),
+            document=_from_text(doc.get("document")) or {},
+            set=_from_text(doc.get("set")) or {},
+            unset=tuple(doc.get("unset") or ()),
+            guard=_from_text(doc.get("guard")) or {},
+        )
+
+
+def _purge(
+    collection: Collection[Document], key: Any, marker: str, session: Any, cas: _Cas
+) -> None:
+    """Remove a document a recorded delete marked (gone already is fine)."""
+    if not cas.delete(collection, key, {MARKER_FIELD: marker}, session):
+        log.debug("%s/%r was removed already", collection.name, key)
+
+
+def _purge_field(write: DocumentWrite, marker: str) -> Document:
+    """What a delete's step document holds until the document is removed."""
+    if write.kind != "delete":
+        return {}
+    return {"purge": {"target": write.target, "key": write.key, "marker": marker}}
+
+
+def _doc_id(target: str, key: Any) -> str:
+    """A string naming one document of the database (for locks and refusals)."""
+    kind = "i" if isinstance(key, int) else "s"
+    return f"{target}/{kind}:{key}"
+
+
+def _new_marker(step_id: str, rev: int, write: DocumentWrite) -> str:
+    """``<step id>#<rev>.<nonce>`` (``!deleted`` appended for a delete): unique per write."""
+    marker = f"{step_id}#{rev}.{os.urandom(4).hex()}"
+    return marker + DELETED if write.kind == "delete" else marker
+
+
+def _marker_names(marker: Any) -> tuple[str, int] | None:
+    """The step id and rev a marker names; ``None`` for no marker, a fenced or a foreign one."""
+    if not isinstance(marker, str) or marker.endswith(FENCED):
+        return None
+    step_id, sep, rest = marker.removesuffix(DELETED).rpartition("#")
+    rev = rest.split(".", 1)[0]
+    if not sep or not rev.isdigit():
+        return None
+    return step_id, int(rev)

@@ -1,0 +1,141 @@
+"""The Redis adapter's unit: one work item's rounds of WATCH ... MULTI ... EXEC.
+
+See :mod:`participants._redis` for the rounds and why they are safe; the keys are
+:class:`participants._ledger.RedisLedgerKeys`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any, Final, cast
+
+import redis
+from redis import exceptions as redis_errors
+from redis.client import Pipeline
+
+from saga.participants._barrier import LedgerEntry, LedgerStatus, finished_ms
+from saga.participants._ledger import (
+    MARKER_FIELD,
+    SEEN_FIELD,
+    RedisLedgerKeys,
+    entry_json,
+    entry_of_json,
+    field_of_step,
+    step_of_field,
+)
+from saga.participants._storage import Unit
+from saga.participants.redis._session import RedisSession, watch_hgetall
+from saga.streams import TX_ID_PATTERN, InvalidRecord, Mode
+
+TX_ID: Final = re.compile(TX_ID_PATTERN)
+
+
+def tx_finished_ms(fields: Mapping[str, str]) -> int | None:
+    """When every entry and marker of a transaction's hash finished (``None``: not yet)."""
+    latest: int | None = None
+    for text in fields.values():
+        finished = finished_ms(entry_of_json(text))
+        if finished is None:
+            return None
+        latest = finished if latest is None else max(latest, finished)
+    return latest
+
+
+def known_fingerprint(fields: Mapping[str, str]) -> str | None:
+    steps = steps_of(fields)
+    if steps:
+        return next((e.fingerprint for e in steps if e.fingerprint), None)
+    seen = fields.get(SEEN_FIELD)
+    return None if seen is None else entry_of_json(seen).fingerprint
+
+
+def may_wait(entry: LedgerEntry) -> bool:
+    """Whether a step of a sequential saga may still need a neighbour's event."""
+    if entry.mode is not Mode.SEQUENTIAL:
+        return False
+    if entry.status is LedgerStatus.WAITING:
+        return True
+    # Applied or failed and not decided: its rollback may wait for its successor's
+    # compensation, and the predecessor's event, read again after a crash, reports it again.
+    # (A commit leaves an applied step as it is, so it stays listed until it is pruned.)
+    return entry.status in (LedgerStatus.APPLIED, LedgerStatus.FAILED)
+
+
+def steps_of(fields: Mapping[str, str]) -> list[LedgerEntry]:
+    found = [
+        entry_of_json(text) for name, text in fields.items() if step_of_field(name) is not None
+    ]
+    return sorted(found, key=lambda entry: entry.step)
+
+
+class RedisUnit(Unit[RedisSession]):
+    """One work item's rounds of WATCH ... MULTI ... EXEC (see the module doc).
+
+    ``_ledgers`` is this unit's view of each transaction's ledger hash: what it
+    read, plus what it wrote. A round that reads a ledger again after an EXEC
+    compares it with this view, so a change made by someone else between two
+    rounds makes the item run again, like a change during a round does.
+    """
+
+    def __init__(
+        self, client: redis.Redis, keys: RedisLedgerKeys, prefix: str, targets: frozenset[str]
+    ) -> None:
+        self.keys = keys
+        self.pipe: Pipeline = client.pipeline(transaction=True)
+        self.native = RedisSession(self.pipe, prefix, targets)
+        self._ledgers: dict[str, dict[str, str]] = {}
+        self._watched: set[str] = set()
+
+    def close(self) -> None:
+        self.pipe.reset()
+
+    def _ledger(self, tx_id: str) -> dict[str, str]:
+        if not isinstance(tx_id, str) or not TX_ID.fullmatch(tx_id):
+            raise InvalidRecord(f"transaction id {tx_id!r} breaks the wire contract")
+        if tx_id not in self._watched:
+            fresh = watch_hgetall(self.pipe, self.keys.tx(tx_id))
+            if tx_id in self._ledgers and fresh != self._ledgers[tx_id]:
+                raise redis_errors.WatchError(f"the ledger of {tx_id} changed between two steps")
+            self._ledgers[tx_id] = fresh
+            self._watched.add(tx_id)
+        return self._ledgers[tx_id]
+
+    def entry(self, tx_id: str, step: int) -> LedgerEntry | None:
+        text = self._ledger(tx_id).get(field_of_step(step))
+        return None if text is None else entry_of_json(text)
+
+    def entries(self, tx_id: str) -> list[LedgerEntry]:
+        return steps_of(self._ledger(tx_id))
+
+    def tx_rolled_back(self, tx_id: str) -> bool:
+        return MARKER_FIELD in self._ledger(tx_id)
+
+    def known_fingerprint(self, tx_id: str) -> str | None:
+        return known_fingerprint(self._ledger(tx_id))
+
+    def write(self, entry: LedgerEntry) -> None:
+        fields = self._ledger(entry.tx_id)
+        name = self.keys.tx(entry.tx_id)
+        field = field_of_step(entry.step)
+        text = entry_json(entry)
+        after = {**fields, field: text}
+        self.pipe.multi()
+        for command in self.native.take_queue():
+            cast(Any, self.pipe).execute_command(*command)
+        self.pipe.hset(name, field, text)
+        if any(may_wait(step) for step in steps_of(after)):
+            self.pipe.sadd(self.keys.in_flight, entry.tx_id)
+        else:
+            self.pipe.srem(self.keys.in_flight, entry.tx_id)
+        finished = tx_finished_ms(after)
+        if finished is None:
+            self.pipe.zrem(self.keys.finished, entry.tx_id)
+        else:
+            self.pipe.zadd(self.keys.finished, {entry.tx_id: finished})
+        self.pipe.execute()  # raises WatchError when a watched key changed: run again
+        self._ledgers[entry.tx_id] = after
+        self._watched.clear()
+
+    def rollback_effect(self) -> None:
+        self.native.take_queue()

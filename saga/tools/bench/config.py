@@ -1,0 +1,171 @@
+"""The benchmark's settings (``saga bench`` options) and the names its phases share."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Final
+
+from saga.streams import ConfigurationError
+from saga.streams.kafka import KafkaSettings
+
+PHASES: Final = ("main", "latency", "rollback", "direct", "log")
+SAGA_PHASES: Final = ("main", "latency", "rollback")
+PARTICIPANTS: Final = ("bank", "wallet", "rewards")
+TARGET_OF: Final = {"bank": "accounts", "wallet": "wallets", "rewards": "points"}
+FIELD_OF: Final = {"bank": "balance", "wallet": "balance", "rewards": "points"}
+STORES: Final = ("postgres", "ferretdb", "redis")
+"""Where a participant's data can live (``ferretdb``: the MongoDB-wire server)."""
+KIND_OF: Final = {"postgres": "sql", "ferretdb": "mongo", "redis": "redis"}
+"""The ``participant run --storage`` kind of each store."""
+_STORE_ALIASES: Final = {
+    "postgres": "postgres", "postgresql": "postgres", "pg": "postgres", "sql": "postgres",
+    "ferretdb": "ferretdb", "mongo": "ferretdb", "mongodb": "ferretdb",
+    "redis": "redis",
+}  # fmt: skip
+OPENING_BALANCE: Final = 10**12  # debits never reach the minimum: only designed failures fail
+MAX_AMOUNT: Final = 100
+SIGNING: Final = ("off", "on", "both")
+SIGNED_MAIN: Final = "main-signed"
+"""The main phase run again with signed records (``--signing both``)."""
+SERVICES: Final = ("kafka", "postgres", "redis", "ferretdb")
+CLIENT: Final = "client (bench)"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Which store each participant's data lives in (participant -> one of :data:`STORES`).
+
+    The same three steps run whatever the layout: ``bank`` debits (never below 0),
+    ``wallet`` and ``rewards`` credit; only the store under each participant moves.
+    """
+
+    name: str
+    stores: Mapping[str, str]
+
+    def kind(self, participant: str) -> str:
+        """The participant's ``--storage`` kind (sql, mongo, redis)."""
+        return KIND_OF[self.stores[participant]]
+
+    @property
+    def spec(self) -> str:
+        return ",".join(f"{p}={self.stores[p]}" for p in PARTICIPANTS)
+
+
+DEFAULT_LAYOUT: Final = Layout(
+    "default", {"bank": "postgres", "wallet": "ferretdb", "rewards": "redis"}
+)
+LAYOUTS: Final = {
+    "default": DEFAULT_LAYOUT,
+    "pg-wallet": Layout(
+        "pg-wallet", {"bank": "postgres", "wallet": "postgres", "rewards": "redis"}
+    ),
+}
+"""The named layouts: the issue's default (wallet on FerretDB) and the wallet on PostgreSQL."""
+_SHORT: Final = {"postgres": "pg", "ferretdb": "ferret", "redis": "redis"}
+
+
+def parse_layout(text: str) -> Layout:
+    """A named layout, or ``bank=STORE,wallet=STORE,rewards=STORE`` (a participant left out
+    keeps its default store); raises :class:`ConfigurationError` with the fix."""
+    text = text.strip()
+    if text in LAYOUTS:
+        return LAYOUTS[text]
+    if "=" not in text:
+        raise ConfigurationError(
+            f"--layout {text!r}: name one of {', '.join(LAYOUTS)} or give "
+            "bank=STORE,wallet=STORE,rewards=STORE (STORE: postgres, ferretdb or redis)"
+        )
+    stores = dict(DEFAULT_LAYOUT.stores)
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        name, _, store = (s.strip() for s in part.partition("="))
+        if name not in PARTICIPANTS or store.lower() not in _STORE_ALIASES:
+            raise ConfigurationError(
+                f"--layout {text!r}: {part!r} is not PARTICIPANT=STORE (participants: "
+                f"{', '.join(PARTICIPANTS)}; stores: {', '.join(STORES)})"
+            )
+        stores[name] = _STORE_ALIASES[store.lower()]
+    for layout in LAYOUTS.values():
+        if dict(layout.stores) == stores:
+            return layout
+    return Layout("-".join(_SHORT[stores[p]] for p in PARTICIPANTS), stores)
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    kafka: KafkaSettings
+    postgres_url: str
+    mongo_url: str
+    redis_url: str
+    phases: tuple[str, ...] = PHASES
+    warmup: float = 10.0
+    duration: float = 60.0
+    latency_duration: float = 30.0
+    rollback_duration: float = 30.0
+    baseline_duration: float = 20.0
+    rate: float = 400.0
+    window: int = 1000
+    fail_share: float = 0.0
+    rollback_fail_share: float = 0.2
+    partitions: int = 4
+    workers: int = 1
+    accounts: int = 10_000
+    batch: int = 500
+    saga_timeout: float = 60.0
+    drain_timeout: float = 120.0
+    settle_timeout: float = 60.0
+    """Before each saga phase, at most this long for the services to fall to settle_cores."""
+    settle_cores: float = 0.15
+    schema: str = "saga_bench"
+    report: Path = Path("reports/bench.json")
+    logs: Path = Path(".infra/logs/bench")
+    seed: int = 7
+    keep_topics: bool = False
+    signing: str = "off"
+    service_pids: Mapping[str, int] = field(default_factory=dict)
+    layouts: tuple[Layout, ...] = (DEFAULT_LAYOUT,)
+    profile: Path | None = None
+    """A folder for py-spy's recording of every product process during each main phase."""
+
+    def __post_init__(self) -> None:
+        unknown = [p for p in self.phases if p not in PHASES]
+        if unknown or not self.phases:
+            raise ConfigurationError(
+                f"unknown phase {', '.join(unknown) or '(none given)'}: "
+                f"pick from {', '.join(PHASES)}"
+            )
+        if self.warmup < 0 or min(self.duration, self.latency_duration) <= 0:
+            raise ConfigurationError("durations must be positive seconds (the warm-up may be 0)")
+        if min(self.rollback_duration, self.baseline_duration) <= 0:
+            raise ConfigurationError("durations must be positive seconds (the warm-up may be 0)")
+        if self.rate <= 0 or self.window < 1 or self.batch < 1 or self.accounts < 1:
+            raise ConfigurationError("--rate, --window, --batch and --accounts must be positive")
+        if not 0 <= self.fail_share <= 1 or not 0 <= self.rollback_fail_share <= 1:
+            raise ConfigurationError("a failure share is a fraction between 0 and 1")
+        if self.signing not in SIGNING:
+            raise ConfigurationError(f"--signing {self.signing!r}: use {', '.join(SIGNING)}")
+        if self.signing == "both" and "main" not in self.phases:
+            raise ConfigurationError(
+                "--signing both compares two main phases: keep main in --phases"
+            )
+        names = [layout.name for layout in self.layouts]
+        if not names or len(set(names)) != len(names):
+            raise ConfigurationError("give each --layout once (at least one)")
+        if self.profile is not None and "main" not in self.phases:
+            raise ConfigurationError("--profile records the main phase: keep main in --phases")
+        unknown = [n for n in self.service_pids if n not in SERVICES]
+        if unknown:
+            raise ConfigurationError(
+                f"--service-pid names {', '.join(unknown)}: use one of {', '.join(SERVICES)}"
+            )
+        if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]{0,62}", self.schema) is None:
+            raise ConfigurationError(
+                f"--schema {self.schema!r} must be a letter or _ followed by up to 62 "
+                "letters, digits or _"
+            )
+
+
+def account(i: int) -> str:
+    return f"a{i:06d}"
