@@ -162,6 +162,13 @@ def _check_seconds(value: Any, what: str) -> float:
     is_flag=True,
     help='Print only JSON on stdout: {"tx_id": ...}, or with --wait the final status.',
 )
+@click.option(
+    "--isolation",
+    type=click.Choice(["read_committed", "none"]),
+    default=None,
+    help="What others may see before the decision (overrides the file's isolation; "
+    "default read_committed: records change only at commit).",
+)
 @keys_dir_option
 def submit(
     bootstrap: str | None,
@@ -171,12 +178,14 @@ def submit(
     wait: bool,
     timeout: float | None,
     as_json: bool,
+    isolation: str | None,
     keys_dir: str | None,
 ) -> None:
     """Submit a saga from a JSON file (or - for stdin); prints its tx_id.
 
     The JSON object has `steps` (list of {participant, action, args}) and
-    optionally `saga`, `mode` (parallel|sequential), `timeout_s`, `tx_id`, `meta`.
+    optionally `saga`, `mode` (parallel|sequential), `isolation` (read_committed|none),
+    `timeout_s`, `tx_id`, `meta`.
     With --wait the exit status tells the outcome: 0 committed, 3 rolled back,
     5 failed (an operator must act), 4 still running when the wait ended.
     """
@@ -191,6 +200,7 @@ def submit(
             data["steps"],
             saga=str(data.get("saga", "saga")),
             mode=data.get("mode", "parallel"),
+            isolation=isolation or data.get("isolation", "read_committed"),
             timeout=deadline_s,
             tx_id=data.get("tx_id"),
             meta=data.get("meta"),

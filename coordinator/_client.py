@@ -31,6 +31,7 @@ from saga.coordinator._status_view import StatusView
 from saga.streams import (
     ConflictingRequest,
     InvalidRecord,
+    Isolation,
     Mode,
     SagaAbort,
     SagaError,
@@ -98,6 +99,7 @@ def build_request(
     *,
     saga: str = "saga",
     mode: Mode | str = Mode.PARALLEL,
+    isolation: Isolation | str = Isolation.READ_COMMITTED,
     timeout: float = DEFAULT_TIMEOUT_S,
     tx_id: str | None = None,
     meta: Mapping[str, Any] | None = None,
@@ -112,6 +114,12 @@ def build_request(
         mode = Mode(mode)
     except ValueError as exc:
         raise InvalidRecord(f"mode must be 'parallel' or 'sequential', got {mode!r}") from exc
+    try:
+        isolation = Isolation(isolation)
+    except ValueError as exc:
+        raise InvalidRecord(
+            f"isolation must be 'read_committed' or 'none', got {isolation!r}"
+        ) from exc
     created = wall_clock_ms() if now_ms is None else now_ms
     deadline_ms = created + _timeout_ms(timeout)
     if meta is not None and not isinstance(meta, Mapping):
@@ -131,6 +139,7 @@ def build_request(
         deadline_ms=deadline_ms,
         created_ms=created,
         meta=meta,
+        isolation=isolation,
     )
     # Round-trip through the codec: the one place that enforces the contract.
     checked = decode(encode(request))
@@ -186,6 +195,7 @@ class SagaClient:
         *,
         saga: str = "saga",
         mode: Mode | str = Mode.PARALLEL,
+        isolation: Isolation | str = Isolation.READ_COMMITTED,
         timeout: float = DEFAULT_TIMEOUT_S,
         tx_id: str | None = None,
         meta: Mapping[str, Any] | None = None,
@@ -196,7 +206,14 @@ class SagaClient:
         Raises :class:`InvalidRecord` with a readable reason for bad input.
         """
         return build_request(
-            steps, saga=saga, mode=mode, timeout=timeout, tx_id=tx_id, meta=meta, now_ms=now_ms
+            steps,
+            saga=saga,
+            mode=mode,
+            isolation=isolation,
+            timeout=timeout,
+            tx_id=tx_id,
+            meta=meta,
+            now_ms=now_ms,
         )
 
     # ------------------------------------------------------------ calls
@@ -207,6 +224,7 @@ class SagaClient:
         *,
         saga: str = "saga",
         mode: Mode | str = Mode.PARALLEL,
+        isolation: Isolation | str = Isolation.READ_COMMITTED,
         timeout: float = DEFAULT_TIMEOUT_S,
         tx_id: str | None = None,
         meta: Mapping[str, Any] | None = None,
@@ -219,7 +237,15 @@ class SagaClient:
         raises :class:`ConflictingRequest`. With ``wait_delivery`` (default) the
         call returns once Kafka has the request.
         """
-        request = self.build(steps, saga=saga, mode=mode, timeout=timeout, tx_id=tx_id, meta=meta)
+        request = self.build(
+            steps,
+            saga=saga,
+            mode=mode,
+            isolation=isolation,
+            timeout=timeout,
+            tx_id=tx_id,
+            meta=meta,
+        )
         self.send(request, wait_delivery=wait_delivery)
         return request.tx_id
 
@@ -360,6 +386,7 @@ class AsyncSagaClient:
         *,
         saga: str = "saga",
         mode: Mode | str = Mode.PARALLEL,
+        isolation: Isolation | str = Isolation.READ_COMMITTED,
         timeout: float = DEFAULT_TIMEOUT_S,
         tx_id: str | None = None,
         meta: Mapping[str, Any] | None = None,
@@ -369,6 +396,7 @@ class AsyncSagaClient:
             steps,
             saga=saga,
             mode=mode,
+            isolation=isolation,
             timeout=timeout,
             tx_id=tx_id,
             meta=meta,

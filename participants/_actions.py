@@ -35,6 +35,7 @@ result stays in range) is the adapter's business.
 
 from __future__ import annotations
 
+import copy
 import math
 import re
 from abc import abstractmethod
@@ -42,8 +43,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final, Protocol, TypeAlias
 
-from saga.participants._storage import Actions, NativeT
-from saga.streams import BusinessRejection, ConfigurationError
+from saga.participants._barrier import ISOLATION_KEY, isolation_of
+from saga.participants._storage import Actions, NativeT, StepScope
+from saga.streams import BusinessRejection, ConfigurationError, Isolation
 
 IDENTIFIER: Final = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
 """Target and field names: letters, digits and ``_``, not starting with a digit, 1-63 characters
@@ -319,27 +321,65 @@ def _signature(action: str) -> str:
 
 
 class RecordOps(Protocol):
-    """What a storage does to one record for each built-in action and its compensation."""
+    """What a storage does to one record for each built-in action, at each isolation level.
+
+    **``none``** writes at once. Each forward operation returns the before-image its
+    compensation restores. Before a compensation, :meth:`guard` checks (in the same
+    local unit, the record locked or compared-and-set) that it would not overwrite
+    anyone else's work, and raises :class:`BusinessRejection` naming the record when it
+    would: the step then ends ``compensation_failed`` instead of a silent overwrite.
+
+    **``read_committed``** changes the business record only at commit. :meth:`hold`
+    checks the action's precondition (``insert``: absent; ``update``/``delete``:
+    present) and records that ``scope``'s saga holds the record, with the intended
+    value beside it (not in it); :meth:`reserve` is escrow for ``increment``: the
+    bound check counts the committed value plus every open reservation on the field in
+    the direction that could break the bound, and records this one. Another saga's
+    hold on the record makes either raise :class:`BusinessRejection` naming the
+    holder (so do open reservations of other sagas for :meth:`hold`); reservations
+    never conflict with each other. :meth:`commit` writes what was held or reserved
+    and drops it; :meth:`release` drops it. Neither can fail nor break a bound, and
+    both are idempotent. Holds and reservations live in the store and change in the
+    same local unit as the ledger.
+
+    Every bounded increment (either level) records its bounds on the field, so a
+    later ``none`` compensation that would leave the value outside a bound a
+    committed step relied on is refused by :meth:`guard`.
+    """
 
     def insert(self, fields: Mapping[str, Any]) -> Any: ...
     def put(self, fields: Mapping[str, Any]) -> Any: ...
     def update(self, fields: Mapping[str, Any]) -> Any: ...
     def delete(self) -> Any: ...
     def increment(self, action: Increment) -> Any: ...
+    def guard(self, action: BuiltinAction, before: Any) -> None: ...
     def remove(self) -> None: ...
     def restore_put(self, before: Any) -> None: ...
     def restore_fields(self, before: Any) -> None: ...
     def reinsert(self, before: Any) -> None: ...
     def increment_back(self, action: Increment, before: Any) -> None: ...
+    def hold(self, scope: StepScope, action: Insert | Put | Update | Delete) -> None: ...
+    def reserve(self, scope: StepScope, action: Increment) -> None: ...
+    def commit(self, scope: StepScope, action: BuiltinAction) -> None: ...
+    def release(self, scope: StepScope, action: BuiltinAction) -> None: ...
+
+
+READ_COMMITTED_BEFORE: Final[dict[str, Any]] = {ISOLATION_KEY: str(Isolation.READ_COMMITTED)}
+"""The before-image of a built-in step applied under ``read_committed``: nothing to
+restore (the record did not change), only the level, so its decision is acted on
+at that level."""
 
 
 class BuiltinActions(Actions[NativeT]):
     """The built-in actions of one storage: validation and dispatch shared by every adapter.
 
-    An adapter says how to reach a record in its native session (:meth:`record`); the returned
-    :class:`RecordOps` returns the before-image from each forward operation and
-    restores it in the matching compensation.
+    An adapter says how to reach a record in its native session (:meth:`record`); the
+    returned :class:`RecordOps` does what each level asks. Unscoped (``scope`` is
+    ``None``) the actions run at level ``none``; :meth:`scoped` gives the view for one
+    step.
     """
+
+    scope: StepScope | None = None
 
     def __init__(self, targets: Iterable[str]) -> None:
         self.targets = frozenset(targets)
@@ -348,9 +388,25 @@ class BuiltinActions(Actions[NativeT]):
     def record(self, native: NativeT, action: BuiltinAction) -> RecordOps:
         """The record ``action`` addresses, in the storage ``native`` belongs to."""
 
+    def scoped(self, scope: StepScope) -> BuiltinActions[NativeT]:
+        view = copy.copy(self)
+        view.scope = scope
+        return view
+
+    def _held_scope(self) -> StepScope | None:
+        scope = self.scope
+        return scope if scope is not None and scope.isolation is Isolation.READ_COMMITTED else None
+
     def apply(self, native: NativeT, action: str, args: Mapping[str, Any]) -> Any:
         parsed = parse_action(action, args, self.targets)
         record = self.record(native, parsed)
+        held = self._held_scope()
+        if held is not None:
+            if isinstance(parsed, Increment):
+                record.reserve(held, parsed)
+            else:
+                record.hold(held, parsed)
+            return dict(READ_COMMITTED_BEFORE)
         if isinstance(parsed, Insert):
             return record.insert(parsed.value)
         if isinstance(parsed, Put):
@@ -366,6 +422,12 @@ class BuiltinActions(Actions[NativeT]):
     ) -> None:
         parsed = parse_action(action, args, self.targets)
         record = self.record(native, parsed)
+        if isolation_of(before) is Isolation.READ_COMMITTED:
+            scope = self.scope
+            assert scope is not None, "a read_committed step is compensated in its scope"
+            record.release(scope, parsed)
+            return
+        record.guard(parsed, before)
         if isinstance(parsed, Insert):
             record.remove()
         elif isinstance(parsed, Put):
@@ -378,15 +440,21 @@ class BuiltinActions(Actions[NativeT]):
             record.increment_back(parsed, before)
 
     def confirm(self, native: NativeT, action: str, args: Mapping[str, Any]) -> None:
-        """Nothing to do: a built-in action holds nothing beyond its local commit."""
+        """Under ``read_committed``, write what the step held or reserved; else nothing."""
+        held = self._held_scope()
+        if held is None:
+            return
+        parsed = parse_action(action, args, self.targets)
+        self.record(native, parsed).commit(held, parsed)
 
     def has_confirm(self, action: str) -> bool:
-        """False: no built-in action holds a lock or anything else past its local commit,
-        so a commit decision leaves its step as it is."""
-        return False
+        """Under ``read_committed`` a commit writes the record (the step is confirmed and
+        reported ``committed``); under ``none`` a commit leaves the step as it is."""
+        return self._held_scope() is not None
 
     def confirms_any(self) -> bool:
-        return False
+        """True: any saga may run at ``read_committed``, whose commits write."""
+        return True
 
 
 def check_identifier(name: Any, what: str) -> None:

@@ -66,7 +66,7 @@ from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Any
 
-from saga.streams import Mode, Outcome, StepStatus
+from saga.streams import Isolation, Mode, Outcome, StepStatus
 
 
 class LedgerStatus(StrEnum):
@@ -158,6 +158,28 @@ class Requested:
     # Set by the runtime when applying this step made the storage raise (not a business
     # rejection): the step is recorded and reported failed without running the action.
     fail_reason: str | None = None
+    isolation: Isolation = Isolation.READ_COMMITTED  # the request's level
+
+
+ISOLATION_KEY = "saga.isolation"
+"""The key of a before-image that records the step's isolation level (no field name
+can be it: fields are identifiers, without a dot)."""
+
+
+def level_marker(level: Isolation) -> dict[str, Any] | None:
+    """What a step entry's ``before`` holds until the step is applied: its level.
+
+    ``read_committed`` is recorded (its apply returns a before-image with the same
+    key); ``none`` needs no mark, since a before-image without it means ``none``.
+    """
+    return {ISOLATION_KEY: str(level)} if level is Isolation.READ_COMMITTED else None
+
+
+def isolation_of(before: Any) -> Isolation:
+    """The isolation level of a step from its ledger entry's ``before``."""
+    if isinstance(before, Mapping) and before.get(ISOLATION_KEY) == "read_committed":
+        return Isolation.READ_COMMITTED
+    return Isolation.NONE
 
 
 @dataclass(frozen=True, slots=True)
@@ -277,6 +299,7 @@ def _entry(
         n_steps=s.n_steps,
         deadline_ms=s.deadline_ms,
         effect=effect,
+        before=level_marker(s.isolation),
         reason=reason,
         updated_ms=s.now_ms,
         fingerprint=s.fingerprint,

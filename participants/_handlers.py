@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from saga.participants._actions import is_builtin
-from saga.participants._storage import Actions, NativeT
+from saga.participants._storage import Actions, NativeT, StepScope
 from saga.streams import BusinessRejection, ConfigurationError
 
 Reject = BusinessRejection
@@ -83,6 +83,12 @@ class WithHandlers(Actions[NativeT]):
         self.handlers = dict(handlers)
         self.builtin = builtin
 
+    def scoped(self, scope: StepScope) -> Actions[NativeT]:
+        view = WithHandlers.__new__(WithHandlers)
+        view.handlers = self.handlers
+        view.builtin = self.builtin.scoped(scope)
+        return view
+
     def apply(self, native: NativeT, action: str, args: Mapping[str, Any]) -> Any:
         handler = self.handlers.get(action)
         if handler is None:
@@ -124,6 +130,9 @@ class BuiltinsFirst(Actions[NativeT]):
     def __init__(self, builtin: Actions[NativeT], custom: Actions[Any]) -> None:
         self.builtin = builtin
         self.custom = custom
+
+    def scoped(self, scope: StepScope) -> Actions[NativeT]:
+        return BuiltinsFirst(self.builtin.scoped(scope), self.custom.scoped(scope))
 
     def _for(self, action: str) -> Actions[Any]:
         return self.builtin if is_builtin(action) else self.custom

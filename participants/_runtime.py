@@ -565,6 +565,7 @@ class ParticipantRuntime(Stoppable):
                     successor_compensated=sequential
                     and self._seen(self._compensated_seen, (request.tx_id, index + 1)),
                     fingerprint=fingerprint,
+                    isolation=request.isolation,
                 )
             )
             if sequential:

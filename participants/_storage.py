@@ -57,10 +57,11 @@ from saga.participants._barrier import (
     Requested,
     Signal,
     SuccessorCompensated,
+    isolation_of,
     plan,
 )
 from saga.participants._ledger import rolled_back_marker, seen_marker
-from saga.streams import BusinessRejection, Outcome, StepStatus, TransientError
+from saga.streams import BusinessRejection, Isolation, Outcome, StepStatus, TransientError
 from saga.streams._faults import NO_FAULTS, Faults
 
 log = logging.getLogger("saga.participant")
@@ -93,6 +94,20 @@ class RequestSeen:
     fingerprint: str
     deadline_ms: int
     now_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class StepScope:
+    """The step an action runs for: who holds what it holds, and at which level.
+
+    Built-in actions under ``read_committed`` name their holder by it (a hold or a
+    reservation belongs to ``(tx_id, step)``) and stop waiting at ``deadline_ms``.
+    """
+
+    tx_id: str
+    step: int
+    isolation: Isolation
+    deadline_ms: int = 0
 
 
 WorkItem = Requested | PredecessorApplied | SuccessorCompensated | DecisionArrived | RequestSeen
@@ -131,6 +146,15 @@ class Actions(ABC, Generic[NativeT]):
 
     @abstractmethod
     def confirm(self, native: NativeT, action: str, args: Mapping[str, Any]) -> None: ...
+
+    def scoped(self, scope: StepScope) -> Actions[NativeT]:
+        """These actions as they run for one step (``scope``): its level and identity.
+
+        The built-in actions hold and reserve under ``read_committed`` and write at once
+        under ``none``; custom handlers are the same at every level (they get isolation
+        by holding in ``try`` and writing in ``confirm``). By default: ``self``.
+        """
+        return self
 
     def has_confirm(self, action: str) -> bool:
         """Whether a step of ``action`` has something to confirm on commit.
@@ -475,11 +499,22 @@ def run_item(
             return []
         reports: list[Report] = []
         for known in entries:
-            confirm = known.action is not None and actions.has_confirm(known.action)
+            view = actions.scoped(scope_of(known))
+            confirm = known.action is not None and view.has_confirm(known.action)
             signal = Decided(item.tx_id, known.step, item.outcome, item.now_ms, confirm)
-            reports.extend(_run_signal(unit, actions, known, signal, faults))
+            reports.extend(_run_signal(unit, view, known, signal, faults))
         return reports
-    return _run_signal(unit, actions, unit.entry(item.tx_id, item.step), item, faults)
+    entry = unit.entry(item.tx_id, item.step)
+    if isinstance(item, Requested):
+        actions = actions.scoped(StepScope(item.tx_id, item.step, item.isolation, item.deadline_ms))
+    elif entry is not None:
+        actions = actions.scoped(scope_of(entry))
+    return _run_signal(unit, actions, entry, item, faults)
+
+
+def scope_of(entry: LedgerEntry) -> StepScope:
+    """The scope a recorded step's actions run in (its level is in its ``before``)."""
+    return StepScope(entry.tx_id, entry.step, isolation_of(entry.before), entry.deadline_ms)
 
 
 def _run_signal(

@@ -48,6 +48,7 @@ from saga.streams._records import (
     RECORD_TYPES,
     WIRE_VERSION,
     Decision,
+    Isolation,
     Mode,
     Outcome,
     ParticipantAnnouncement,
@@ -242,6 +243,7 @@ def _build_request(data: dict[str, Any]) -> SagaRequest:
         deadline_ms=int(data["deadline_ms"]),
         created_ms=int(data["created_ms"]),
         meta=data.get("meta"),
+        isolation=Isolation(data.get("isolation", "read_committed")),
     )
 
 
@@ -478,6 +480,9 @@ def _request_dict(r: SagaRequest) -> dict[str, Any]:
         ],
         "deadline_ms": r.deadline_ms,
         "created_ms": r.created_ms,
+        # Always written: a reader older than isolation levels rejects the request to
+        # its DLQ (an unknown field) instead of running it without isolation.
+        "isolation": str(r.isolation),
     }
     if r.meta is not None:
         data["meta"] = r.meta if isinstance(r.meta, dict) else dict(r.meta)

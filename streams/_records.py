@@ -28,6 +28,21 @@ class Mode(StrEnum):
     SEQUENTIAL = "sequential"
 
 
+class Isolation(StrEnum):
+    """What other sagas and readers of the stores may see of a saga before its decision.
+
+    ``read_committed`` (the default): a built-in action changes a business record only
+    when the saga's ``commit`` is applied; until then the record is held (``insert``,
+    ``put``, ``update``, ``delete``) or the amount reserved (``increment``, escrow).
+    ``none``: apply writes at once and a rollback compensates (the classic saga, for
+    the lowest latency); a compensation that would overwrite another saga's work fails
+    instead (``compensation_failed``). docs/architecture.md, "Isolation".
+    """
+
+    READ_COMMITTED = "read_committed"
+    NONE = "none"
+
+
 class StepStatus(StrEnum):
     """A step's progress. ``pending`` appears only in status records."""
 
@@ -85,6 +100,8 @@ class SagaRequest:
     deadline_ms: int
     created_ms: int
     meta: Mapping[str, Any] | None = None
+    isolation: Isolation = Isolation.READ_COMMITTED
+    """Chosen by the client; absent on the wire means ``read_committed``."""
 
     def fingerprint(self) -> str:
         """A digest of what the transaction does (not when it was sent, nor its ``meta``).
@@ -101,6 +118,10 @@ class SagaRequest:
                 for s in self.steps
             ],
         }
+        if self.isolation is not Isolation.READ_COMMITTED:
+            # Only a non-default level enters the digest, so fingerprints recorded
+            # before levels existed still match the same request.
+            payload["isolation"] = str(self.isolation)
         return hashlib.sha256(orjson.dumps(payload, option=orjson.OPT_SORT_KEYS)).hexdigest()[:32]
 
 

@@ -34,7 +34,7 @@ from saga.participants._actions import (
     RecordOps,
 )
 from saga.participants._barrier import LedgerEntry, Requested
-from saga.participants._storage import Actions, RunBatchAgain, WorkItem
+from saga.participants._storage import Actions, RunBatchAgain, StepScope, WorkItem
 from saga.participants.sql._errors import detail
 from saga.participants.sql._rows import NOT_CACHED, add, subtract
 from saga.participants.sql._session import SqlSession
@@ -448,6 +448,9 @@ class DriverErrors(Actions[SqlSession]):
     def confirm(self, native: SqlSession, action: str, args: Mapping[str, Any]) -> None:
         with _rejected_by_database(native, f"the confirmation of {action}"):
             self.inner.confirm(native, action, args)
+
+    def scoped(self, scope: StepScope) -> Actions[SqlSession]:
+        return DriverErrors(self.inner.scoped(scope))
 
     def has_confirm(self, action: str) -> bool:
         return self.inner.has_confirm(action)
