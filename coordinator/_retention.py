@@ -30,7 +30,13 @@ class PartitionState:
     """What the coordinator holds for one owned partition number."""
 
     sagas: dict[str, Saga] = field(default_factory=dict)
+    # Timers, (due ms, tx_id); changed only when a batch commits (coordinator._timers).
+    # Entries go stale when their saga changes: each is checked when it fires.
     deadlines: list[tuple[int, str]] = field(default_factory=list)
+    waits: list[tuple[int, str]] = field(default_factory=list)  # a participant's grace ends
+    redrive: list[tuple[int, str]] = field(default_factory=list)  # a stalled decision re-sent
+    # tx_id -> (updated_ms of the saga, decisions re-sent since that change)
+    redriven: dict[str, tuple[int, int]] = field(default_factory=dict)
     # (when the saga may be forgotten, tx_id); entries go stale when a saga changes
     forget: list[tuple[int, str]] = field(default_factory=list)
     # tx_id -> when its unchanged status was last published again (kept sagas only)
@@ -49,7 +55,8 @@ def due_to_refresh(
     The caller sweeps every quarter retention over the owned sagas; one whose status
     was last published (``updated_ms``, or its last refresh) half a retention ago or
     more is published again, unchanged. Only sagas kept that long are concerned:
-    pending with a long deadline, stuck, or ``failed``.
+    pending with a long deadline, stuck, or ``failed``. Nothing is changed here: the
+    caller notes each refresh in ``PartitionState.refreshed`` once its batch commits.
     """
     half = retention_ms // 2
     out: list[tuple[int, SagaStatus, bytes]] = []
@@ -61,7 +68,6 @@ def due_to_refresh(
             if published + half <= now:
                 status = saga.status()
                 out.append((p, status, encode(status)))
-                part.refreshed[tx_id] = now
     return out
 
 

@@ -10,8 +10,9 @@ State lives per partition. When partitions are assigned, their state is rebuilt
 from the compacted status topic (the same partition number: all topics are
 keyed by ``tx_id`` and have the same partition count) before any of their
 records is processed. A batch's state changes are kept aside and merged only
-after its transaction commits, so an aborted transaction leaves memory as the
-log: the batch is re-read and re-decided the same way.
+after its transaction commits, timers too (deadlines, refreshes: coordinator._timers),
+so an aborted transaction leaves memory as the log: the batch is re-read and
+re-decided the same way, and no timer it fired is lost.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from saga.coordinator._machine import (
 from saga.coordinator._observe import CoordinatorObserver
 from saga.coordinator._restore import restore
 from saga.coordinator._retention import PartitionState, due_to_forget, due_to_refresh
+from saga.coordinator._timers import TimerBatch
 from saga.coordinator._txn import Transactions, next_offsets
 from saga.streams import (
     Decision,
@@ -356,7 +358,7 @@ class CoordinatorService(Stoppable):
         changed: dict[str, tuple[int, Saga]] = {}
         outputs: list[tuple[int, Decision | SagaStatus | StepEvent, bytes]] = []
         rejected: list[tuple[Message, str]] = []
-        new_deadlines: list[tuple[int, int, str]] = []
+        timers = TimerBatch(now)  # applied only if the batch's transaction commits
 
         def current(partition: int, tx_id: str) -> Saga | None:
             if tx_id in changed:
@@ -384,7 +386,7 @@ class CoordinatorService(Stoppable):
                 and after.request_seen
                 and (before is None or not before.request_seen)
             ):
-                new_deadlines.append((partition, after.deadline_ms, tx_id))
+                timers.push(self._partitions[partition], "deadlines", (after.deadline_ms, tx_id))
             for out in outs:
                 if isinstance(out, Ignored):
                     if source is not None and source.topic == self.topics.requests:
@@ -435,34 +437,34 @@ class CoordinatorService(Stoppable):
             feed(m.partition, tx_id, inp, m)
 
         for p, part in self._partitions.items():
-            while part.deadlines and part.deadlines[0][0] <= now:
-                _, tx_id = heapq.heappop(part.deadlines)
+            for _, tx_id in timers.fire(part, "deadlines"):
                 saga = current(p, tx_id)
                 if saga is not None and not saga.decided:
                     feed(p, tx_id, Tick(now), None)
 
         forgotten = due_to_forget(self._partitions, now, changed, self._forget_at)
         if now >= self._next_refresh_ms:  # a sweep every quarter retention
-            self._next_refresh_ms = now + max(1, self.retention_ms // 4)
+            timers.next_refresh_ms = now + max(1, self.retention_ms // 4)
             again = due_to_refresh(
                 self._partitions, now, changed, self.retention_ms, self._forget_at
             )
-            self.stats.refreshed += len(again)
+            for p, status, _ in again:
+                timers.refreshed(self._partitions[p], status.tx_id)
             outputs.extend(again)
+        owners = dict(self._partitions)  # a failed transaction may reload them (coordinator._txn)
         if not self._commit_batch(messages, changed, outputs, rejected, forgotten):
             for p, at, tx_id in forgotten:  # still due: the next batch tries again
-                if (owner := self._partitions.get(p)) is not None:
+                if (owner := self._partitions.get(p)) is not None and owner is owners[p]:
                     heapq.heappush(owner.forget, (at, tx_id))
             return
+        self._next_refresh_ms = timers.commit() or self._next_refresh_ms
+        self.stats.refreshed += timers.refreshes
         self.observer.committed(messages, changed, outputs, rejected)
         for p, _, tx_id in forgotten:
             if (owner := self._partitions.get(p)) is not None:
                 owner.sagas.pop(tx_id, None)
                 owner.refreshed.pop(tx_id, None)
         self.stats.forgotten += len(forgotten)
-        for p, deadline, tx_id in new_deadlines:
-            if (owner := self._partitions.get(p)) is not None:
-                heapq.heappush(owner.deadlines, (deadline, tx_id))
         for tx_id, (p, saga) in changed.items():
             if (owner := self._partitions.get(p)) is not None:
                 before = owner.sagas.get(tx_id)

@@ -1,0 +1,169 @@
+"""The coordinator's timers on the in-memory log: they survive aborted transactions.
+
+A batch fires the timers that are due (deadlines, status refreshes, re-drives of a
+stalled decision, the end of a participant's grace) and changes them only when its
+Kafka transaction commits (coordinator._timers). Each test runs the service under a
+:class:`~streams.testing.Stepper` with a :class:`~streams.testing.ManualClock`,
+aborts a transaction with :meth:`~streams.testing.InMemoryLog.fail_next_commit`, and
+checks that what the timer was for still happens, on time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from saga.coordinator._service import CoordinatorService
+from saga.coordinator._timers import due
+from saga.streams import (
+    Decision,
+    KafkaSettings,
+    Mode,
+    Outcome,
+    SagaRequest,
+    SagaState,
+    SagaStatus,
+    Step,
+    StepEvent,
+    StepStatus,
+    decode_as,
+    encode,
+)
+from saga.streams.testing import InMemoryLog, ManualClock, Stepper, key_on
+from tests._helpers import memory_log
+
+pytestmark = pytest.mark.unit
+
+PARTITIONS = 2
+SETTINGS = KafkaSettings(bootstrap="memory:9092", prefix="tm")
+TOPICS = SETTINGS.topics
+
+
+@pytest.fixture
+def log(clock: ManualClock) -> InMemoryLog:
+    return memory_log(SETTINGS, clock, PARTITIONS)
+
+
+@pytest.fixture
+def start(log: InMemoryLog, clock: ManualClock) -> Iterator[Any]:
+    steppers: list[Stepper] = []
+
+    def started(**options: Any) -> tuple[CoordinatorService, Stepper]:
+        service = CoordinatorService(SETTINGS, instance_id="a", clock=clock, log=log, **options)
+        stepper = Stepper(log, service.run, stop=service.stop)
+        steppers.append(stepper)
+        return service, stepper.start()
+
+    yield started
+    for stepper in steppers:
+        if stepper.running:
+            stepper.stop()
+
+
+def submit(
+    log: InMemoryLog, clock: ManualClock, tx: str, timeout_ms: int, *names: str
+) -> SagaRequest:
+    now = clock()
+    request = SagaRequest(
+        tx_id=tx,
+        saga="transfer",
+        mode=Mode.PARALLEL,
+        steps=tuple(
+            Step(name, "increment", {"target": "t", "key": "k", "field": "n", "by": 1})
+            for name in (names or ("bank", "shop"))
+        ),
+        deadline_ms=now + timeout_ms,
+        created_ms=now,
+    )
+    with log.producer() as producer:
+        producer.produce(TOPICS.requests, tx, encode(request))
+    return request
+
+
+def report(log: InMemoryLog, clock: ManualClock, tx: str, status: StepStatus, *steps: int) -> None:
+    names = ("bank", "shop")
+    with log.producer() as producer:
+        for s in steps:
+            event = StepEvent(tx, s, names[s], status, clock(), None, status is StepStatus.APPLIED)
+            producer.produce(TOPICS.events, tx, encode(event))
+
+
+def decisions(log: InMemoryLog, tx: str) -> list[tuple[Outcome, bool]]:
+    """(outcome, re-sent by the coordinator) of every decision record of ``tx``."""
+    found = []
+    for m in log.records(TOPICS.decisions):
+        d = decode_as(m.value, Decision)
+        if isinstance(d, Decision) and d.tx_id == tx:
+            found.append((d.outcome, m.header("saga.replayed.by") is not None))
+    return found
+
+
+def statuses(log: InMemoryLog, tx: str) -> list[SagaStatus]:
+    found = [decode_as(m.value, SagaStatus) for m in log.records(TOPICS.status) if m.value]
+    return [s for s in found if isinstance(s, SagaStatus) and s.tx_id == tx]
+
+
+# ---------------------------------------------------------------- the heap walk
+
+
+def test_due_lists_the_due_entries_smallest_first_without_changing_the_heap() -> None:
+    import heapq
+    import random
+
+    rng = random.Random(7)
+    heap: list[tuple[int, str]] = []
+    for i in range(200):
+        heapq.heappush(heap, (rng.randrange(1000), f"t{i}"))
+    before = list(heap)
+    assert due(heap, 400) == sorted(e for e in heap if e[0] <= 400)
+    assert due(heap, 400, limit=3) == sorted(e for e in heap if e[0] <= 400)[:3]
+    assert due(heap, -1) == [] and due([], 10) == []
+    assert heap == before
+
+
+# ---------------------------------------------------------------- aborted transactions
+
+
+def test_an_aborted_transaction_does_not_lose_a_deadline(
+    log: InMemoryLog, clock: ManualClock, start: Any
+) -> None:
+    """The batch that rolls the saga back on its deadline aborts: the next one does it.
+
+    Before: the deadline was taken off its heap before the commit, and an abort lost it:
+    the saga of a participant gone for good stayed pending until a restart.
+    """
+    service, stepper = start()
+    tx = key_on(0, PARTITIONS)
+    submit(log, clock, tx, 5_000)
+    report(log, clock, tx, StepStatus.APPLIED, 0)  # "shop" never answers
+    stepper.step()
+    clock.advance(5_000)
+    log.fail_next_commit()
+    stepper.step()  # the deadline's batch: its transaction aborts
+    assert service.stats.aborted_transactions == 1 and decisions(log, tx) == []
+    stepper.step()  # on time: no clock advance since the deadline
+    assert decisions(log, tx) == [(Outcome.ROLLBACK, False)]
+    assert statuses(log, tx)[-1].state is SagaState.ROLLING_BACK
+    assert "deadline" in (statuses(log, tx)[-1].reason or "")
+    stepper.step(2)
+    assert len(decisions(log, tx)) == 1
+
+
+def test_an_aborted_transaction_does_not_lose_a_status_refresh(
+    log: InMemoryLog, clock: ManualClock, start: Any
+) -> None:
+    """A kept saga's status is published again every half retention; the refresh whose
+    transaction aborts is made by the next batch, not a quarter retention later."""
+    service, stepper = start(retention_ms=40_000)
+    tx = key_on(1, PARTITIONS)
+    submit(log, clock, tx, 3_600_000)  # pending for an hour: kept, so refreshed
+    stepper.step()
+    assert len(statuses(log, tx)) == 1
+    clock.advance(20_000)  # half the retention since it was published; a sweep is due
+    log.fail_next_commit()
+    stepper.step()
+    assert service.stats.aborted_transactions == 1 and len(statuses(log, tx)) == 1
+    stepper.step()
+    assert len(statuses(log, tx)) == 2 and service.stats.refreshed == 1
