@@ -1,4 +1,5 @@
-"""The Lua script of the Redis batch path (see :mod:`participants._redis_batch`).
+"""The Lua script of the Redis batch path (see :mod:`participants.redis._batch`; the
+kinds of step: :mod:`participants.redis._plan`).
 
 A constant: nothing from a record is ever part of it; steps come as ``KEYS`` and
 ``ARGV`` (:data:`WIDTH` values per step after the two counters). Lua in Redis is 5.1
@@ -11,16 +12,20 @@ from __future__ import annotations
 from typing import Final
 
 WIDTH: Final = 15
-"""``ARGV`` values per step; ``KEYS`` per step: the ledger hash and the record."""
+"""``ARGV`` values per step; ``KEYS`` per step: the ledger hash, the record, its side hash."""
 
 SCRIPT: Final = r"""
--- KEYS[1] in-flight set, KEYS[2] finished sorted set, then per step: ledger hash, record.
--- ARGV[1] steps, ARGV[2] width; per step (base b): kind ("inc", "dec" or "put"), tx id,
--- ledger field, fingerprint, done entry (head), done tail, rejected head, rejected tail,
--- record field, by, min, max, flags ("w" may wait, then finished ms or "-"; done, then
--- rejected, split by ";"), reason texts joined by "\n" (where-prefix, below, above,
--- missing record, missing field), and the ledger hash this step was planned on ("" for
--- none: the hash must not exist; else its field count, then "field\tsha1" lines).
+-- KEYS[1] in-flight set, KEYS[2] finished sorted set, then per step: ledger hash, record,
+-- side hash (participants.redis._isolation).
+-- ARGV[1] steps, ARGV[2] width; per step (base b): kind ("put": an entry only; level none:
+-- "inc" apply an increment, "dec" compensate it; read_committed: "res" reserve, "cmt"
+-- commit the reservation, "rel" release it), tx id, ledger field (the step), fingerprint,
+-- done entry (head), done tail, rejected head, rejected tail, record field, by (for
+-- "dec": minus the step's by), min, max, flags ("w" may wait, then finished ms or "-";
+-- done, then rejected, split by ";"), reason texts joined by "\n" (would-be head, below,
+-- above, missing record, missing field, where, counted, bound tail), and the ledger hash
+-- this step was planned on ("" for none: the hash must not exist; else its field count,
+-- then "field\tsha1" lines).
 local function kind_of(key)
   return redis.call('TYPE', key)['ok']
 end
@@ -53,12 +58,56 @@ end
 local function canonical(text)
   return text == '0' or (string.find(text, '^%-?[1-9]%d*$') ~= nil and #text <= 20)
 end
+-- at most 15 digits: sums of three stay below 2^53, exact in Lua's doubles
+local function small(text)
+  return canonical(text) and #text - (text:sub(1, 1) == '-' and 1 or 0) <= 15
+end
+local function fmt(x)
+  if x == 0 then return '0' end
+  return string.format('%.0f', x)
+end
+local function minus(text)  -- of a canonical integer text other than "0"
+  if text:sub(1, 1) == '-' then return text:sub(2) end
+  return '-' .. text
+end
+-- the reason naming the saga that holds the record (nil: none, or a stale "hold")
+local function held(sk, where)
+  local tx = redis.call('HGET', sk, 'hold')
+  if not tx then return nil end
+  local head, low = 'h:' .. tx .. ':', nil
+  local all = redis.call('HGETALL', sk)
+  for i = 1, #all, 2 do
+    local f = all[i]
+    if string.sub(f, 1, #head) == head then
+      local s = string.sub(f, #head + 1)
+      if string.find(s, '^%d+$') then
+        local v = tonumber(s)
+        if low == nil or v < low then low = v end
+      end
+    end
+  end
+  if low == nil then return nil end
+  return where .. ' is held by saga ' .. tx .. ' (step ' .. string.format('%d', low) ..
+    ') until its decision; retry after it'
+end
+-- add by to a reservation counter; a counter back at 0 goes
+local function count(sk, name, by)
+  if redis.call('HINCRBY', sk, name, by) == 0 then redis.call('HDEL', sk, name) end
+end
+local function tighten(sk, name, low, high, lowb, highb)
+  if low ~= '' and (not lowb or cmp(low, lowb) > 0) then
+    redis.call('HSET', sk, 'min:' .. name, low)
+  end
+  if high ~= '' and (not highb or cmp(high, highb) < 0) then
+    redis.call('HSET', sk, 'max:' .. name, high)
+  end
+end
 local n, width = tonumber(ARGV[1]), tonumber(ARGV[2])
 local txs, order, out = {}, {}, {}
 for i = 1, n do
   local b = 2 + (i - 1) * width
   local kind, tx, field, fp = ARGV[b + 1], ARGV[b + 2], ARGV[b + 3], ARGV[b + 4]
-  local lk, rk = KEYS[2 + 2 * i - 1], KEYS[2 + 2 * i]
+  local lk, rk, sk = KEYS[3 * i], KEYS[3 * i + 1], KEYS[3 * i + 2]
   local seen, planned = txs[tx], ARGV[b + 15]
   if planned ~= '' then
     if seen ~= nil or not same(lk, planned) then break end
@@ -68,36 +117,112 @@ for i = 1, n do
     break
   end
   local code, text, entry, flags
+  local done = ARGV[b + 5] .. ARGV[b + 6]
   if kind == 'put' then
     code, entry, flags = 'w', ARGV[b + 5], ARGV[b + 13]
   else
-    local t = kind_of(rk)
-    if t ~= 'none' and t ~= 'hash' then break end
+    local rt, st = kind_of(rk), kind_of(sk)
+    if (rt ~= 'none' and rt ~= 'hash') or (st ~= 'none' and st ~= 'hash') then break end
     local reasons = {}
     for part in string.gmatch(ARGV[b + 14], '([^\n]*)\n?') do table.insert(reasons, part) end
-    local name = ARGV[b + 9]
-    local old = t == 'hash' and redis.call('HGET', rk, name) or false
-    if t == 'none' then
-      text = reasons[4]
-    elseif not old then
-      text = reasons[5]
-    else
-      if not canonical(old) then break end
-      local ok = redis.pcall('HINCRBY', rk, name, ARGV[b + 10])
-      if type(ok) == 'table' and ok['err'] then break end  -- overflow: Python's big integers
-      local now = redis.call('HGET', rk, name)
-      local low, high = ARGV[b + 11], ARGV[b + 12]
-      if low ~= '' and cmp(now, low) < 0 then
-        text = reasons[1] .. now .. reasons[2]
-      elseif high ~= '' and cmp(now, high) > 0 then
-        text = reasons[1] .. now .. reasons[3]
+    local name, by, low, high = ARGV[b + 9], ARGV[b + 10], ARGV[b + 11], ARGV[b + 12]
+    local rfield = 'r:' .. tx .. ':' .. field
+    if kind == 'cmt' or kind == 'rel' then
+      if redis.call('HGET', sk, rfield) then
+        local cname = (by:sub(1, 1) == '-' and 'neg:' or 'pos:') .. name
+        local c = by ~= '0' and redis.call('HGET', sk, cname)
+        if c and not canonical(c) then break end
+        if kind == 'cmt' then
+          local old = rt == 'hash' and redis.call('HGET', rk, name)
+          if not old or not canonical(old) then break end
+          local ok = redis.pcall('HINCRBY', rk, name, by)
+          if type(ok) == 'table' and ok['err'] then break end
+        end
+        redis.call('HDEL', sk, rfield)
+        if by ~= '0' then count(sk, cname, minus(by)) end
       end
+      code, entry, flags = 'a', done, ARGV[b + 13]
+    else
+      local mine = kind == 'res' and redis.call('HGET', sk, 'hold') == tx
+      if mine then break end  -- its saga's own hold: the per-step path's view
+      text = kind ~= 'dec' and held(sk, reasons[6]) or nil
+      local old = not text and rt == 'hash' and redis.call('HGET', rk, name)
       if text then
-        redis.call('HSET', rk, name, old)
+      elseif rt == 'none' then
+        text = reasons[4]
+      elseif not old then
+        text = reasons[5]
       elseif kind == 'dec' then
-        code, entry, flags = 'a', ARGV[b + 5], ARGV[b + 13]
+        if not canonical(old) then break end
+        local down = by:sub(1, 1) == '-'
+        local bound = by ~= '0' and redis.call('HGET', sk, (down and 'min:' or 'max:') .. name)
+        local c = bound and redis.call('HGET', sk, (down and 'neg:' or 'pos:') .. name)
+        if bound and not canonical(bound) then break end
+        if c and not (small(c) and small(old) and small(by)) then break end
+        local ok = redis.pcall('HINCRBY', rk, name, by)
+        if type(ok) == 'table' and ok['err'] then break end
+        if bound then
+          local now = redis.call('HGET', rk, name)
+          local v = c and fmt(tonumber(now) + tonumber(c)) or now
+          local r = cmp(v, bound)
+          if (down and r < 0) or (not down and r > 0) then
+            text = reasons[1] .. v .. (c and reasons[7] or '') ..
+              (down and reasons[2] or reasons[3]) .. bound .. reasons[8]
+            redis.call('HSET', rk, name, old)
+          end
+        end
+        if not text then code, entry, flags = 'a', done, ARGV[b + 13] end
       else
-        code, entry, flags = 'a', ARGV[b + 5] .. cjson.encode(old) .. ARGV[b + 6], ARGV[b + 13]
+        if not canonical(old) then break end
+        local neg = low ~= '' and redis.call('HGET', sk, 'neg:' .. name)
+        local pos = high ~= '' and redis.call('HGET', sk, 'pos:' .. name)
+        local lowb = low ~= '' and redis.call('HGET', sk, 'min:' .. name)
+        local highb = high ~= '' and redis.call('HGET', sk, 'max:' .. name)
+        if (neg and not small(neg)) or (pos and not small(pos)) then break end
+        if (lowb and not canonical(lowb)) or (highb and not canonical(highb)) then break end
+        if kind == 'inc' then
+          if (neg or pos) and not (small(old) and small(by)) then break end
+          local ok = redis.pcall('HINCRBY', rk, name, by)
+          if type(ok) == 'table' and ok['err'] then break end  -- overflow: Python's big integers
+          local now = redis.call('HGET', rk, name)
+          local lv = neg and fmt(tonumber(now) + tonumber(neg)) or now
+          local hv = pos and fmt(tonumber(now) + tonumber(pos)) or now
+          if low ~= '' and cmp(lv, low) < 0 then
+            text = reasons[1] .. lv .. (neg and reasons[7] or '') .. reasons[2]
+          elseif high ~= '' and cmp(hv, high) > 0 then
+            text = reasons[1] .. hv .. (pos and reasons[7] or '') .. reasons[3]
+          end
+          if text then
+            redis.call('HSET', rk, name, old)
+          else
+            tighten(sk, name, low, high, lowb, highb)
+            code, entry = 'a', ARGV[b + 5] .. cjson.encode(old) .. ARGV[b + 6]
+            flags = ARGV[b + 13]
+          end
+        else  -- res: escrow, the record unchanged
+          local cname = (by:sub(1, 1) == '-' and 'neg:' or 'pos:') .. name
+          local c = by ~= '0' and redis.call('HGET', sk, cname)
+          if not (small(old) and small(by)) or (c and not small(c)) then break end
+          local d = tonumber(by)
+          if low ~= '' then
+            local lv = fmt(tonumber(old) + (neg and tonumber(neg) or 0) + math.min(d, 0))
+            if cmp(lv, low) < 0 then
+              text = reasons[1] .. lv .. (neg and reasons[7] or '') .. reasons[2]
+            end
+          end
+          if not text and high ~= '' then
+            local hv = fmt(tonumber(old) + (pos and tonumber(pos) or 0) + math.max(d, 0))
+            if cmp(hv, high) > 0 then
+              text = reasons[1] .. hv .. (pos and reasons[7] or '') .. reasons[3]
+            end
+          end
+          if not text then
+            redis.call('HSET', sk, rfield, name .. ':' .. by)
+            if by ~= '0' then count(sk, cname, by) end
+            tighten(sk, name, low, high, lowb, highb)
+            code, entry, flags = 'a', done, ARGV[b + 13]
+          end
+        end
       end
     end
     if text then

@@ -6,7 +6,7 @@ See :mod:`participants._redis` for the key layout and the WATCH/MULTI/EXEC round
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Final, cast
 
 from redis import exceptions as redis_errors
@@ -21,9 +21,21 @@ UNSAFE: Final = re.compile(r"[\s*?\[\]\\\x00-\x1f\x7f-\x9f]")
 Command = tuple[str | int | float | bytes, ...]
 
 
+SIDE_PART: Final = "+isolation"
+"""The part of a side hash's key after ``<prefix>:ledger:``: ``+`` is not allowed in a
+participant name, so no participant's ledger keys (``<prefix>:ledger:<participant>:...``)
+can be one."""
+
+
 def record_key(prefix: str, target: str, key: Key) -> str:
     """The key of record ``target/key``: ``<prefix>:<target>:<key>`` (the key checked)."""
     return f"{prefix}:{target}:{key_text(key)}"
+
+
+def side_key(prefix: str, target: str, key: Key) -> str:
+    """The side hash of record ``target/key``: its holds, reservations and recorded bounds
+    (:mod:`participants.redis._isolation`), ``<prefix>:ledger:+isolation:<target>:<key>``."""
+    return f"{prefix}:ledger:{SIDE_PART}:{target}:{key_text(key)}"
 
 
 class RedisSession:
@@ -57,6 +69,11 @@ class RedisSession:
             )
         return record_key(self._prefix, target, key)
 
+    def side_key(self, target: str, key: Key) -> str:
+        """The side hash of ``target/key`` (see :func:`side_key`), checked."""
+        self.key(target, key)
+        return side_key(self._prefix, target, key)
+
     def watch(self, *keys: str) -> None:
         """WATCH ``keys``: a change to them before this step's EXEC makes the step run again."""
         watch(self._pipe, keys)
@@ -74,6 +91,23 @@ class RedisSession:
                 f"{target}/{key} holds a Redis {kind}, not a hash record"
             ) from exc
         return record or None
+
+    def read_with_side(self, target: str, key: Key) -> tuple[dict[str, str] | None, dict[str, str]]:
+        """The record ``target/key`` (``None``: absent) and its side hash, both watched, in
+        one round trip. A side hash of another type raises redis-py's ``ResponseError``."""
+        name = self.key(target, key)
+        side = side_key(self._prefix, target, key)
+        record, rest = watch_hgetalls(self._pipe, (name, side))
+        if isinstance(record, redis_errors.ResponseError):
+            if "WRONGTYPE" not in str(record):
+                raise record
+            kind = string(self._pipe.type(name))
+            raise BusinessRejection(
+                f"{target}/{key} holds a Redis {kind}, not a hash record"
+            ) from record
+        if isinstance(rest, redis_errors.ResponseError):
+            raise rest
+        return record or None, rest
 
     def queue(self, *command: str | int | float | bytes) -> None:
         """Queue one Redis command (e.g. ``"HSET", key, "field", "value"``) for this step."""
@@ -137,6 +171,45 @@ def watch_hgetall(pipe: Pipeline, name: str) -> dict[str, str]:
         conn.disconnect()
         raise
     raw = conn.read_response()  # WRONGTYPE raises here, with both replies read
+    if isinstance(raw, list):
+        return {string(k): string(v) for k, v in zip(raw[::2], raw[1::2], strict=True)}
+    return strings(raw)
+
+
+def watch_hgetalls(
+    pipe: Pipeline, names: Sequence[str]
+) -> list[dict[str, str] | redis_errors.ResponseError]:
+    """``WATCH`` every name, then ``HGETALL`` of each, sent together: one round trip.
+
+    As :func:`watch_hgetall`, for several keys; a key's ``ResponseError`` (``WRONGTYPE``)
+    is returned in its place, with every reply read, so the caller says what it means.
+    """
+    p = cast(Any, pipe)  # redis-py leaves the pipeline's connection state unannotated
+    if p.explicit_transaction:
+        raise redis_errors.RedisError("Cannot issue a WATCH after a MULTI")
+    conn = p.connection
+    if conn is None:
+        conn = p.connection = p.connection_pool.get_connection()
+    p.watching = True
+    out: list[dict[str, str] | redis_errors.ResponseError] = []
+    try:
+        commands = [("WATCH", *names), *(("HGETALL", name) for name in names)]
+        conn.send_packed_command(conn.pack_commands(commands))
+        conn.read_response()
+        for _ in names:
+            try:
+                raw = conn.read_response()
+            except redis_errors.ResponseError as exc:
+                out.append(exc)
+                continue
+            out.append(_hash_reply(raw))
+    except BaseException:
+        conn.disconnect()
+        raise
+    return out
+
+
+def _hash_reply(raw: Any) -> dict[str, str]:
     if isinstance(raw, list):
         return {string(k): string(v) for k, v in zip(raw[::2], raw[1::2], strict=True)}
     return strings(raw)

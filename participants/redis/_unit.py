@@ -14,7 +14,7 @@ import redis
 from redis import exceptions as redis_errors
 from redis.client import Pipeline
 
-from saga.participants._barrier import LedgerEntry, LedgerStatus, finished_ms
+from saga.participants._barrier import LedgerEntry, LedgerStatus, finished_ms, isolation_of
 from saga.participants._ledger import (
     MARKER_FIELD,
     SEEN_FIELD,
@@ -26,16 +26,29 @@ from saga.participants._ledger import (
 )
 from saga.participants._storage import Unit
 from saga.participants.redis._session import RedisSession, watch_hgetall
-from saga.streams import TX_ID_PATTERN, InvalidRecord, Mode
+from saga.streams import TX_ID_PATTERN, InvalidRecord, Isolation, Mode
 
 TX_ID: Final = re.compile(TX_ID_PATTERN)
+
+
+def finished_here(entry: LedgerEntry) -> int | None:
+    """:func:`~participants._barrier.finished_ms`, except that an applied
+    ``read_committed`` step is not finished before its decision: its hold or reservation
+    stays in the side hash until then, so its entry stays too (pruned, a late decision
+    would find nothing to commit or release)."""
+    if (
+        entry.status is LedgerStatus.APPLIED
+        and isolation_of(entry.before) is Isolation.READ_COMMITTED
+    ):
+        return None
+    return finished_ms(entry)
 
 
 def tx_finished_ms(fields: Mapping[str, str]) -> int | None:
     """When every entry and marker of a transaction's hash finished (``None``: not yet)."""
     latest: int | None = None
     for text in fields.values():
-        finished = finished_ms(entry_of_json(text))
+        finished = finished_here(entry_of_json(text))
         if finished is None:
             return None
         latest = finished if latest is None else max(latest, finished)
