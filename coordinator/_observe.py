@@ -18,6 +18,8 @@
 ``saga_sagas_forgotten_total``                    counter  sagas forgotten after the retention
 ``saga_requests_expired_total``                   counter  requests refused as expired
 ``saga_records_unauthenticated_total``            counter  records refused for their signature
+``saga_decisions_redriven_total``                 counter  decisions of stalled sagas sent
+                                                           again (coordinator._chores)
 ================================================  =======  ==============================
 
 Reason classes (:func:`reason_class`): ``all_applied`` (a commit), ``step_failed``,
@@ -234,6 +236,11 @@ class CoordinatorObserver(LoopObserver):
                 "saga_records_unauthenticated",
                 "Records refused for their signature.",
                 stats.unauthenticated,
+            ),
+            (
+                "saga_decisions_redriven",
+                "Decisions of sagas stalled committing or rolling back, sent again.",
+                stats.redriven,
             ),
         ):
             yield counter(name, doc, [], [((), value)])

@@ -35,8 +35,8 @@ class PartitionState:
     deadlines: list[tuple[int, str]] = field(default_factory=list)
     waits: list[tuple[int, str]] = field(default_factory=list)  # a participant's grace ends
     redrive: list[tuple[int, str]] = field(default_factory=list)  # a stalled decision re-sent
-    # tx_id -> (updated_ms of the saga, decisions re-sent since that change)
-    redriven: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # tx_id -> (updated_ms of the saga, decisions re-sent since that change, next one due)
+    redriven: dict[str, tuple[int, int, int]] = field(default_factory=dict)
     # (when the saga may be forgotten, tx_id); entries go stale when a saga changes
     forget: list[tuple[int, str]] = field(default_factory=list)
     # tx_id -> when its unchanged status was last published again (kept sagas only)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from saga.coordinator import _route
+from saga.coordinator._chores import DEFAULT_REDRIVE, Chores, Redrive
 from saga.coordinator._known import KnownParticipants
 from saga.coordinator._machine import (
     Ignored,
@@ -47,7 +48,6 @@ from saga.streams import (
     SagaAbort,
     SagaRequest,
     SagaResolve,
-    SagaState,
     SagaStatus,
     StepEvent,
     TransientError,
@@ -91,6 +91,7 @@ class CoordinatorStats:
     refreshed: int = 0
     unauthenticated: int = 0  # records refused for their signature (to the DLQ)
     forged_status: int = 0  # status records skipped by a restore for their signature
+    redriven: int = 0  # decisions of stalled sagas sent again (coordinator._chores)
 
 
 class CoordinatorService(Stoppable):
@@ -122,6 +123,10 @@ class CoordinatorService(Stoppable):
     for it (its participants do not apply it either: its deadline has passed).
     The participants keep their ledgers by the same rule, so no decision ever
     reaches a step the coordinator forgot.
+
+    ``redrive``: when the decision of a saga stalled ``committing`` or ``rolling_back``
+    is sent again (:mod:`coordinator._chores`; by default after 30 s without a change,
+    then 60 s, 120 s, ..., five times at most).
 
     ``log`` makes its Kafka clients (default: :class:`~streams.log.KafkaLog` of
     ``settings``; tests pass :class:`streams.testing.InMemoryLog`); ``faults`` are
@@ -155,6 +160,7 @@ class CoordinatorService(Stoppable):
         keys: Keyring | None = None,
         aborters: frozenset[str] = frozenset({CLIENT, OPERATOR}),
         unknown_participants: Literal["accept", "reject"] = "accept",
+        redrive: Redrive = DEFAULT_REDRIVE,
     ) -> None:
         self.settings = settings
         self._keys = keys
@@ -164,6 +170,7 @@ class CoordinatorService(Stoppable):
         self._log: Log = signing(log if log is not None else KafkaLog(settings), keys)
         self._faults = faults
         self.retention_ms = retention_ms
+        self.chores = Chores(retention_ms, redrive)
         self.topics = settings.topics
         self.instance_id = instance_id
         self.participants = participants
@@ -240,8 +247,7 @@ class CoordinatorService(Stoppable):
                 now = self.clock()
                 if (
                     messages
-                    or self._deadline_due(now)
-                    or self._forget_due(now)
+                    or self.chores.due(self._partitions.values(), now)
                     or now >= self._next_refresh_ms
                 ):
                     if messages:
@@ -268,10 +274,7 @@ class CoordinatorService(Stoppable):
             part = PartitionState()
             for saga in restored.get(p, ()):
                 part.sagas[saga.tx_id] = saga
-                if not saga.decided and saga.request_seen:
-                    heapq.heappush(part.deadlines, (saga.deadline_ms, saga.tx_id))
-                if (at := self._forget_at(saga)) is not None:
-                    part.forget.append((at, saga.tx_id))
+                self.chores.restored(part, saga)
             heapq.heapify(part.forget)
             self._partitions[p] = part
             self.stats.restored += len(part.sagas)
@@ -332,22 +335,6 @@ class CoordinatorService(Stoppable):
         )
 
     # ------------------------------------------------------------ processing
-
-    def _deadline_due(self, now: int) -> bool:
-        return any(
-            part.deadlines and part.deadlines[0][0] <= now for part in self._partitions.values()
-        )
-
-    def _forget_due(self, now: int) -> bool:
-        return any(part.forget and part.forget[0][0] <= now for part in self._partitions.values())
-
-    def _forget_at(self, saga: Saga) -> int | None:
-        """When ``saga`` may be forgotten (see the class docstring), or None: keep it."""
-        if not saga.request_seen:
-            return saga.updated_ms + self.retention_ms
-        if saga.state in (SagaState.COMMITTED, SagaState.ROLLED_BACK):
-            return max(saga.deadline_ms, saga.updated_ms) + self.retention_ms
-        return None
 
     @property
     def sagas_in_memory(self) -> int:
@@ -442,17 +429,22 @@ class CoordinatorService(Stoppable):
                 if saga is not None and not saga.decided:
                     feed(p, tx_id, Tick(now), None)
 
-        forgotten = due_to_forget(self._partitions, now, changed, self._forget_at)
+        redriven = [
+            again
+            for part in self._partitions.values()
+            for again in self.chores.redriven(part, timers, changed)
+        ]
+        forgotten = due_to_forget(self._partitions, now, changed, self.chores.forget_at)
         if now >= self._next_refresh_ms:  # a sweep every quarter retention
             timers.next_refresh_ms = now + max(1, self.retention_ms // 4)
             again = due_to_refresh(
-                self._partitions, now, changed, self.retention_ms, self._forget_at
+                self._partitions, now, changed, self.retention_ms, self.chores.forget_at
             )
             for p, status, _ in again:
                 timers.refreshed(self._partitions[p], status.tx_id)
             outputs.extend(again)
         owners = dict(self._partitions)  # a failed transaction may reload them (coordinator._txn)
-        if not self._commit_batch(messages, changed, outputs, rejected, forgotten):
+        if not self._commit_batch(messages, changed, outputs, rejected, forgotten, redriven):
             for p, at, tx_id in forgotten:  # still due: the next batch tries again
                 if (owner := self._partitions.get(p)) is not None and owner is owners[p]:
                     heapq.heappush(owner.forget, (at, tx_id))
@@ -464,16 +456,12 @@ class CoordinatorService(Stoppable):
             if (owner := self._partitions.get(p)) is not None:
                 owner.sagas.pop(tx_id, None)
                 owner.refreshed.pop(tx_id, None)
+                owner.redriven.pop(tx_id, None)
         self.stats.forgotten += len(forgotten)
         for tx_id, (p, saga) in changed.items():
             if (owner := self._partitions.get(p)) is not None:
-                before = owner.sagas.get(tx_id)
+                self.chores.merged(owner, tx_id, owner.sagas.get(tx_id), saga)
                 owner.sagas[tx_id] = saga
-                forget_at = self._forget_at(saga)
-                if forget_at is not None and (
-                    before is None or self._forget_at(before) != forget_at
-                ):
-                    heapq.heappush(owner.forget, (forget_at, tx_id))
 
     def _forged_status(self, m: Message, rejected: list[tuple[Message, str]]) -> bool:
         """Whether the status record ``m`` is not the coordinator's; if so, it goes to the DLQ.
@@ -531,8 +519,12 @@ class CoordinatorService(Stoppable):
         outputs: list[tuple[int, Decision | SagaStatus | StepEvent, bytes]],
         rejected: list[tuple[Message, str]],
         forgotten: list[tuple[int, int, str]],
+        redriven: list[tuple[Decision, bytes, Headers]],
     ) -> bool:
-        """Produce the batch's outputs in one transaction; False when it was aborted."""
+        """Produce the batch's outputs in one transaction; False when it was aborted.
+
+        ``redriven``: decisions of stalled sagas sent again, with their headers.
+        """
         # Only the last status of a transaction in this batch matters (the topic is compacted).
         last_status: dict[str, bytes] = {}
         decisions: list[tuple[Decision, bytes]] = []
@@ -552,6 +544,8 @@ class CoordinatorService(Stoppable):
             for d, value in decisions:
                 headers = _route.decision_route(d, _route.changed_saga(changed, d.tx_id))
                 headers += self.observer.decision_headers(d) or ()
+                self._producer.produce(self.topics.decisions, d.tx_id, value, headers)
+            for d, value, headers in redriven:
                 self._producer.produce(self.topics.decisions, d.tx_id, value, headers)
             for tx_id, value in last_status.items():
                 trace = self.observer.status_headers(tx_id)
@@ -579,6 +573,7 @@ class CoordinatorService(Stoppable):
         self.stats.records += len(messages)
         self.stats.dlq += len(rejected)
         self.stats.decisions += len(decisions)
+        self.stats.redriven += len(redriven)
         for d, _ in decisions:
             if d.outcome == "commit":
                 self.stats.commits += 1

@@ -49,7 +49,7 @@ class TimerBatch:
     _fired: list[tuple[PartitionState, Heap, int]] = field(default_factory=list)
     _pushed: list[tuple[PartitionState, Heap, Entry]] = field(default_factory=list)
     _refreshed: list[tuple[PartitionState, str]] = field(default_factory=list)
-    _redriven: list[tuple[PartitionState, str, tuple[int, int]]] = field(default_factory=list)
+    _redriven: list[tuple[PartitionState, str, tuple[int, int, int]]] = field(default_factory=list)
     next_refresh_ms: int | None = None
     """When the next refresh sweep is due, once this batch commits (None: unchanged)."""
 
@@ -69,10 +69,10 @@ class TimerBatch:
         """Note that the batch published ``tx_id``'s unchanged status again (a refresh)."""
         self._refreshed.append((part, tx_id))
 
-    def redriven(self, part: PartitionState, tx_id: str, updated_ms: int, count: int) -> None:
-        """Note that the batch re-sent ``tx_id``'s decision, the ``count``-th time since its
-        last change (``updated_ms``)."""
-        self._redriven.append((part, tx_id, (updated_ms, count)))
+    def redriven(self, part: PartitionState, tx_id: str, mark: tuple[int, int, int]) -> None:
+        """Note that the batch re-sent ``tx_id``'s decision: ``mark`` is the saga's
+        ``updated_ms``, the re-drives since that change and when the next one is due."""
+        self._redriven.append((part, tx_id, mark))
 
     @property
     def refreshes(self) -> int:

@@ -310,6 +310,24 @@ def coordinator() -> None:
     "that start participants after their first requests).",
 )
 @retention_option("Forget sagas (memory, status topic) finished longer ago than this")
+@click.option(
+    "--redrive-after",
+    "redrive_after_ms",
+    default="30s",
+    show_default=True,
+    callback=lambda _c, _p, v: (
+        0 if v == "off" else _duration_ms(v, "--redrive-after", 100, 86_400_000)
+    ),
+    help="Send the decision of a saga stalled committing or rolling back again after this "
+    "long without a change, then after twice as long each time (off: never).",
+)
+@click.option(
+    "--redrive-limit",
+    type=click.IntRange(0, 100),
+    default=5,
+    show_default=True,
+    help="Re-sends of a stalled decision since the saga's last change, at most.",
+)
 @connect_timeout_option
 @keys_dir_option
 @click.option(
@@ -327,6 +345,8 @@ def coordinator_run(
     participants: str | None,
     unknown_participants: str,
     retention_ms: int,
+    redrive_after_ms: int,
+    redrive_limit: int,
     connect_timeout: float,
     keys_dir: str | None,
     aborters: str,
@@ -336,10 +356,12 @@ def coordinator_run(
 
     Sagas that ended committed or rolled back are forgotten --retention after their
     deadline and last change; a request whose deadline passed longer ago than that
-    goes to the DLQ as expired. A request naming a participant that never announced
+    goes to the DLQ as expired. The decision of a saga that stalls committing or rolling
+    back is sent again (--redrive-after). A request naming a participant that never announced
     itself on the participant registry rolls back at once (see --unknown-participants);
     the coordinator reads the registry to its end before it decides anything.
     """
+    from saga.coordinator._chores import Redrive
     from saga.coordinator._service import CoordinatorService
     from saga.streams._faults import faults_from_env
     from saga.streams.log import KafkaLog
@@ -364,6 +386,7 @@ def coordinator_run(
         faults=faults,
         keys=signing_keys,
         aborters=allowed,
+        redrive=Redrive(after_ms=redrive_after_ms, limit=redrive_limit),
     )
     service.install_signal_handlers()
     with observability.serve(service.observer, "coordinator"):

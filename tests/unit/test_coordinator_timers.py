@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from saga.coordinator._chores import Redrive
 from saga.coordinator._service import CoordinatorService
 from saga.coordinator._timers import due
 from saga.streams import (
@@ -167,3 +168,110 @@ def test_an_aborted_transaction_does_not_lose_a_status_refresh(
     assert service.stats.aborted_transactions == 1 and len(statuses(log, tx)) == 1
     stepper.step()
     assert len(statuses(log, tx)) == 2 and service.stats.refreshed == 1
+
+
+# ---------------------------------------------------------------- re-driven decisions
+
+
+def test_a_stalled_commit_is_sent_again_with_backoff_up_to_the_limit(
+    log: InMemoryLog, clock: ManualClock, start: Any
+) -> None:
+    """A participant that dropped the commit never confirms: the coordinator re-sends the
+    decision after 1 s, then 2 s and 4 s later (limit 3), routed to that participant."""
+    service, stepper = start(redrive=Redrive(after_ms=1_000, limit=3))
+    tx = key_on(0, PARTITIONS)
+    submit(log, clock, tx, 60_000)
+    report(log, clock, tx, StepStatus.APPLIED, 0, 1)  # both have something to confirm
+    stepper.step()
+    report(log, clock, tx, StepStatus.COMMITTED, 0)  # "shop" dropped the decision
+    stepper.step()
+    assert statuses(log, tx)[-1].state is SagaState.COMMITTING
+    assert decisions(log, tx) == [(Outcome.COMMIT, False)]
+    sent_at = []
+    for _ in range(12):
+        clock.advance(500)
+        stepper.step()
+        sent_at.append(len(decisions(log, tx)) - 1)
+    # re-sent 1 s, 3 s and 7 s after the last change; no more after the limit
+    assert sent_at == [0, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2]
+    clock.advance(60_000)
+    stepper.step(2)
+    assert decisions(log, tx) == [(Outcome.COMMIT, False)] + [(Outcome.COMMIT, True)] * 3
+    assert service.stats.redriven == 3 and service.stats.decisions == 1
+    (family,) = [f for f in service.observer.families() if f.name == "saga_decisions_redriven"]
+    assert [s.value for s in family.samples if s.name.endswith("_total")] == [3]
+    copies = [m for m in log.records(TOPICS.decisions) if m.header("saga.replayed.by")]
+    assert all(m.header("saga.parts") == b"shop" for m in copies), "routed to who confirms"
+    report(log, clock, tx, StepStatus.COMMITTED, 1)  # the re-sent decision was acted on
+    stepper.step()
+    assert statuses(log, tx)[-1].state is SagaState.COMMITTED
+
+
+def test_progress_starts_the_count_again_and_a_finished_saga_is_not_redriven(
+    log: InMemoryLog, clock: ManualClock, start: Any
+) -> None:
+    service, stepper = start(redrive=Redrive(after_ms=1_000, limit=1))
+    tx = key_on(1, PARTITIONS)
+    submit(log, clock, tx, 60_000)
+    report(log, clock, tx, StepStatus.APPLIED, 0)
+    report(log, clock, tx, StepStatus.FAILED, 1)
+    stepper.step()
+    assert decisions(log, tx) == [(Outcome.ROLLBACK, False)]
+    clock.advance(1_000)
+    stepper.step()
+    assert decisions(log, tx)[-1] == (Outcome.ROLLBACK, True)  # the limit: once
+    clock.advance(5_000)
+    report(log, clock, tx, StepStatus.COMPENSATED, 1)  # progress, not the end yet
+    stepper.step()
+    clock.advance(999)
+    stepper.step()
+    assert len(decisions(log, tx)) == 2
+    clock.advance(1)
+    stepper.step()
+    assert len(decisions(log, tx)) == 3  # a new count from the change
+    report(log, clock, tx, StepStatus.COMPENSATED, 0)
+    stepper.step()
+    assert statuses(log, tx)[-1].state is SagaState.ROLLED_BACK
+    clock.advance(10_000)
+    stepper.step(2)
+    assert len(decisions(log, tx)) == 3 and service.stats.redriven == 2
+
+
+def test_a_redrive_whose_transaction_aborts_is_sent_by_the_next_batch(
+    log: InMemoryLog, clock: ManualClock, start: Any
+) -> None:
+    service, stepper = start(redrive=Redrive(after_ms=1_000, limit=2))
+    tx = key_on(0, PARTITIONS)
+    submit(log, clock, tx, 60_000)
+    report(log, clock, tx, StepStatus.FAILED, 0)
+    stepper.step()
+    clock.advance(1_000)
+    log.fail_next_commit()
+    stepper.step()
+    assert service.stats.aborted_transactions == 1 and len(decisions(log, tx)) == 1
+    stepper.step()
+    assert decisions(log, tx) == [(Outcome.ROLLBACK, False), (Outcome.ROLLBACK, True)]
+    clock.advance(1_999)
+    stepper.step()
+    assert len(decisions(log, tx)) == 2
+    clock.advance(1)  # the second re-drive is 3 s after the change, whatever the abort
+    stepper.step()
+    assert len(decisions(log, tx)) == 3 and service.stats.redriven == 2
+
+
+def test_a_restarted_coordinator_redrives_what_stalled_before_it_started(
+    log: InMemoryLog, clock: ManualClock, start: Any
+) -> None:
+    _, stepper = start(redrive=Redrive(after_ms=0))  # off
+    tx = key_on(1, PARTITIONS)
+    submit(log, clock, tx, 60_000)
+    report(log, clock, tx, StepStatus.FAILED, 1)
+    stepper.step()
+    clock.advance(30_000)
+    stepper.step(2)
+    assert decisions(log, tx) == [(Outcome.ROLLBACK, False)]
+    stepper.stop()
+    restarted, stepper = start(redrive=Redrive(after_ms=10_000))
+    stepper.step(2)  # restored stalled for 30 s: sent again at once
+    assert decisions(log, tx) == [(Outcome.ROLLBACK, False), (Outcome.ROLLBACK, True)]
+    assert restarted.stats.restored == 1 and restarted.stats.redriven == 1
