@@ -5,26 +5,35 @@ path and one with ``scripts=False`` (every step on the per-step WATCH/MULTI/EXEC
 must give the same reports, records, ledger entries, in-flight set and finished scores.
 The other tests pin what only the script path has: one call per run of steps, chunks,
 ``NOSCRIPT``, the hand-back to the per-step path, and hostile values staying values.
+Requests here are at level ``none`` unless a test says otherwise (the record changes at
+apply); ``read_committed`` is compared in the random batches and in
+``test_redis_isolation.py``.
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any, cast
 
 import pytest
 import redis
-from test_sql_storage import DEADLINE, NOW, requested, rollback
+from test_sql_storage import DEADLINE, NOW, commit, rollback
+from test_sql_storage import requested as requested_at_default
 
 from saga.participants._barrier import Requested
 from saga.participants._storage import RequestSeen, WorkItem
 from saga.participants.redis import _batch as _redis_batch
 from saga.participants.redis._adapter import RedisStorage
-from saga.streams import ConfigurationError, Mode, StepStatus
+from saga.streams import ConfigurationError, Isolation, Mode, StepStatus
 from tests._infra import Services
 
 TARGETS = ("accounts", "orders")
+
+
+def requested(*args: Any, isolation: Isolation = Isolation.NONE, **options: Any) -> Requested:
+    return replace(requested_at_default(*args, **options), isolation=isolation)
 
 
 class Pair:
@@ -55,7 +64,8 @@ class Pair:
     def state(self, storage: RedisStorage) -> tuple[Any, ...]:
         records = {
             name[len(storage.prefix) :]: self.client.hgetall(name)
-            for name in self.client.scan_iter(match=f"{storage.prefix}:accounts:*")
+            for pattern in (f"{storage.prefix}:accounts:*", f"{storage.prefix}:ledger:+*")
+            for name in self.client.scan_iter(match=pattern)
         }
         finished = dict(cast(Any, self.client.zrange(storage.finished_key, 0, -1, withscores=True)))
         return records, storage.ledger(), storage.in_flight_sequential(), finished
@@ -154,7 +164,8 @@ def test_repeats_decisions_and_markers_match_the_per_step_path(pair: Pair) -> No
     pair.both([requested("tx-6", "increment", bump(1, 1))])
 
 
-def test_random_batches_match_the_per_step_path(pair: Pair) -> None:
+@pytest.mark.parametrize("isolation", list(Isolation))
+def test_random_batches_match_the_per_step_path(pair: Pair, isolation: Isolation) -> None:
     rng = random.Random(14)
     for key in range(4):
         pair.seed(key, {"owner": f"o{key}", "balance": str(rng.randint(-5, 50))})
@@ -165,6 +176,9 @@ def test_random_batches_match_the_per_step_path(pair: Pair) -> None:
             roll = rng.random()
             if roll < 0.15:
                 items.append(rollback(tx, NOW + batch))
+                continue
+            if roll < 0.25:
+                items.append(commit(tx, NOW + batch))
                 continue
             args = bump(rng.randint(0, 4), rng.randint(-20, 20))
             if rng.random() < 0.3:
@@ -182,6 +196,7 @@ def test_random_batches_match_the_per_step_path(pair: Pair) -> None:
                     DEADLINE,
                     NOW + batch,
                     fingerprint=f"fp-{tx}-{n % 2}",
+                    isolation=isolation,
                 )
             )
         pair.both(items)
@@ -219,6 +234,7 @@ def test_lua_looking_values_stay_values(pair: Pair) -> None:
             DEADLINE,
             NOW,
             fingerprint=evil + _redis_batch._SPLICE,
+            isolation=Isolation.NONE,
         ),
     ]
     marker = _redis_batch._SPLICE  # the splice marker as a key: the per-step path takes it
