@@ -1,27 +1,48 @@
-"""The native session MongoDB actions get, and the built-in actions on documents.
+"""The built-in actions on MongoDB documents, at both isolation levels.
 
-Every write is a :class:`~participants._mongo_writes.DocumentWrite` staged for the
-step's ledger write (see *Effects are staged* in :mod:`participants._mongo`).
+Every write is a :class:`~saga.participants.mongo._writes.DocumentWrite` staged for
+the step's ledger write (see *Effects are staged* in :mod:`saga.participants.mongo`);
+holds, reservations and bounds are described in :mod:`saga.participants.mongo._holds`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Literal
-
-from pymongo.client_session import ClientSession
-from pymongo.collection import Collection
-from pymongo.database import Database
+from typing import Any, Final, Literal
 
 from saga.participants._actions import (
     INT64_MAX,
     INT64_MIN,
     BuiltinAction,
     BuiltinActions,
+    Delete,
     Increment,
+    Insert,
     Key,
+    Put,
     RecordOps,
+    Update,
 )
+from saga.participants._storage import StepScope
+from saga.participants.mongo._cas import ABSENT, _get, _same
+from saga.participants.mongo._holds import (
+    BOUNDS_FIELD,
+    HOLD_FIELD,
+    NOT_RESTORED,
+    RESERVATIONS_FIELD,
+    RETRY,
+    Hold,
+    Reservation,
+    bounds_of,
+    check_increment,
+    fields_of,
+    held_reason,
+    reservations,
+    reservations_change,
+    reserved_reason,
+    tightened,
+)
+from saga.participants.mongo._session import MongoSession
 from saga.participants.mongo._values import (
     _CANONICAL_INT,
     MARKER_FIELD,
@@ -31,91 +52,23 @@ from saga.participants.mongo._values import (
     _is_number,
     _restored,
     _show,
-    _show_number,
 )
 from saga.participants.mongo._writes import DocumentWrite, _doc_id
 from saga.streams import BusinessRejection
 
-if TYPE_CHECKING:
-    from saga.participants.mongo._unit import _MongoUnit
-
-
-class MongoSession:
-    """What actions get as ``native`` for one work item.
-
-    ``db`` is the participant's :class:`~pymongo.database.Database`; ``session``
-    the :class:`~pymongo.client_session.ClientSession` whose transaction holds the
-    step when the server has transactions (``None`` otherwise): pass
-    ``session=native.session`` to every call. For writes that are atomic with the
-    ledger on every server, read with :meth:`read` and :meth:`stage` one
-    :class:`DocumentWrite` per step instead of writing directly.
-    """
-
-    def __init__(self, unit: _MongoUnit) -> None:
-        self._unit = unit
-        self.db: Database[Document] = unit.storage.db
-        self._staged: DocumentWrite | None = None
-
-    @property
-    def session(self) -> ClientSession | None:
-        return self._unit.transaction_session()
-
-    @property
-    def transactional(self) -> bool:
-        """Whether writes made directly through ``db`` commit with the ledger record."""
-        return self._unit.storage.transactional
-
-    def collection(self, target: str) -> Collection[Document]:
-        """The collection of ``target``, one of the participant's targets."""
-        if target not in self._unit.storage.targets:
-            allowed = ", ".join(sorted(self._unit.storage.targets)) or "empty"
-            raise BusinessRejection(
-                f"target {target!r} is not in this participant's allow-list ({allowed})"
-            )
-        return self.db[target]
-
-    def read(self, target: str, key: Any) -> Document | None:
-        """The document ``target/key`` (``None``: absent), locked for this step.
-
-        Makes sure the write whose marker it carries is recorded first (see the module doc).
-        """
-        collection = self.collection(target)
-        self._unit.lock(target, key)
-        doc = collection.find_one({"_id": key}, session=self.session)
-        return self._unit.settle(target, key, doc)
-
-    def stage(self, write: DocumentWrite) -> None:
-        """Run ``write`` together with this step's ledger entry (one write per step)."""
-        collection = self.collection(write.target)
-        refused = self._unit.refused.get((write.target, _doc_id(write.target, write.key)))
-        if refused is not None:
-            raise BusinessRejection(refused)
-        if self._staged is not None:
-            raise RuntimeError("a step may stage one document write; this one staged two")
-        if not self._unit.holds(write.target, write.key):
-            # A handler that writes without reading first still waits its turn.
-            self._unit.lock(write.target, write.key)
-            found = collection.find_one({"_id": write.key}, session=self.session)
-            self._unit.settle(write.target, write.key, found)
-        self._staged = write
-
-    def take_staged(self) -> DocumentWrite | None:
-        staged, self._staged = self._staged, None
-        return staged
-
-
-# ---------------------------------------------------------------- built-in actions
+Kind = Literal["insert", "update", "replace", "delete"]
 
 
 class MongoActions(BuiltinActions[MongoSession]):
     """The built-in actions on documents, in a :class:`MongoSession`.
 
-    ``put`` sets the given fields and keeps the others; its compensation puts the
-    whole old document back (or deletes a created one). ``update``'s before-image
-    is ``{"fields": {old values}, "absent": [fields it added]}``. ``increment``
-    checks the bounds on the value it read and writes the result with that value
-    as a guard; its compensation subtracts ``by`` without bounds. Every write is a
-    :class:`DocumentWrite` staged for the ledger write.
+    At level ``none``: ``put`` sets the given fields and keeps the others; its
+    compensation puts the whole old document back (or deletes a created one).
+    ``update``'s before-image is ``{"fields": {old values}, "absent": [fields it
+    added]}``. ``increment`` checks the bounds on the value it read (and the open
+    reservations on the field) and writes the result with that value as a guard; its
+    compensation subtracts ``by``, within the bounds recorded on the field. At level
+    ``read_committed`` they hold and reserve (:mod:`saga.participants.mongo._holds`).
     """
 
     def record(self, native: MongoSession, action: BuiltinAction) -> RecordOps:
@@ -131,17 +84,28 @@ def canonical_key(key: Key) -> int | str:
     return key
 
 
+_UNREAD: Final = object()
+
+
 class _Record:
-    """One document of a target collection, addressed by the step's key."""
+    """One document of a target collection, addressed by the step's key; its shadow
+    document holds it while it does not exist yet (see :mod:`~saga.participants.mongo._holds`).
+
+    The document is read once (under its lock, settled) and kept for the step.
+    """
 
     def __init__(self, session: MongoSession, target: str, key: Key) -> None:
         self.session = session
         self.target = target
         self.key = canonical_key(key)
         self.where = f"{target}/{key}"
+        self._doc: Any = _UNREAD
 
     def _read(self) -> Document | None:
-        return self.session.read(self.target, self.key)
+        if self._doc is _UNREAD:
+            self._doc = self.session.read(self.target, self.key)
+        doc: Document | None = self._doc
+        return doc
 
     def _existing(self) -> Document:
         doc = self._read()
@@ -149,8 +113,16 @@ class _Record:
             raise BusinessRejection(f"{self.where} does not exist")
         return doc
 
-    def _stage(self, kind: Literal["insert", "update", "replace", "delete"], **parts: Any) -> None:
-        self.session.stage(DocumentWrite(self.target, self.key, kind, **parts))
+    def _stage(self, kind: Kind, **parts: Any) -> None:
+        self.session.stage_internal(DocumentWrite(self.target, self.key, kind, **parts))
+
+    def _stage_shadow(self, kind: Kind, **parts: Any) -> None:
+        write = DocumentWrite(self.session.shadow_name, self._shadow_key, kind, **parts)
+        self.session.stage_internal(write)
+
+    @property
+    def _shadow_key(self) -> str:
+        return _doc_id(self.target, self.key)
 
     def _fields(self, fields: Mapping[str, Any], what: str, *, key_allowed: bool) -> Document:
         values: Document = {}
@@ -170,26 +142,63 @@ class _Record:
             values[name] = value
         return values
 
-    # -- actions
+    # -- who else holds the record
+
+    def _free(
+        self, doc: Document, tx_id: str | None, then: str = RETRY, *, escrow: bool = False
+    ) -> Hold | None:
+        """Raise unless no other saga holds ``doc`` (nor, unless ``escrow``, has a
+        reservation on it); return the hold of ``tx_id``'s saga, if any."""
+        hold = Hold.of(doc)
+        if hold is not None and hold.tx_id != tx_id:
+            raise BusinessRejection(held_reason(self.where, hold, then))
+        if not escrow:
+            for reservation in reservations(doc):
+                if reservation.tx_id != tx_id:
+                    raise BusinessRejection(reserved_reason(self.where, reservation, then))
+        return hold
+
+    def _shadow(self, tx_id: str | None, then: str = RETRY) -> Document | None:
+        """The shadow document of the (absent) record when ``tx_id``'s saga holds it
+        (``None``: nobody does); raise when another saga's open hold is in it."""
+        doc = self.session.read_shadow(self.target, self.key)
+        hold = Hold.of(doc)
+        if doc is None or hold is None or hold.tx_id == tx_id:
+            return doc if hold is not None else None
+        if self.session.hold_open(list(hold.steps)):
+            # Loading the holders may have finished a recorded commit that removes it.
+            again = self.session.read_shadow(self.target, self.key)
+            held = Hold.of(again)
+            if held is not None and held.tx_id != tx_id:
+                raise BusinessRejection(held_reason(self.where, held, then))
+            return again if held is not None else None
+        self.session.drop_shadow(self._shadow_key, doc.get(MARKER_FIELD))
+        return None
+
+    # -- level none: write at once
 
     def insert(self, fields: Mapping[str, Any]) -> None:
         values = self._fields(fields, "insert", key_allowed=True)
         if self._read() is not None:
             raise BusinessRejection(f"{self.where} already exists")
+        self._shadow(None)
         self._stage("insert", document=values)
 
     def put(self, fields: Mapping[str, Any]) -> Any:
         values = self._fields(fields, "put", key_allowed=True)
         doc = self._read()
         if doc is None:
+            self._shadow(None)
             self._stage("insert", document=values)
             return None
+        self._free(doc, None)
         self._stage("update", expect=doc.get(MARKER_FIELD), set=values)
         return _image(doc)
 
     def update(self, fields: Mapping[str, Any]) -> Any:
         values = self._fields(fields, "update", key_allowed=False)
         doc = self._existing()
+        self._free(doc, None)
         self._stage("update", expect=doc.get(MARKER_FIELD), set=values)
         present = {name: doc[name] for name in values if name in doc}
         absent = sorted(name for name in values if name not in doc)
@@ -197,30 +206,80 @@ class _Record:
 
     def delete(self) -> Any:
         doc = self._existing()
+        self._free(doc, None)
         self._stage("delete", expect=doc.get(MARKER_FIELD))
         return _image(doc)
 
     def increment(self, action: Increment) -> Any:
         name = self._counter(action.field)
         doc = self._existing()
+        self._free(doc, None, escrow=True)
         current = self._number(doc, name)
-        result = _add(current, action.by, f"{self.where} {name}")
-        if action.min is not None and result < action.min:
-            raise BusinessRejection(
-                f"{self.where} {name} would be {_show_number(result)}, below the minimum "
-                f"{_show_number(action.min)}"
-            )
-        if action.max is not None and result > action.max:
-            raise BusinessRejection(
-                f"{self.where} {name} would be {_show_number(result)}, above the maximum "
-                f"{_show_number(action.max)}"
-            )
-        self._stage(
-            "update", expect=doc.get(MARKER_FIELD), set={name: result}, guard={name: current}
+        on_field = [r for r in reservations(doc) if r.field == name]
+        result = check_increment(
+            self.where, name, current, action.by, action.min, action.max, on_field
         )
+        change: Document = {name: result}
+        bounds = tightened(doc.get(BOUNDS_FIELD), name, action.min, action.max)
+        if bounds is not None:
+            change[BOUNDS_FIELD] = bounds
+        self._stage("update", expect=doc.get(MARKER_FIELD), set=change, guard={name: current})
         return {name: current}
 
-    # -- compensations
+    # -- level none: compensations
+
+    def guard(self, action: BuiltinAction, before: Any) -> None:
+        """Refuse a compensation that would overwrite another saga's work or break a bound
+        a step relied on (see :class:`~saga.participants._actions.RecordOps`)."""
+        doc = self._read()
+        if isinstance(action, Delete):
+            if doc is None:
+                self._shadow(None, NOT_RESTORED)  # another saga's pending insert of the key
+            return  # an existing document: the restore refuses ("exists again")
+        if doc is None:
+            if isinstance(action, Put) and before is not None:
+                raise BusinessRejection(
+                    f"{self.where} was deleted since this step wrote it; {NOT_RESTORED}"
+                )
+            return  # absent is what undoing an insert wants; the others say it is gone
+        self._free(doc, None, NOT_RESTORED, escrow=isinstance(action, Increment))
+        if isinstance(action, Insert | Put):
+            self._unchanged(doc, self._fields(action.value, "put", key_allowed=True))
+        elif isinstance(action, Update):
+            self._unchanged(doc, self._fields(action.set, "update", key_allowed=False))
+        elif isinstance(action, Increment):
+            self._bounds_kept(doc, action)
+
+    def _unchanged(self, doc: Document, wrote: Mapping[str, Any]) -> None:
+        for name, value in wrote.items():
+            actual = _get(doc, name)
+            if actual is ABSENT or not _same(actual, value):
+                now = "absent" if actual is ABSENT else f"{_show(actual)}"
+                raise BusinessRejection(
+                    f"{self.where} changed since this step wrote it ({name} is {now}, the "
+                    f"step wrote {_show(value)}); {NOT_RESTORED}"
+                )
+
+    def _bounds_kept(self, doc: Document, action: Increment) -> None:
+        name = self._counter(action.field)
+        current = self._number(doc, name)
+        low, high = bounds_of(doc.get(BOUNDS_FIELD), name)
+        back = -action.by
+        on_field = [r for r in reservations(doc) if r.field == name]
+        try:
+            check_increment(
+                self.where,
+                name,
+                current,
+                back,
+                low if back < 0 else None,
+                high if back > 0 else None,
+                on_field,
+            )
+        except BusinessRejection as exc:
+            raise BusinessRejection(
+                f"{exc.reason} once this step is undone, a bound a step relied on; {NOT_RESTORED}"
+            ) from exc
 
     def remove(self) -> None:
         doc = self._read()
@@ -236,7 +295,8 @@ class _Record:
         if doc is None:
             self._stage("insert", document=image)
         else:
-            self._stage("replace", expect=doc.get(MARKER_FIELD), document=image)
+            kept = {BOUNDS_FIELD: doc[BOUNDS_FIELD]} if BOUNDS_FIELD in doc else {}
+            self._stage("replace", expect=doc.get(MARKER_FIELD), document={**image, **kept})
 
     def restore_fields(self, before: Any) -> None:
         if not isinstance(before, Mapping) or not isinstance(before.get("fields"), Mapping):
@@ -281,12 +341,176 @@ class _Record:
             "update", expect=doc.get(MARKER_FIELD), set={name: result}, guard={name: current}
         )
 
+    # -- level read_committed: hold, reserve, commit, release
+
+    def hold(self, scope: StepScope, action: Insert | Put | Update | Delete) -> None:
+        me = self.session.step_id(scope)
+        doc = self._read()
+        if doc is not None:
+            own = self._free(doc, scope.tx_id)
+            folded = [r for r in reservations(doc) if r.tx_id == scope.tx_id]
+            current = own.intended if own is not None else self._folded(doc, folded)
+            held = own or Hold(scope.tx_id, (), None)
+            for reservation in folded:  # this saga's increments join the hold, in order
+                held = held.joined(reservation.step_id, held.intended, held.bounds)
+            held = held.joined(me, self._intended(action, current), held.bounds)
+            self._stage(
+                "update",
+                expect=doc.get(MARKER_FIELD),
+                set={HOLD_FIELD: held.to_bson()},
+                unset=[RESERVATIONS_FIELD] if folded else [],
+            )
+            return
+        shadow = self._shadow(scope.tx_id)
+        own = Hold.of(shadow)
+        intended = self._intended(action, None if own is None else own.intended)
+        if shadow is None or own is None:
+            fresh = Hold(scope.tx_id, (me,), intended)
+            document = {"target": self.target, "key": self.key, HOLD_FIELD: fresh.to_bson()}
+            self._stage_shadow("insert", document=document)
+        else:
+            held = own.joined(me, intended, own.bounds)
+            self._stage_shadow(
+                "update", expect=shadow.get(MARKER_FIELD), set={HOLD_FIELD: held.to_bson()}
+            )
+
+    def _folded(self, doc: Document, folded: list[Reservation]) -> Document:
+        """The record's fields with this saga's own reservations added (they join its hold)."""
+        fields = fields_of(doc)
+        for reservation in folded:
+            value = fields.get(reservation.field)
+            if _is_number(value):
+                fields[reservation.field] = _add(value, reservation.by, self.where)
+        return fields
+
+    def _intended(self, action: Insert | Put | Update | Delete, current: Document | None) -> Any:
+        """The record once ``action`` is applied to ``current`` (``None``: absent)."""
+        if isinstance(action, Insert):
+            values = self._fields(action.value, "insert", key_allowed=True)
+            if current is not None:
+                raise BusinessRejection(f"{self.where} already exists")
+            return values
+        if isinstance(action, Put):
+            return {**(current or {}), **self._fields(action.value, "put", key_allowed=True)}
+        if isinstance(action, Update):
+            values = self._fields(action.set, "update", key_allowed=False)
+            if current is None:
+                raise BusinessRejection(f"{self.where} does not exist")
+            return {**current, **values}
+        if current is None:
+            raise BusinessRejection(f"{self.where} does not exist")
+        return None
+
+    def reserve(self, scope: StepScope, action: Increment) -> None:
+        name = self._counter(action.field)
+        me = self.session.step_id(scope)
+        doc = self._read()
+        if doc is None:
+            shadow = self._shadow(scope.tx_id)
+            own = Hold.of(shadow)
+            if shadow is None or own is None:
+                raise BusinessRejection(f"{self.where} does not exist")
+            bounds = tightened(own.bounds, name, action.min, action.max) or own.bounds
+            held = self._chain(own, me, action, name, bounds)
+            self._stage_shadow(
+                "update", expect=shadow.get(MARKER_FIELD), set={HOLD_FIELD: held.to_bson()}
+            )
+            return
+        own = self._free(doc, scope.tx_id, escrow=True)
+        change: Document = {}
+        recorded = tightened(doc.get(BOUNDS_FIELD), name, action.min, action.max)
+        if recorded is not None:
+            change[BOUNDS_FIELD] = recorded
+        if own is not None:  # its own saga holds the record: the increment joins the hold
+            change[HOLD_FIELD] = self._chain(own, me, action, name, own.bounds).to_bson()
+        else:
+            current = self._number(doc, name)
+            open_ = reservations(doc)
+            on_field = [r for r in open_ if r.field == name and r.step_id != me]
+            check_increment(self.where, name, current, action.by, action.min, action.max, on_field)
+            kept = [r for r in open_ if r.step_id != me]
+            change.update(
+                reservations_change([*kept, Reservation(me, scope.tx_id, name, action.by)])[0]
+            )
+        self._stage("update", expect=doc.get(MARKER_FIELD), set=change)
+
+    def _chain(self, own: Hold, me: str, action: Increment, name: str, bounds: Document) -> Hold:
+        """``own`` with the increment ``action`` applied to the record it intends."""
+        if own.intended is None:
+            raise BusinessRejection(f"{self.where} does not exist")
+        value = self._number(own.intended, name)
+        result = check_increment(self.where, name, value, action.by, action.min, action.max, [])
+        return own.joined(me, {**own.intended, name: result}, bounds)
+
+    def commit(self, scope: StepScope, action: BuiltinAction) -> None:
+        me = self.session.step_id(scope)
+        doc = self._read()
+        if doc is not None:
+            marker = doc.get(MARKER_FIELD)
+            hold = Hold.of(doc)
+            if hold is not None and hold.tx_id == scope.tx_id:
+                if hold.intended is None:
+                    self._stage("delete", expect=marker, idempotent=True)
+                    return
+                now = fields_of(doc)
+                wanted = hold.intended
+                change = {k: v for k, v in wanted.items() if k not in now or not _same(now[k], v)}
+                gone = [k for k in now if k not in wanted]
+                unset = [*gone, HOLD_FIELD]
+                self._stage("update", expect=marker, set=change, unset=unset, idempotent=True)
+                return
+            open_ = reservations(doc)
+            mine = [r for r in open_ if r.step_id == me]
+            if mine:
+                change, unset = reservations_change(r for r in open_ if r.step_id != me)
+                value = doc.get(mine[0].field)
+                if _is_number(value):
+                    change[mine[0].field] = _add(value, mine[0].by, self.where)
+                self._stage("update", expect=marker, set=change, unset=unset, idempotent=True)
+                return
+        shadow = self.session.read_shadow(self.target, self.key)
+        hold = Hold.of(shadow)
+        if shadow is None or hold is None or hold.tx_id != scope.tx_id:
+            return  # committed already (by an earlier step of the saga, or before a crash)
+        if doc is not None or hold.intended is None:
+            # Nobody else may create a record held in its shadow: it is this commit's.
+            self._stage_shadow("delete", expect=shadow.get(MARKER_FIELD), idempotent=True)
+            return
+        created = {**hold.intended, **({BOUNDS_FIELD: hold.bounds} if hold.bounds else {})}
+        remove = {
+            "target": self.session.shadow_name,
+            "key": self._shadow_key,
+            "marker": shadow.get(MARKER_FIELD),
+        }
+        self._stage("insert", document=created, then_remove=remove)
+
+    def release(self, scope: StepScope, action: BuiltinAction) -> None:
+        me = self.session.step_id(scope)
+        doc = self._read()
+        if doc is not None:
+            marker = doc.get(MARKER_FIELD)
+            hold = Hold.of(doc)
+            if hold is not None and hold.tx_id == scope.tx_id:
+                self._stage("update", expect=marker, unset=[HOLD_FIELD], idempotent=True)
+                return
+            open_ = reservations(doc)
+            if any(r.step_id == me for r in open_):
+                change, unset = reservations_change(r for r in open_ if r.step_id != me)
+                self._stage("update", expect=marker, set=change, unset=unset, idempotent=True)
+                return
+        shadow = self.session.read_shadow(self.target, self.key)
+        hold = Hold.of(shadow)
+        if shadow is not None and hold is not None and hold.tx_id == scope.tx_id:
+            self._stage_shadow("delete", expect=shadow.get(MARKER_FIELD), idempotent=True)
+
+    # -- values
+
     def _counter(self, name: str) -> str:
         if name == "_id" or name.startswith(MARKER_FIELD):
             raise BusinessRejection(f"increment may not change the field {name!r}")
         return name
 
-    def _number(self, doc: Document, name: str) -> int | float:
+    def _number(self, doc: Mapping[str, Any], name: str) -> int | float:
         value = doc.get(name)
         if value is None:
             raise BusinessRejection(f"{self.where} has no value in {name}")

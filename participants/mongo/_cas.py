@@ -1,5 +1,5 @@
 """Single-document compare-and-set writes by ``_id`` (see *Concurrency* in
-:mod:`participants._mongo`), and the update operators applied to a document in memory.
+:mod:`saga.participants.mongo`), and the update operators applied to a document in memory.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Errors of the MongoDB storage: which server errors are transient or configuration
 errors, the message shown, and the unit's internal signals (see *Errors* in
-:mod:`participants._mongo`).
+:mod:`saga.participants.mongo`).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The MongoDB ledger's documents: their ids, what a unit knows of one transaction
 (:class:`_TxView`), and ledger entries as step-document fields and back.
 
-The layout is described at the top of :mod:`participants._mongo`;
+The layout is described in :mod:`saga.participants.mongo`;
 :mod:`streams.reconcile._sources` reads these documents too.
 """
 
@@ -14,13 +14,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from saga.participants._barrier import LedgerEntry, finished_ms
+from saga.participants._barrier import LedgerEntry, LedgerStatus, finished_ms, isolation_of
 from saga.participants._ledger import entry_fields, entry_of
 from saga.participants.mongo._values import Document, _plain
-from saga.streams import (
-    TX_ID_PATTERN,
-    InvalidRecord,
-)
+from saga.streams import TX_ID_PATTERN, InvalidRecord, Isolation
 
 PARTICIPANT_NAME: Final = re.compile(r"[A-Za-z0-9._-]{1,64}")
 """Participant names as the wire contract allows them (no ``:``: it separates ledger ids)."""
@@ -100,8 +97,20 @@ def _entry_fields(entry: LedgerEntry) -> Document:
     fields["args"] = None if entry.args is None else json.dumps(fields["args"])
     fields["before"] = json.dumps(fields["before"])
     fields["last"] = entry.step >= entry.n_steps - 1
-    fields["finished_ms"] = finished_ms(entry)
+    fields["finished_ms"] = _finished_ms(entry)
     return fields
+
+
+def _finished_ms(entry: LedgerEntry) -> int | None:
+    """When the entry's transaction finished here (:func:`participants._barrier.finished_ms`),
+    except that a ``read_committed`` step still applied has not: it holds or reserves a
+    document until its decision, and pruning must never drop that (its step document
+    names what the hold is for)."""
+    if entry.status is LedgerStatus.APPLIED and (
+        isolation_of(entry.before) is Isolation.READ_COMMITTED
+    ):
+        return None
+    return finished_ms(entry)
 
 
 def _entry_of(doc: Mapping[str, Any]) -> LedgerEntry:

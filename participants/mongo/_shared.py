@@ -1,7 +1,7 @@
 """What the MongoDB storages of one process share: document locks, the memo of markers
 known to be recorded, and the step documents created but not inserted yet.
 
-See *Concurrency* and the write protocol in :mod:`participants._mongo`.
+See *Concurrency* and the write protocol in :mod:`saga.participants.mongo`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from saga.participants.mongo._errors import _DUPLICATE_KEY
 from saga.participants.mongo._values import Document
 
 if TYPE_CHECKING:
-    from saga.participants.mongo._adapter import MongoStorage
+    from saga.participants.mongo._batch import BatchWrites
 
 
 SETTLED_CACHE_SIZE: Final = 100_000
@@ -94,9 +94,10 @@ class _Lru(Generic[_K, _V]):
 
 @dataclass(frozen=True, slots=True, eq=False)
 class _StepRecord:
-    """A step document to insert: its write took effect, with ``marker``, on document ``lock``."""
+    """A step document to insert: its write took effect, with ``marker``, on document ``lock``;
+    ``owner``: the batch of the storage that deferred it."""
 
-    owner: MongoStorage
+    owner: BatchWrites
     doc: Document
     lock: tuple[str, str, str]
     marker: str
@@ -106,9 +107,9 @@ class _Unrecorded:
     """The step documents created by a write that are not inserted yet.
 
     A storage inserts the step documents of the new steps it applied in batches
-    (:meth:`MongoStorage.flush_records`); until then the write's intent and
-    marker make them recoverable, and whoever touches the written document first
-    inserts the record (:meth:`_MongoUnit.settle`), so a marker is never
+    (:meth:`~saga.participants.mongo._batch.BatchWrites.flush_records`); until then
+    the write's intent and marker make them recoverable, and whoever touches the
+    written document first inserts the record (:meth:`_MongoUnit.settle`), so a marker is never
     overwritten before the ledger records its write. One record per document at
     most: the next write of the document waits for it.
     """
@@ -135,12 +136,12 @@ class SharedState:
     """What the MongoDB storages of one process share, owned by one object.
 
     ``locks``: the per-document locks that serialise writers of one document
-    (see *Concurrency* in :mod:`participants._mongo`). ``settled``: document lock
+    (see *Concurrency* in :mod:`saga.participants.mongo`). ``settled``: document lock
     name -> a marker it carried whose write is known to be recorded in the ledger
     (it spares a ledger read). ``unrecorded``: the step documents created by a
     write and not inserted yet (:class:`_Unrecorded`).
 
-    Every :class:`~participants._mongo.MongoStorage` uses :data:`PROCESS` unless
+    Every :class:`~saga.participants.mongo.MongoStorage` uses :data:`PROCESS` unless
     given another: storages that may write the same documents must share one, or
     they neither wait for each other nor find each other's unrecorded steps. A
     fresh one is what a new process would have (tests use that).

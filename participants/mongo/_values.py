@@ -1,6 +1,6 @@
 """Values of the MongoDB storage: numbers, before-images and the ledger's JSON text.
 
-Part of :mod:`participants._mongo` (see its module doc, *Values*).
+Part of :mod:`saga.participants.mongo` (see its module doc, *Values*).
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import json
 import re
 from collections.abc import Mapping
 from decimal import Decimal
-from typing import Any, Final
+from typing import Any, Final, TypeGuard
 
 from bson import json_util
 from bson.json_util import JSONMode, JSONOptions
@@ -28,7 +28,7 @@ _CANONICAL_INT: Final = re.compile(r"-?(0|[1-9][0-9]{0,18})")
 _RELAXED: Final = JSONOptions(json_mode=JSONMode.RELAXED)
 
 
-def _is_number(value: Any) -> bool:
+def _is_number(value: Any) -> TypeGuard[int | float]:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 

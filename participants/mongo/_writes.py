@@ -1,5 +1,5 @@
 """Staged writes: the one document write a step makes, its marker, and the removal of a
-document a recorded delete marked (see *Effects are staged* in :mod:`participants._mongo`).
+document a recorded delete marked (see *Effects are staged* in :mod:`saga.participants.mongo`).
 """
 
 from __future__ import annotations
@@ -36,6 +36,13 @@ class DocumentWrite:
     ``guard`` (extra equality conditions), so a change made in between makes the
     write miss instead of overwrite it. The write sets ``_saga`` to the step's
     marker; ``_id`` and ``_saga`` must not appear in ``document``/``set``.
+
+    ``then_remove`` (``{"target", "key", "marker"}``) names another document to remove
+    once the step is recorded (the shadow document of a record a commit creates); the
+    step document names it until then, as a delete's names its own document.
+    ``idempotent``: running the write again after it took effect changes nothing (it
+    removes, in the document it changes, what it acts on: a hold or a reservation), so
+    it needs no intent (see :mod:`saga.participants.mongo._holds`).
     """
 
     target: str
@@ -46,6 +53,8 @@ class DocumentWrite:
     set: Mapping[str, Any] = field(default_factory=dict)
     unset: Sequence[str] = ()
     guard: Mapping[str, Any] = field(default_factory=dict)
+    then_remove: Mapping[str, Any] | None = None
+    idempotent: bool = False
 
     def run(
         self,
@@ -92,6 +101,7 @@ class DocumentWrite:
             "set": _to_text(dict(self.set)),
             "unset": list(self.unset),
             "guard": _to_text(dict(self.guard)),
+            "then_remove": None if self.then_remove is None else dict(self.then_remove),
         }
 
     @classmethod
@@ -105,6 +115,7 @@ class DocumentWrite:
             set=_from_text(doc.get("set")) or {},
             unset=tuple(doc.get("unset") or ()),
             guard=_from_text(doc.get("guard")) or {},
+            then_remove=doc.get("then_remove"),
         )
 
 
@@ -117,10 +128,13 @@ def _purge(
 
 
 def _purge_field(write: DocumentWrite, marker: str) -> Document:
-    """What a delete's step document holds until the document is removed."""
-    if write.kind != "delete":
-        return {}
-    return {"purge": {"target": write.target, "key": write.key, "marker": marker}}
+    """What the step document of a delete (or of a write with ``then_remove``) holds until
+    the document it names is removed."""
+    if write.kind == "delete":
+        return {"purge": {"target": write.target, "key": write.key, "marker": marker}}
+    if write.then_remove is not None:
+        return {"purge": dict(write.then_remove)}
+    return {}
 
 
 def _doc_id(target: str, key: Any) -> str:

@@ -1,0 +1,183 @@
+"""What one MongoDB storage's batch leaves to do together: the transaction documents of
+its new transactions (*Batched intents* in :mod:`saga.participants.mongo`) and the step
+documents of its new steps (:class:`~saga.participants.mongo._shared._Unrecorded`).
+
+Units hand their deferred work to the storage's :class:`BatchWrites`; the storage
+flushes it when the batch ends, and units flush it earlier whenever something would
+look past it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from pymongo import errors as mongo_errors
+from pymongo.collection import Collection
+
+from saga.participants._barrier import LedgerEntry
+from saga.participants._storage import RunBatchAgain
+from saga.participants.mongo._errors import _DUPLICATE_KEY, _Conflict, _detail, _Refused
+from saga.participants.mongo._ledger import _TxView
+from saga.participants.mongo._shared import SharedState, _StepRecord
+from saga.participants.mongo._values import Document
+from saga.participants.mongo._writes import DocumentWrite
+
+if TYPE_CHECKING:
+    from saga.participants.mongo._unit import _MongoUnit
+
+log = logging.getLogger("saga.participant.mongo")
+
+Lock = tuple[str, str, str]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class _DeferredIntent:
+    """A new step whose transaction document (with its creation intent) waits for the
+    batch's ``insert_many``; its write and record run after that (see *Batched intents*
+    in :mod:`saga.participants.mongo`). ``locks``: the document lock, as often as the
+    unit held it, released once the write is done or given up."""
+
+    unit: _MongoUnit
+    view: _TxView
+    entry: LedgerEntry
+    staged: DocumentWrite
+    marker: str
+    fields: Document
+    doc: Document
+    locks: list[Lock]
+
+
+class BatchWrites:
+    """The deferred work of one storage's batch.
+
+    ``deferring``: whether a new transaction's document may wait for the batch's
+    ``insert_many`` (a first attempt without transactions, set by the storage).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        tx_collection: Collection[Document],
+        ledger_collection: Collection[Document],
+        shared: SharedState,
+    ) -> None:
+        self.name = name
+        self.tx_collection = tx_collection
+        self.ledger_collection = ledger_collection
+        self.shared = shared
+        self.deferring = False
+        self._intents: list[_DeferredIntent] = []
+        self._intent_locks: set[Lock] = set()
+        self._intent_txs: set[str] = set()
+        self._unrecorded: dict[str, _StepRecord] = {}
+
+    # -- batched intents
+
+    def intents_pending(self) -> bool:
+        return bool(self._intents)
+
+    def intent_holds(self, lock: Lock) -> bool:
+        """Whether a pending intent of the batch holds the document lock ``lock``."""
+        return lock in self._intent_locks
+
+    def intent_for(self, tx_id: str) -> bool:
+        """Whether a pending intent of the batch belongs to transaction ``tx_id``."""
+        return tx_id in self._intent_txs
+
+    def defer_intent(self, deferred: _DeferredIntent) -> None:
+        self._intents.append(deferred)
+        self._intent_locks.add(deferred.locks[0])
+        self._intent_txs.add(deferred.view.tx_id)
+
+    def flush_intents(self) -> None:
+        """Insert the pending transaction documents in one ``insert_many``, then run the
+        writes of those inserted, in batch order; their records join the next batch of
+        records. Every pending document lock is released at the end, whatever happened.
+
+        A document found already there (the transaction is known: the request ran on a
+        guess, or another worker got there first), a write the server refused or one
+        that found its document changed (its intent is discarded, as on the one-by-one
+        path) make the batch run again (:class:`RunBatchAgain`), once the others are
+        done: the second attempt runs item by item and reads what it needs.
+        """
+        group = self._take_intents()
+        if not group:
+            return
+        try:
+            again = False
+            skipped: set[int] = set()
+            try:
+                self.tx_collection.insert_many([d.doc for d in group], ordered=False)
+            except mongo_errors.BulkWriteError as exc:
+                errors = exc.details.get("writeErrors") or []
+                if not errors or any(error.get("code") != _DUPLICATE_KEY for error in errors):
+                    raise
+                skipped = {int(error["index"]) for error in errors}
+                again = True
+            for index, deferred in enumerate(group):
+                if index in skipped:
+                    continue
+                try:
+                    deferred.unit.run_deferred(deferred)
+                except (_Refused, _Conflict):
+                    deferred.unit.forget()
+                    again = True
+        finally:
+            self._release(group)
+        if again:
+            raise RunBatchAgain
+
+    def drop_intents(self) -> None:
+        """Give up the pending intents after a failure: nothing of them was written."""
+        self._release(self._take_intents())
+
+    def _take_intents(self) -> list[_DeferredIntent]:
+        group, self._intents = self._intents, []
+        self._intent_locks.clear()
+        self._intent_txs.clear()
+        return group
+
+    def _release(self, group: list[_DeferredIntent]) -> None:
+        for deferred in group:
+            for name in reversed(deferred.locks):
+                self.shared.locks.release(name)
+
+    # -- deferred step documents
+
+    def defer(self, record: _StepRecord) -> None:
+        """Insert ``record`` with the next batch of records (see :class:`_Unrecorded`)."""
+        self._unrecorded[record.doc["_id"]] = record
+        self.shared.unrecorded.add(record)
+
+    def record_now(self, step_id: str) -> None:
+        """Make sure the step document ``step_id`` is inserted before it is changed."""
+        if step_id in self._unrecorded:
+            self.flush_records()
+
+    def flush_records(self, *, quietly: bool = False) -> None:
+        """Insert the step documents deferred so far, in one ``insert_many``.
+
+        ``quietly``: a failure is logged, not raised (another error is on its way);
+        the records stay registered, so they are inserted by the next flush or by
+        whoever touches their documents first, and their intents cover a crash.
+        """
+        if not self._unrecorded:
+            return
+        records = list(self._unrecorded.values())
+        try:
+            self.shared.insert_records(self.ledger_collection, records)
+        except mongo_errors.PyMongoError as exc:
+            if not quietly:
+                raise
+            log.warning(
+                "participant %r could not record %d applied steps yet (%s); they are recorded "
+                "later, or recovered from their intents",
+                self.name,
+                len(records),
+                _detail(exc),
+            )
+            return
+        for record in records:
+            self._unrecorded.pop(record.doc["_id"], None)

@@ -1,0 +1,78 @@
+"""Pruning the MongoDB ledger: a finished transaction's documents go as a whole (see
+*Pruning* in :mod:`saga.participants.mongo`)."""
+
+from __future__ import annotations
+
+from pymongo.collection import Collection
+
+from saga.participants.mongo._cas import _Cas
+from saga.participants.mongo._ledger import (
+    _entry_of,
+    _finished_ms,
+    _pending_key,
+    _step_id,
+    _tx_doc_id,
+)
+from saga.participants.mongo._values import Document
+
+
+class LedgerPruner:
+    """Removes the ledger documents of one participant's finished transactions."""
+
+    def __init__(
+        self,
+        participant: str,
+        ledger: Collection[Document],
+        txs: Collection[Document],
+        cas: _Cas,
+    ) -> None:
+        self.participant = participant
+        self.ledger = ledger
+        self.txs = txs
+        self.cas = cas
+
+    def due(self, horizon_ms: int, limit: int) -> dict[str, list[str]]:
+        """Transactions with a document finished at or before ``horizon_ms`` (at most
+        ``limit`` of each collection): tx id -> the ids of its step documents found."""
+        due = {"participant": self.participant, "finished_ms": {"$lte": horizon_ms}}
+        found: dict[str, list[str]] = {}
+        query = {**due, "pending": {"$exists": False}, "purge": {"$exists": False}}
+        for doc in self.ledger.find(query, {"tx_id": 1}).limit(limit):
+            found.setdefault(doc["tx_id"], []).append(doc["_id"])
+        for doc in self.txs.find(due, {"tx_id": 1}).limit(limit):
+            found.setdefault(doc["tx_id"], [])
+        return found
+
+    def prune_tx(self, tx_id: str, step_ids: list[str], horizon_ms: int) -> int:
+        """Remove the transaction's documents if every one of them finished at or before
+        ``horizon_ms``; how many entries (steps and markers) went."""
+        doc = self.txs.find_one({"_id": _tx_doc_id(self.participant, tx_id)})
+        if doc is None:  # left behind by a crash between the two deletes below
+            gone = self.ledger.delete_many({"_id": {"$in": step_ids}})
+            return gone.deleted_count
+        steps: list[Document] = []
+        for step in doc.get("steps", []):
+            step_doc = self.ledger.find_one({"_id": _step_id(self.participant, tx_id, step)})
+            if step_doc is None:
+                if _pending_key(step) in (doc.get("pending") or {}):
+                    return 0  # an unresolved creation: its step's next reader settles it
+                continue
+            steps.append(step_doc)
+        finishes = [
+            None
+            if "status" not in d or d.get("pending") or d.get("purge")
+            else _finished_ms(_entry_of(d))
+            for d in steps
+        ]
+        if not steps and int(doc.get("finished_ms", horizon_ms + 1)) > horizon_ms:
+            return 0  # markers only, not finished long enough
+        if any(f is None or f > horizon_ms for f in finishes):
+            for d, f in zip(steps, finishes, strict=True):
+                if f is not None and "finished_ms" in d:
+                    self.ledger.update_one({"_id": d["_id"]}, {"$unset": {"finished_ms": ""}})
+            return 0
+        if not self.cas.delete(self.txs, doc["_id"], {"rev": doc["rev"]}):
+            return 0  # changed meanwhile: a later run looks again
+        if steps:
+            self.ledger.delete_many({"_id": {"$in": [d["_id"] for d in steps]}})
+        return len(steps) + sum(1 for name in ("rolled_back", "seen") if doc.get(name))

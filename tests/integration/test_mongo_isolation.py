@@ -1,0 +1,388 @@
+"""Isolation on the MongoDB storage (DESIGN §9), against the real MongoDB-wire server
+(FerretDB locally: no multi-document transactions, read-then-write updates).
+
+The storage is driven through its real API (``execute`` of work items); business
+documents are read with plain pymongo, as any reader of the store would.
+``read_committed``: no dirty read, no dirty spend, no lost update, holds fail fast
+naming the holder, reservations of different sagas never conflict, decisions are
+idempotent, concurrent workers never pass an escrow check beyond the bound. ``none``:
+a compensation that would lose an update or break a bound ends ``compensation_failed``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pymongo
+import pytest
+
+from saga.participants._barrier import LedgerStatus, Requested
+from saga.participants._storage import DecisionArrived, Report
+from saga.participants.mongo import MongoStorage
+from saga.participants.mongo._holds import RESERVED_PROJECTION
+from saga.participants.mongo._unit import _MongoUnit
+from saga.streams import Isolation, Mode, Outcome, StepStatus
+from tests._infra import Services
+
+pytestmark = pytest.mark.integration
+
+NOW = 1_700_000_000_000
+DEADLINE = NOW + 60_000
+RC = Isolation.READ_COMMITTED
+NONE = Isolation.NONE
+Db = pymongo.database.Database[dict[str, Any]]
+
+
+def step(
+    tx_id: str,
+    action: str,
+    args: dict[str, Any],
+    *,
+    level: Isolation = RC,
+    step: int = 0,
+    n_steps: int = 1,
+) -> Requested:
+    return Requested(
+        tx_id=tx_id,
+        step=step,
+        action=action,
+        args=args,
+        mode=Mode.PARALLEL,
+        n_steps=n_steps,
+        deadline_ms=DEADLINE,
+        now_ms=NOW,
+        isolation=level,
+    )
+
+
+def inc(tx_id: str, key: Any, by: int, **extra: Any) -> Requested:
+    level = extra.pop("level", RC)
+    args = {"target": "accounts", "key": key, "field": "balance", "by": by, **extra}
+    return step(tx_id, "increment", args, level=level)
+
+
+def update(tx_id: str, key: Any, qty: int, level: Isolation = RC) -> Requested:
+    return step(tx_id, "update", {"target": "orders", "key": key, "set": {"qty": qty}}, level=level)
+
+
+def commit(tx_id: str) -> DecisionArrived:
+    return DecisionArrived(tx_id, Outcome.COMMIT, NOW + 1_000)
+
+
+def rollback(tx_id: str) -> DecisionArrived:
+    return DecisionArrived(tx_id, Outcome.ROLLBACK, NOW + 1_000)
+
+
+def status(reports: list[Report]) -> list[tuple[str, int, StepStatus]]:
+    return [(r.tx_id, r.step, r.status) for r in reports]
+
+
+def one(reports: list[Report]) -> Report:
+    [got] = reports
+    return got
+
+
+class Store:
+    """One participant ``bank`` on a fresh database, and plain pymongo beside it."""
+
+    def __init__(self, url: str, db: Db) -> None:
+        self.url = url
+        self.db = db
+        self.made: list[MongoStorage] = []
+        self.storage = self.make()
+        self.storage.setup()
+        db["accounts"].insert_many([{"_id": "x", "balance": 0}, {"_id": "y", "balance": 50}])
+        db["orders"].insert_one({"_id": "k", "item": "book", "qty": 5})
+
+    def make(self, **options: Any) -> MongoStorage:
+        storage = MongoStorage(
+            "bank", self.url, ["accounts", "orders"], database=self.db.name, **options
+        )
+        self.made.append(storage)
+        return storage
+
+    def run(self, *items: Any) -> list[Report]:
+        return self.storage.execute(list(items))
+
+    def find(self, target: str, key: Any) -> dict[str, Any] | None:
+        """What a plain reader of the collection sees, business fields only."""
+        return self.db[target].find_one({"_id": key}, RESERVED_PROJECTION)
+
+    def balance(self, key: Any) -> Any:
+        doc = self.db["accounts"].find_one({"_id": key})
+        return None if doc is None else doc["balance"]
+
+    def qty(self) -> Any:
+        doc = self.db["orders"].find_one({"_id": "k"})
+        return None if doc is None else doc["qty"]
+
+
+@pytest.fixture
+def store(services: Services, mongo_db: Db) -> Iterator[Store]:
+    made = Store(services.mongo_url, mongo_db)
+    try:
+        yield made
+    finally:
+        for storage in made.made:
+            storage.close()
+
+
+APPLIED = StepStatus.APPLIED
+COMMITTED = StepStatus.COMMITTED
+COMPENSATED = StepStatus.COMPENSATED
+
+
+def held(where: str, tx_id: str, at: int = 0) -> str:
+    return f"{where} is held by saga {tx_id} (step {at}) until its decision; retry after it"
+
+
+# ---------------------------------------------------------------- read_committed
+
+
+def test_no_dirty_read_of_an_increment_or_an_insert(store: Store) -> None:
+    got = one(store.run(inc("t1", "x", 100)))
+    assert (got.status, got.confirm) == (APPLIED, True)
+    new = {"target": "accounts", "key": "n", "value": {"balance": 7}}
+    assert status(store.run(step("t2", "insert", new))) == [("t2", 0, APPLIED)]
+    # Any reader of the store: the committed values only, no pending insert.
+    assert store.db["accounts"].find_one({"_id": "x"})["balance"] == 0
+    assert store.db["accounts"].find_one({"_id": "n"}) is None
+    assert sorted(d["_id"] for d in store.db["accounts"].find({})) == ["x", "y"]
+    assert store.run(commit("t1"), commit("t2")) == [
+        Report("t1", 0, COMMITTED),
+        Report("t2", 0, COMMITTED),
+    ]
+    assert store.find("accounts", "x") == {"_id": "x", "balance": 100}
+    assert store.find("accounts", "n") == {"_id": "n", "balance": 7}
+    assert list(store.db["saga_ledger_holds"].find({})) == []
+    statuses = {e.tx_id: e.status for e in store.storage.ledger()}
+    assert statuses == {"t1": LedgerStatus.COMMITTED, "t2": LedgerStatus.COMMITTED}
+
+
+def test_no_dirty_spend_and_no_broken_bound(store: Store) -> None:
+    assert one(store.run(inc("t1", "x", 100))).status is APPLIED
+    spend = one(store.run(inc("t2", "x", -100, min=0)))
+    assert spend.status is StepStatus.FAILED
+    assert spend.reason == "accounts/x balance would be -100, below the minimum 0"
+    assert status(store.run(rollback("t2"), rollback("t1"))) == [
+        ("t2", 0, COMPENSATED),
+        ("t1", 0, COMPENSATED),
+    ]
+    assert store.find("accounts", "x") == {"_id": "x", "balance": 0}
+    assert "_saga_res" not in store.db["accounts"].find_one({"_id": "x"})
+
+
+def test_escrow_counts_open_debits_of_other_sagas(store: Store) -> None:
+    assert one(store.run(inc("t1", "y", -30, min=0))).status is APPLIED
+    assert one(store.run(inc("t2", "y", -20, min=0))).status is APPLIED
+    third = one(store.run(inc("t3", "y", -1, min=0)))
+    assert third.reason == (
+        "accounts/y balance would be -1 once the open reservations of other sagas (-50) "
+        "commit, below the minimum 0"
+    )
+    assert status(store.run(commit("t1"), rollback("t2"))) == [
+        ("t1", 0, COMMITTED),
+        ("t2", 0, COMPENSATED),
+    ]
+    assert store.balance("y") == 20
+
+
+def test_no_lost_update(store: Store) -> None:
+    assert one(store.run(update("t3", "k", 7))).status is APPLIED
+    assert store.qty() == 5
+    late = one(store.run(update("t4", "k", 9)))
+    assert (late.status, late.reason) == (StepStatus.FAILED, held("orders/k", "t3"))
+    also = one(store.run(update("t5", "k", 9, level=NONE)))  # `none` respects holds too
+    assert (also.status, also.reason) == (StepStatus.FAILED, held("orders/k", "t3"))
+    assert status(store.run(rollback("t4"), rollback("t5"), rollback("t3"))) == [
+        ("t4", 0, COMPENSATED),
+        ("t5", 0, COMPENSATED),
+        ("t3", 0, COMPENSATED),
+    ]
+    assert store.find("orders", "k") == {"_id": "k", "item": "book", "qty": 5}
+    # Free again: the next saga's update goes through.
+    assert one(store.run(update("t6", "k", 9))).status is APPLIED
+    assert one(store.run(commit("t6"))).status is COMMITTED
+    assert store.qty() == 9
+
+
+def test_insert_put_and_delete_hold_the_record(store: Store) -> None:
+    new = {"target": "accounts", "key": "n", "value": {"balance": 1}}
+    assert one(store.run(step("t1", "insert", new))).status is APPLIED
+    for tx_id, action, level in [("t2", "insert", RC), ("t3", "put", RC), ("t4", "put", NONE)]:
+        got = one(store.run(step(tx_id, action, new, level=level)))
+        assert (got.status, got.reason) == (StepStatus.FAILED, held("accounts/n", "t1"))
+    assert one(store.run(commit("t1"))).status is COMMITTED
+    assert store.find("accounts", "n") == {"_id": "n", "balance": 1}
+
+    gone = {"target": "accounts", "key": "n"}
+    assert one(store.run(step("t5", "delete", gone))).status is APPLIED
+    assert store.find("accounts", "n") == {"_id": "n", "balance": 1}  # until commit
+    bump = one(store.run(inc("t6", "n", 1)))
+    assert (bump.status, bump.reason) == (StepStatus.FAILED, held("accounts/n", "t5"))
+    assert one(store.run(commit("t5"))).status is COMMITTED
+    assert store.find("accounts", "n") is None
+
+    put = {"target": "accounts", "key": "y", "value": {"balance": 1, "owner": "z"}}
+    assert one(store.run(step("t7", "put", put))).status is APPLIED
+    other = one(store.run(inc("t8", "y", 1)))
+    assert (other.status, other.reason) == (StepStatus.FAILED, held("accounts/y", "t7"))
+    assert one(store.run(rollback("t7"))).status is COMPENSATED
+    assert store.find("accounts", "y") == {"_id": "y", "balance": 50}
+
+
+def test_a_hold_waits_for_no_one_and_open_reservations_refuse_it(store: Store) -> None:
+    assert one(store.run(inc("t1", "y", 5))).status is APPLIED
+    got = one(store.run(step("t2", "delete", {"target": "accounts", "key": "y"})))
+    assert got.reason == (
+        "accounts/y has an open reservation of saga t1 (step 0) until its decision; "
+        "retry after it"
+    )
+    assert one(store.run(commit("t1"))).status is COMMITTED
+    assert store.balance("y") == 55
+
+
+def test_steps_of_one_saga_on_one_record_are_compatible(store: Store) -> None:
+    qty = {"target": "orders", "key": "k", "field": "qty"}
+    actions = [
+        ("increment", {**qty, "by": 2}),
+        ("update", {"target": "orders", "key": "k", "set": {"item": "pen"}}),
+        ("increment", {**qty, "by": 3}),
+        ("insert", {"target": "accounts", "key": "n", "value": {"balance": 1}}),
+        ("increment", {"target": "accounts", "key": "n", "field": "balance", "by": 4}),
+    ]
+    steps = [step("t1", a, args, step=i, n_steps=5) for i, (a, args) in enumerate(actions)]
+    assert [r.status for r in store.run(*steps)] == [APPLIED] * 5
+    assert store.find("orders", "k") == {"_id": "k", "item": "book", "qty": 5}
+    assert store.find("accounts", "n") is None
+    assert [r.status for r in store.run(commit("t1"))] == [COMMITTED] * 5
+    assert store.find("orders", "k") == {"_id": "k", "item": "pen", "qty": 10}
+    assert store.find("accounts", "n") == {"_id": "n", "balance": 5}
+
+
+def test_reservations_of_many_sagas_on_one_hot_record_all_go_through(store: Store) -> None:
+    credits = [inc(f"t{i}", "x", 10, max=1_000) for i in range(8)]
+    assert [r.status for r in store.run(*credits)] == [APPLIED] * 8
+    decisions = [commit(f"t{i}") if i % 2 else rollback(f"t{i}") for i in range(8)]
+    assert [r.status for r in store.run(*decisions)] == [COMPENSATED, COMMITTED] * 4
+    assert store.balance("x") == 40
+    assert "_saga_res" not in store.db["accounts"].find_one({"_id": "x"})
+
+
+def test_repeated_decisions_take_effect_once(store: Store) -> None:
+    assert one(store.run(inc("t1", "x", 100))).status is APPLIED
+    assert one(store.run(update("t2", "k", 7))).status is APPLIED
+    first = store.run(commit("t1"), commit("t1"), rollback("t2"), rollback("t2"))
+    assert status(first) == [
+        ("t1", 0, COMMITTED),
+        ("t1", 0, COMMITTED),
+        ("t2", 0, COMPENSATED),
+        ("t2", 0, COMPENSATED),
+    ]
+    again = store.make(shared=type(store.storage.shared)())  # a restarted process
+    assert status(again.execute([commit("t1"), rollback("t2")])) == status(first[::2])
+    assert (store.balance("x"), store.qty()) == (100, 5)
+
+
+def test_a_crash_between_a_commit_and_its_record_commits_once(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    new = {"target": "accounts", "key": "n", "value": {"balance": 3}}
+    assert status(store.run(inc("t1", "x", 100), step("t2", "insert", new))) == [
+        ("t1", 0, APPLIED),
+        ("t2", 0, APPLIED),
+    ]
+    real = _MongoUnit._finalise
+
+    def crash(self: _MongoUnit, *args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("the process dies after the write, before its record")
+
+    monkeypatch.setattr(_MongoUnit, "_finalise", crash)
+    for tx_id in ("t1", "t2"):
+        with pytest.raises(RuntimeError):
+            store.run(commit(tx_id))
+    monkeypatch.setattr(_MongoUnit, "_finalise", real)
+    restarted = store.make(intent_lease_ms=0, shared=type(store.storage.shared)())
+    assert status(restarted.execute([commit("t1"), commit("t2")])) == [
+        ("t1", 0, COMMITTED),
+        ("t2", 0, COMMITTED),
+    ]
+    assert store.find("accounts", "x") == {"_id": "x", "balance": 100}
+    assert store.find("accounts", "n") == {"_id": "n", "balance": 3}
+    assert list(store.db["saga_ledger_holds"].find({})) == []
+
+
+def test_an_open_hold_is_never_pruned(store: Store) -> None:
+    assert one(store.run(update("t1", "k", 7))).status is APPLIED
+    assert store.storage.prune(DEADLINE + 10**9, 100) == 0
+    assert one(store.run(commit("t1"))).status is COMMITTED
+    assert store.storage.prune(DEADLINE + 10**9, 100) == 1
+    assert store.qty() == 7
+
+
+def test_concurrent_workers_never_both_pass_an_escrow_check(store: Store) -> None:
+    """Two storages (workers) on the same collection, debiting one record from threads."""
+    store.db["accounts"].update_one({"_id": "x"}, {"$set": {"balance": 100}})
+    workers = [store.storage, store.make()]
+    applied: list[str] = []
+    mutex = threading.Lock()
+
+    def debit(worker: MongoStorage, n: int) -> None:
+        for i in range(12):
+            tx_id = f"w{n}-{i}"
+            got = one(worker.execute([inc(tx_id, "x", -10, min=0)]))
+            if got.status is APPLIED:
+                with mutex:
+                    applied.append(tx_id)
+
+    threads = [threading.Thread(target=debit, args=(w, n)) for n, w in enumerate(workers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert len(applied) == 10  # exactly what the bound allows, never more
+    assert [r.status for r in store.run(*map(commit, applied))] == [COMMITTED] * 10
+    assert store.balance("x") == 0
+
+
+# ---------------------------------------------------------------- none
+
+
+def test_none_lost_update_ends_compensation_failed(store: Store) -> None:
+    assert one(store.run(update("t3", "k", 7, level=NONE))).status is APPLIED
+    assert store.qty() == 7  # `none` writes at once
+    assert one(store.run(update("t4", "k", 9, level=NONE))).status is APPLIED
+    assert store.run(commit("t4")) == []
+    got = one(store.run(rollback("t3")))
+    assert got.status is StepStatus.COMPENSATION_FAILED
+    assert got.reason == (
+        "compensation failed: orders/k changed since this step wrote it (qty is 9, the step "
+        "wrote 7); not restored (a replayed rollback tries again)"
+    )
+    assert store.qty() == 9
+
+
+def test_none_broken_bound_ends_compensation_failed(store: Store) -> None:
+    assert one(store.run(inc("t1", "x", 100, level=NONE))).status is APPLIED
+    assert one(store.run(inc("t2", "x", -100, min=0, level=NONE))).status is APPLIED
+    assert store.run(commit("t2")) == []
+    got = one(store.run(rollback("t1")))
+    assert got.status is StepStatus.COMPENSATION_FAILED
+    assert got.reason is not None and got.reason.startswith(
+        "compensation failed: accounts/x balance would be -100, below the minimum 0"
+    )
+    assert store.balance("x") == 0
+    [entry] = store.storage.ledger("t1")
+    assert entry.status is LedgerStatus.COMPENSATION_FAILED
+
+
+def test_none_compensation_of_untouched_work_still_restores(store: Store) -> None:
+    assert one(store.run(update("t1", "k", 7, level=NONE))).status is APPLIED
+    assert one(store.run(inc("t2", "x", -5, min=-10, level=NONE))).status is APPLIED
+    assert status(store.run(rollback("t1"), rollback("t2"))) == [
+        ("t1", 0, COMPENSATED),
+        ("t2", 0, COMPENSATED),
+    ]
+    assert (store.qty(), store.balance("x")) == (5, 0)
