@@ -1,46 +1,46 @@
 """The built-in actions on reflected SQL tables, and an action's database errors as rejections.
 
-See :class:`SqlActions` for what each action does to a row and its before-image.
+See :class:`SqlActions` for what each action does to a row and its before-image, and
+:mod:`participants.sql._isolation` for what it does under ``read_committed``.
 """
 
 from __future__ import annotations
 
-import re
-import uuid
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from datetime import date, datetime, time
-from decimal import Decimal, InvalidOperation
+from dataclasses import dataclass, field
 from typing import Any, Final
 
-from sqlalchemy import (
-    Column,
-    ColumnElement,
-    RowMapping,
-    Table,
-    and_,
-    delete,
-    insert,
-    select,
-    update,
-)
+from sqlalchemy import Table, delete, update
 from sqlalchemy import exc as sa_exc
-from sqlalchemy.sql import sqltypes
 
-from saga.participants._actions import (
-    BuiltinAction,
-    BuiltinActions,
-    Increment,
-    RecordOps,
+from saga.participants._actions import BuiltinAction, BuiltinActions, Increment, RecordOps
+from saga.participants._barrier import (
+    LedgerEntry,
+    LedgerStatus,
+    PredecessorApplied,
+    Requested,
+    SuccessorCompensated,
+    isolation_of,
 )
-from saga.participants._barrier import LedgerEntry, Requested
-from saga.participants._storage import Actions, RunBatchAgain, StepScope, WorkItem
+from saga.participants._storage import (
+    Actions,
+    DecisionArrived,
+    RunBatchAgain,
+    StepScope,
+    WorkItem,
+)
 from saga.participants.sql._errors import detail
-from saga.participants.sql._rows import NOT_CACHED, add, subtract
+from saga.participants.sql._holds import Record
+from saga.participants.sql._isolation import RETRY, IsolatedRecord
+from saga.participants.sql._rows import add, subtract
 from saga.participants.sql._session import SqlSession
-from saga.streams import BusinessRejection
+from saga.participants.sql._values import coerce, record_text
+from saga.streams import BusinessRejection, Isolation, Outcome
 
-_INTEGER_TEXT: Final = re.compile(r"[+-]?[0-9]+")
+_CREATING: Final = frozenset({"insert", "put"})
+"""Actions whose request may create a row (and whose entries' decisions may, with delete's
+compensation): their records are locked before the batch reads them."""
 
 
 class SqlActions(BuiltinActions[SqlSession]):
@@ -49,18 +49,20 @@ class SqlActions(BuiltinActions[SqlSession]):
     ``key`` is the value of the table's single-column primary key; fields are
     columns (an unknown column is a business rejection). Values are converted to
     the column's type (``"42"`` for an integer column is 42; a fraction for an
-    integer column is rejected). Before-images are JSON: ``Decimal`` as its exact
-    string, dates and times as ISO 8601, UUIDs as strings, bytes as hex; the
-    compensation converts them back by the column's type.
+    integer column is rejected). Before-images are JSON
+    (:mod:`participants.sql._values`); the compensation converts them back by the
+    column's type.
 
-    ``put`` sets the given columns and leaves the others as they are (or at their
-    defaults for a new row). ``increment`` runs ``SET field = field + by`` with
-    the bounds in its ``WHERE``; only when that changes no row does a locked read
-    find out why (absent, no value, out of bounds). Its compensation is
-    ``field - by`` without bounds, so it commutes with other increments in between.
-    In a batch without savepoints both run on the batch's locked copy of the rows
-    and are written once at the end (:mod:`participants._sql_rows`); every other
-    action first writes that copy back and then runs its own statements.
+    At level ``none``: ``put`` sets the given columns and leaves the others as they
+    are (or at their defaults for a new row). ``increment`` reads the row locked,
+    checks the bounds (counting the open reservations of ``read_committed`` sagas,
+    :meth:`~participants.sql._record.RecordBase._escrow`) and adds ``by``. Its
+    compensation is ``field - by``, so it commutes with other increments in between.
+    Every step also fails on a record another saga holds. In a batch without
+    savepoints increments run on the batch's locked copy of the rows and are written
+    once at the end (:mod:`participants.sql._rows`); every other action first writes
+    that copy back and then runs its own statements. Under ``read_committed`` see
+    :mod:`participants.sql._isolation`.
 
     Every built-in action and compensation decides to reject *before* it writes:
     a rejected built-in step has changed nothing, which is what lets a batch of
@@ -71,94 +73,28 @@ class SqlActions(BuiltinActions[SqlSession]):
         return _Record(native, native.table(action.target), action)
 
 
-class _Record:
-    """One row of a target table, addressed by the step's key, and what actions do to it."""
-
-    def __init__(self, session: SqlSession, table: Table, action: BuiltinAction) -> None:
-        columns = list(table.primary_key.columns)
-        self.session = session
-        self.table = table
-        self.pk: Column[Any] = columns[0]
-        self.where = f"{action.target}/{action.key}"
-        self.key = _coerce(self.pk, action.key, f"key of {action.target}")
-
-    # -- reads and writes
-
-    def _direct(self) -> None:
-        """This action runs its own statements on the row: the batch's copy steps aside."""
-        rows = self.session.rows
-        if rows is not None:
-            rows.direct(self.table, self.key)
-
-    def _match(self) -> ColumnElement[bool]:
-        match: ColumnElement[bool] = self.pk == self.key
-        return match
-
-    def _locked(self) -> RowMapping | None:
-        query = select(self.table).where(self._match()).with_for_update()
-        return self.session.execute(query).mappings().first()
-
-    def _existing(self) -> RowMapping:
-        row = self._locked()
-        if row is None:
-            raise BusinessRejection(f"{self.where} does not exist")
-        return row
-
-    def _values(self, fields: Mapping[str, Any], what: str, *, key_allowed: bool) -> dict[str, Any]:
-        values: dict[str, Any] = {}
-        for name, value in fields.items():
-            column = self._column(name)
-            coerced = _coerce(column, value, f"{what} field {name!r} of {self.where}")
-            if column is self.pk:
-                # The key is the record's identity: it may be repeated, never changed.
-                if not key_allowed or coerced != self.key:
-                    raise BusinessRejection(
-                        f"{what} of {self.where} may not change the key column {name!r}"
-                    )
-                continue
-            values[name] = coerced
-        return values
-
-    def _column(self, name: str) -> Column[Any]:
-        column = self.table.c.get(name)
-        if column is None:
-            raise BusinessRejection(f"{self.table.name} has no column {name!r}")
-        return column
-
-    def _image(self, row: RowMapping, names: Iterable[str] | None = None) -> dict[str, Any]:
-        chosen = row.keys() if names is None else names
-        return {name: _to_json(row[name]) for name in chosen}
-
-    def _restored(self, image: Any, what: str) -> dict[str, Any]:
-        if not isinstance(image, Mapping):
-            raise BusinessRejection(f"the before-image of {self.where} is missing; {what}")
-        return {name: _from_json(self._column(name), value) for name, value in image.items()}
-
-    def _insert(self, values: Mapping[str, Any]) -> None:
-        self.session.execute(insert(self.table).values({self.pk.name: self.key, **values}))
-
-    def _set(self, values: Mapping[str, Any]) -> int:
-        if not values:
-            return 1 if self._locked() is not None else 0
-        statement = update(self.table).where(self._match()).values(dict(values))
-        return self.session.execute(statement).rowcount
+class _Record(IsolatedRecord):
+    """One row of a target table and what the actions do to it at level ``none``."""
 
     # -- actions
 
     def insert(self, fields: Mapping[str, Any]) -> None:
-        self._direct()
         values = self._values(fields, "insert", key_allowed=True)
-        if self._locked() is not None:
+        row = self._row_or_lock()
+        self._refuse_held(None, reservations=True, suffix=RETRY)
+        if row is not None:
             raise BusinessRejection(f"{self.where} already exists")
+        self._direct()
         self._insert(values)
 
     def put(self, fields: Mapping[str, Any]) -> dict[str, Any] | None:
-        self._direct()
         values = self._values(fields, "put", key_allowed=True)
-        row = self._locked()
+        row = self._row_or_lock()
+        self._refuse_held(None, reservations=True, suffix=RETRY)
+        self._direct()
         if row is None:
-            # A concurrent writer may insert the same key between our read and our
-            # insert; a savepoint lets us see that and overwrite it instead.
+            # A writer outside the product may insert the same key between our read
+            # and our insert; a savepoint lets us see that and overwrite it instead.
             try:
                 with self.session.connection.begin_nested():
                     self._insert(values)
@@ -168,67 +104,55 @@ class _Record:
                     raise
             else:
                 return None
+        image = self._image(row)
         self._set(values)
-        return self._image(row)
+        return image
 
     def update(self, fields: Mapping[str, Any]) -> dict[str, Any]:
-        self._direct()
         values = self._values(fields, "update", key_allowed=False)
-        row = self._existing()
+        row = self._row()
+        if row is None:
+            raise BusinessRejection(f"{self.where} does not exist")
+        self._refuse_held(None, reservations=True, suffix=RETRY)
+        image = self._image(row, values)
+        self._direct()
         self._set(values)
-        return self._image(row, values)
+        return image
 
     def delete(self) -> dict[str, Any]:
+        row = self._row()
+        if row is None:
+            raise BusinessRejection(f"{self.where} does not exist")
+        self._refuse_held(None, reservations=True, suffix=RETRY)
+        image = self._image(row)
         self._direct()
-        row = self._existing()
         self.session.execute(delete(self.table).where(self._match()))
-        return self._image(row)
+        return image
 
     def increment(self, action: Increment) -> None:
         column = self._counter(action.field)
-        by = _coerce(column, action.by, f"the increment of {self.where}")
-        low = None if action.min is None else _coerce(column, action.min, "the minimum")
-        high = None if action.max is None else _coerce(column, action.max, "the maximum")
-        rows = self.session.rows
-        row = NOT_CACHED if rows is None else rows.row(self.table, self.key)
-        if rows is not None and isinstance(row, dict):
-            current = row[column.name]
-            if current is None:
-                raise BusinessRejection(f"{self.where} has no value in {column.name}")
-            self._check_bounds(column, add(current, by), low, high)
-            rows.set(self.table, self.key, column, add(current, by))
-            return
+        by = coerce(column, action.by, f"the increment of {self.where}")
+        low = None if action.min is None else coerce(column, action.min, "the minimum")
+        high = None if action.max is None else coerce(column, action.max, "the maximum")
+        row = self._row()
         if row is None:
             raise BusinessRejection(f"{self.where} does not exist")
-        self._direct()
-        # One guarded statement does the common case; the bounds hold even where a
-        # storage cannot lock (SQLite). Only when it changes nothing does a locked
-        # read find out why, so the rejection names the reason.
-        guards = [self._match(), column.is_not(None)]
-        if low is not None:
-            guards.append(column + by >= low)
-        if high is not None:
-            guards.append(column + by <= high)
-        statement = update(self.table).where(and_(*guards)).values({column.name: column + by})
-        if self.session.execute(statement).rowcount == 1:
-            return
-        current = self._existing()[column.name]
+        self._refuse_held(None, reservations=False, suffix=RETRY)
+        current = row[column.name]
         if current is None:
             raise BusinessRejection(f"{self.where} has no value in {column.name}")
-        self._check_bounds(column, current + by, low, high)
-        raise BusinessRejection(f"{self.where} {column.name} is out of bounds")
+        self._escrow(column, current, by, low, high)
+        self._note_bounds(column, low, high)
+        rows = self.session.rows
+        if rows is not None and isinstance(row, dict):
+            rows.set(self.table, self.key, column, add(current, by))
+            return
+        self._direct()
+        # The row is locked (read FOR UPDATE above): nobody changed it since.
+        statement = update(self.table).where(self._match()).values({column.name: column + by})
+        self.session.execute(statement)
 
-    def _check_bounds(self, column: Column[Any], result: Any, low: Any, high: Any) -> None:
-        if low is not None and result < low:
-            raise BusinessRejection(
-                f"{self.where} {column.name} would be {result}, below the minimum {low}"
-            )
-        if high is not None and result > high:
-            raise BusinessRejection(
-                f"{self.where} {column.name} would be {result}, above the maximum {high}"
-            )
-
-    # -- compensations
+    # -- compensations (after guard())
 
     def remove(self) -> None:
         self._direct()
@@ -236,12 +160,13 @@ class _Record:
         self.session.execute(delete(self.table).where(self._match()))
 
     def restore_put(self, before: Any) -> None:
-        self._direct()
         if before is None:
             self.remove()
             return
         values = self._restored(before, "the put cannot be undone")
         values.pop(self.pk.name, None)
+        self._row_or_lock()
+        self._direct()
         if self._set(values) == 0:
             self._insert(values)
 
@@ -254,20 +179,20 @@ class _Record:
             )
 
     def reinsert(self, before: Any) -> None:
-        self._direct()
         values = self._restored(before, "the deleted row cannot be restored")
         values.pop(self.pk.name, None)
-        if self._locked() is not None:
+        if self._row_or_lock() is not None:
             raise BusinessRejection(
                 f"{self.where} exists again, so the deleted row cannot be restored"
             )
+        self._direct()
         self._insert(values)
 
     def increment_back(self, action: Increment, before: Any = None) -> None:
         column = self._counter(action.field)
-        by = _coerce(column, action.by, f"the increment of {self.where}")
+        by = coerce(column, action.by, f"the increment of {self.where}")
+        row = self._row()
         rows = self.session.rows
-        row = NOT_CACHED if rows is None else rows.row(self.table, self.key)
         if rows is not None and isinstance(row, dict):
             current = row[column.name]
             if current is not None:  # NULL - by stays NULL, as the statement would leave it
@@ -282,136 +207,80 @@ class _Record:
             f"{self.where} no longer exists, so its increment of {column.name} cannot be undone"
         )
 
-    def _counter(self, name: str) -> Column[Any]:
-        column = self._column(name)
-        if column is self.pk:
-            raise BusinessRejection(f"increment may not change the key column {name!r}")
-        if not isinstance(column.type, sqltypes.Integer | sqltypes.Numeric):
-            raise BusinessRejection(f"{self.table.name}.{name} is not a numeric column")
-        return column
+
+@dataclass
+class BatchKeys:
+    """The records a batch's built-in steps will touch (see :func:`batch_keys`)."""
+
+    rows: dict[str, set[Any]] = field(default_factory=dict)
+    """Target name -> coerced keys: the rows to read (and lock) first."""
+    records: set[Record] = field(default_factory=set)
+    """Their ``(target, record)`` names in the holds table: the holds to read."""
+    creating: set[Record] = field(default_factory=set)
+    """Those whose row a step may create: their record locks are taken first."""
 
 
-def increment_keys(
+def batch_keys(
     items: Iterable[WorkItem],
-    entries: Iterable[LedgerEntry],
+    entries: Callable[[str], list[LedgerEntry]],
     tables: Mapping[str, Table],
-) -> dict[str, set[Any]]:
-    """The rows (table name -> coerced keys) that the increments of a batch may touch:
-    those its requests name, and those of its transactions' ledger ``entries`` (their
-    compensations). Steps that do not parse or whose key does not fit are left out:
-    they will be rejected, or read on their own when they run."""
-    wanted: dict[str, set[Any]] = {}
-    actions = [(item.action, item.args) for item in items if isinstance(item, Requested)]
-    actions += [(e.action, e.args) for e in entries if e.action is not None and e.args]
-    for name, args in actions:
-        if name != "increment" or not isinstance(args, Mapping):
-            continue
-        # Only the target and the key matter here (the action validates the whole step
-        # when it runs): reading a row a rejected step names costs nothing but the lock.
-        target, key = args.get("target"), args.get("key")
-        if not isinstance(target, str) or isinstance(key, bool) or not isinstance(key, str | int):
-            continue
-        table = tables.get(target)
-        if table is None:
-            continue
-        try:
-            coerced = _coerce(next(iter(table.primary_key.columns)), key, "key")
-        except BusinessRejection:
-            continue
-        if coerced is not None:
-            wanted.setdefault(target, set()).add(coerced)
+) -> BatchKeys:
+    """The records a batch's built-in steps will touch: those its requests name, and
+    those of the recorded steps its other items act on (``entries`` gives a
+    transaction's recorded steps): a commit's ``read_committed`` steps, a
+    rollback's applied ones, a neighbour's signal's step. Steps that do not parse or
+    whose key does not fit are left out: they will be rejected, or read on their own
+    when they run. A commit of ``none`` steps touches nothing."""
+    wanted = BatchKeys()
+    for item in items:
+        for name, args, creating in _touched(item, entries):
+            if not isinstance(args, Mapping):
+                continue
+            # Only the target and the key matter here (the action validates the whole
+            # step when it runs): reading a row a rejected step names costs nothing
+            # but the lock.
+            target, key = args.get("target"), args.get("key")
+            if not isinstance(target, str) or isinstance(key, bool):
+                continue
+            table = tables.get(target)
+            if table is None or not isinstance(key, str | int) or not isinstance(name, str):
+                continue
+            try:
+                coerced = coerce(next(iter(table.primary_key.columns)), key, "key")
+            except BusinessRejection:
+                continue
+            if coerced is None:
+                continue
+            wanted.rows.setdefault(target, set()).add(coerced)
+            record = (table.name, record_text(coerced))
+            wanted.records.add(record)
+            if creating:
+                wanted.creating.add(record)
     return wanted
 
 
-# ---------------------------------------------------------------- values
-
-
-def _coerce(column: Column[Any], value: Any, what: str) -> Any:
-    """``value`` (a JSON scalar) as the Python value ``column`` stores, or a rejection."""
-    if value is None:
-        return None
-    kind = column.type
-    try:
-        if isinstance(kind, sqltypes.Boolean):
-            if isinstance(value, bool):
-                return value
-        elif isinstance(kind, sqltypes.Integer):
-            if isinstance(value, int) and not isinstance(value, bool):
-                return value
-            if isinstance(value, float) and value.is_integer():
-                return int(value)
-            if isinstance(value, str) and _INTEGER_TEXT.fullmatch(value):
-                return int(value)
-        elif isinstance(kind, sqltypes.Numeric) and not kind.asdecimal:  # Float, usually
-            if isinstance(value, int | float) and not isinstance(value, bool):
-                return float(value)
-        elif isinstance(kind, sqltypes.Numeric):
-            if isinstance(value, int | float | str) and not isinstance(value, bool):
-                # str(float) is the shortest exact spelling: 0.1 stays 0.1, not
-                # 0.1000000000000000055...
-                number = Decimal(str(value))
-                if number.is_finite():
-                    return number
-        elif isinstance(kind, sqltypes.String):
-            if isinstance(value, str):
-                return value
-            if isinstance(value, int | float) and not isinstance(value, bool):
-                return str(value)
-        elif isinstance(kind, sqltypes.DateTime):
-            if isinstance(value, str):
-                return datetime.fromisoformat(value)
-        elif isinstance(kind, sqltypes.Date):
-            if isinstance(value, str):
-                return date.fromisoformat(value)
-        elif isinstance(kind, sqltypes.Time):
-            if isinstance(value, str):
-                return time.fromisoformat(value)
-        elif isinstance(kind, sqltypes.Uuid):
-            if isinstance(value, str):
-                parsed = uuid.UUID(value)
-                return parsed if kind.as_uuid else str(parsed)
-        else:
-            return value  # a type this adapter does not know: the database decides
-    except (ValueError, InvalidOperation):
-        pass
-    raise BusinessRejection(
-        f"{what} is {value!r}, which does not fit column {column.table.name}.{column.name} ({kind})"
-    )
-
-
-def _to_json(value: Any) -> Any:
-    """A column value as JSON, for a before-image (see :class:`SqlActions`)."""
-    if value is None or isinstance(value, bool | int | float | str | list | dict):
-        return value
-    if isinstance(value, Decimal):
-        return str(value)
-    if isinstance(value, datetime | date | time):
-        return value.isoformat()
-    if isinstance(value, bytes | bytearray | memoryview):
-        return bytes(value).hex()
-    return str(value)
-
-
-def _from_json(column: Column[Any], value: Any) -> Any:
-    """The inverse of :func:`_to_json` for ``column``."""
-    if not isinstance(value, str):
-        return value
-    kind = column.type
-    if isinstance(kind, sqltypes.Numeric):
-        return Decimal(value) if kind.asdecimal else float(value)
-    if isinstance(kind, sqltypes.Integer):
-        return int(value)
-    if isinstance(kind, sqltypes.DateTime):
-        return datetime.fromisoformat(value)
-    if isinstance(kind, sqltypes.Date):
-        return date.fromisoformat(value)
-    if isinstance(kind, sqltypes.Time):
-        return time.fromisoformat(value)
-    if isinstance(kind, sqltypes.LargeBinary):
-        return bytes.fromhex(value)
-    if isinstance(kind, sqltypes.Uuid) and kind.as_uuid:
-        return uuid.UUID(value)
-    return value
+def _touched(
+    item: WorkItem, entries: Callable[[str], list[LedgerEntry]]
+) -> list[tuple[Any, Any, bool]]:
+    """``(action, args, may create the row)`` of the steps ``item`` may act on."""
+    if isinstance(item, Requested):
+        return [(item.action, item.args, item.action in _CREATING)]
+    if isinstance(item, DecisionArrived):
+        commit = item.outcome is Outcome.COMMIT
+        chosen = [
+            e
+            for e in entries(item.tx_id)
+            if (
+                e.status is LedgerStatus.APPLIED
+                and (not commit or isolation_of(e.before) is Isolation.READ_COMMITTED)
+            )
+            or (not commit and e.status is LedgerStatus.COMPENSATION_FAILED)
+        ]
+    elif isinstance(item, PredecessorApplied | SuccessorCompensated):
+        chosen = [e for e in entries(item.tx_id) if e.step == item.step]
+    else:
+        return []
+    return [(e.action, e.args, e.action in (*_CREATING, "delete")) for e in chosen if e.action]
 
 
 # ---------------------------------------------------------------- driver errors

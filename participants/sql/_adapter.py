@@ -99,7 +99,7 @@ from saga.participants._actions import check_identifier
 from saga.participants._barrier import LedgerEntry, LedgerStatus
 from saga.participants._handlers import Handler, combine
 from saga.participants._storage import Actions, LedgerStorage, Unit, WorkItem
-from saga.participants.sql._actions import DriverErrors, NeedsSavepoints, SqlActions, increment_keys
+from saga.participants.sql._actions import DriverErrors, NeedsSavepoints, SqlActions, batch_keys
 from saga.participants.sql._errors import (
     can_pipeline,
     describe,
@@ -110,6 +110,13 @@ from saga.participants.sql._errors import (
     pipelined,
     sqlalchemy_url,
     tx_locks,
+)
+from saga.participants.sql._holds import (
+    HOLDS_COLUMNS,
+    BatchHolds,
+    DirectHolds,
+    RecordLocks,
+    define_holds,
 )
 from saga.participants.sql._ledger import (
     ADDED_COLUMNS,
@@ -145,8 +152,12 @@ class SqlBatch:
     ledger: BatchLedger
     careful: bool
     """Each item in its own savepoint (else none: built-in steps only)."""
+    locks: RecordLocks
+    """The record locks of the batch (:mod:`participants.sql._holds`)."""
     rows: BatchRows | None = None
-    """Not careful: the batch's copy of the rows its increments touch."""
+    """Not careful: the batch's copy of the rows its steps touch."""
+    holds: BatchHolds | None = None
+    """Not careful: the batch's copy of those records' holds."""
 
 
 class SqlStorage(LedgerStorage[SqlSession, SqlBatch]):
@@ -200,6 +211,11 @@ class SqlStorage(LedgerStorage[SqlSession, SqlBatch]):
                 f"the ledger table {ledger_table!r} cannot also be a target: steps would "
                 "be able to rewrite the ledger"
             )
+        if f"{ledger_table}_holds" in self.targets:
+            raise ConfigurationError(
+                f"the holds table {ledger_table}_holds cannot also be a target: steps would "
+                "be able to rewrite the holds of other sagas"
+            )
         if schema is not None:
             check_identifier(schema, "schema")
         self.schema = schema
@@ -209,6 +225,7 @@ class SqlStorage(LedgerStorage[SqlSession, SqlBatch]):
         self._engine = make_engine(self.url)
         self._metadata = MetaData(schema=schema)
         self.ledger_table = define_ledger(self._metadata, ledger_table)
+        self.holds_table = define_holds(self._metadata, ledger_table)
         self._tables: dict[str, Table] = {}
         self._lock_transactions = self._engine.dialect.name == "postgresql"
         self._pipeline = can_pipeline(self._engine)
@@ -277,25 +294,34 @@ class SqlStorage(LedgerStorage[SqlSession, SqlBatch]):
                 if self._lock_transactions and tx_ids:
                     connection.execute(tx_locks(self.name, tx_ids))
                 ledger.load(tx_ids)
-            rows = None
+            pg = self._lock_transactions
+            locks = RecordLocks(connection, self.holds_table, postgresql=pg)
+            keys = batch_keys(items, ledger.entries, self._tables)
+            # Before any row is read: a row a step may create has no row lock yet.
+            locks.take(keys.creating)
+            rows = holds = None
             if not careful:
-                rows = BatchRows(connection, self._tables, postgresql=self._lock_transactions)
-                entries = [e for tx_id in sorted(tx_ids) for e in ledger.entries(tx_id)]
-                rows.preload(increment_keys(items, entries, self._tables))
-            yield SqlBatch(connection, ledger, careful, rows)
-            if rows is not None and self._pipeline:
+                rows = BatchRows(connection, self._tables, postgresql=pg)
+                rows.preload(keys.rows)
+                # After the rows are locked: the holds read are the latest.
+                holds = BatchHolds(connection, self.holds_table, locks)
+                holds.preload(keys.records)
+            yield SqlBatch(connection, ledger, careful, locks, rows, holds)
+            if rows is not None and holds is not None and self._pipeline:
                 # A refusal of the rows' write or of the ledger's (another worker's
                 # entry): the careful run, one statement at a time, tells which.
                 with _careful_if_refused(), pipelined(connection) as driver:
                     rows.flush()
+                    holds.flush()
                     ledger.flush()
                     # A statement, not driver.commit(): that would wait for the
                     # writes before the pipeline's own end waits again.
                     driver.execute("COMMIT")
                 return
-            if rows is not None:
+            if rows is not None and holds is not None:
                 with _careful_if_refused():
                     rows.flush()
+                    holds.flush()
             ledger.flush()
 
     def open_unit(
@@ -303,9 +329,12 @@ class SqlStorage(LedgerStorage[SqlSession, SqlBatch]):
     ) -> SqlUnit:
         connection = batch.connection
         if not batch.careful:
-            session = SqlSession(connection, self._tables, savepoints=False, rows=batch.rows)
+            session = SqlSession(
+                connection, self._tables, savepoints=False, rows=batch.rows, holds=batch.holds
+            )
             return SqlUnit(batch.ledger, session, connection)
         session = SqlSession(connection, self._tables)
+        session.holds = DirectHolds(self.holds_table, batch.locks, session.execute)
         return SqlUnit(batch.ledger, session, connection, connection.begin_nested())
 
     # -- reading the ledger
@@ -364,20 +393,34 @@ class SqlStorage(LedgerStorage[SqlSession, SqlBatch]):
             )
 
     def _create_ledger(self) -> None:
+        """Create the ledger and its holds table when absent (a ledger of a version before
+        isolation gets its holds table here), and upgrade an older ledger in place."""
+        created = [self.ledger_table, self.holds_table]
         try:
-            self._metadata.create_all(self._engine, tables=[self.ledger_table], checkfirst=True)
+            self._metadata.create_all(self._engine, tables=created, checkfirst=True)
         except (sa_exc.IntegrityError, sa_exc.ProgrammingError):
             # Two participants starting together both saw no ledger and raced to
             # create it; the loser finds it there now.
-            if not inspect(self._engine).has_table(self.ledger_table.name, schema=self.schema):
+            inspector = inspect(self._engine)
+            if not all(inspector.has_table(t.name, schema=self.schema) for t in created):
                 raise
         with self._engine.connect() as connection:
+            inspector = inspect(connection)
             names = {
                 column["name"]
-                for column in inspect(connection).get_columns(
-                    self.ledger_table.name, schema=self.schema
-                )
+                for column in inspector.get_columns(self.ledger_table.name, schema=self.schema)
             }
+            held = {
+                column["name"]
+                for column in inspector.get_columns(self.holds_table.name, schema=self.schema)
+            }
+        lacking = [name for name in HOLDS_COLUMNS if name not in held]
+        if lacking:
+            raise ConfigurationError(
+                f"table {self._qualified(self.holds_table.name)} exists but is not the holds "
+                f"table of a saga ledger (it lacks {', '.join(lacking)}); rename it, or "
+                "choose another ledger table name"
+            )
         missing = [name for name in LEDGER_COLUMNS if name not in names]
         if missing:
             raise ConfigurationError(

@@ -144,7 +144,7 @@ class BatchRows:
         """Change ``column`` of the (present, cached) row of ``key`` to ``value``."""
         row = self._rows[(table.name, key)]
         assert row is not None, "set() follows a row() that found the row"
-        row[column.name] = _as_stored(column, value)
+        row[column.name] = as_stored(column, value)
         self._dirty.setdefault(table.name, {}).setdefault(key, set()).add(column.name)
 
     def direct(self, table: Table, key: Any) -> None:
@@ -152,6 +152,13 @@ class BatchRows:
         and read the row again when it is next needed."""
         self.flush()
         self._rows.pop((table.name, key), None)
+
+    def forget_absent(self, table: Table, key: Any) -> None:
+        """Read ``key`` again when it is next needed, if the batch found it absent (another
+        batch may have created it since; an absent row has nothing pending to write)."""
+        at = (table.name, key)
+        if at in self._rows and self._rows[at] is None:
+            del self._rows[at]
 
     def flush(self) -> None:
         """Write every changed row: one statement per table (see the module doc).
@@ -288,7 +295,7 @@ def _many_update(table: Table, columns: list[str]) -> tuple[Any, list[str]]:
     return statement, names
 
 
-def _as_stored(column: Column[Any], value: Any) -> Any:
+def as_stored(column: Column[Any], value: Any) -> Any:
     """``value`` as the column will hold it: a ``numeric(p, s)`` rounds to ``s`` places,
     half away from zero, as PostgreSQL does."""
     kind = column.type

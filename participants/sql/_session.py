@@ -13,6 +13,7 @@ from sqlalchemy import Connection, CursorResult, Executable, NestedTransaction, 
 from saga.streams import BusinessRejection
 
 if TYPE_CHECKING:
+    from saga.participants.sql._holds import Holds
     from saga.participants.sql._rows import BatchRows
 
 
@@ -27,8 +28,12 @@ class SqlSession:
     connection itself.
 
     ``rows`` (a batch without savepoints) is the batch's copy of the rows its
-    built-in increments touch (:mod:`participants._sql_rows`).
+    built-in increments touch (:mod:`participants._sql_rows`). :attr:`holds` are the
+    holds, reservations and bounds of the records (:mod:`participants.sql._holds`),
+    set by the storage before the session is handed out.
     """
+
+    holds: Holds
 
     def __init__(
         self,
@@ -37,11 +42,14 @@ class SqlSession:
         *,
         savepoints: bool = True,
         rows: BatchRows | None = None,
+        holds: Holds | None = None,
     ) -> None:
         self._connection = connection
         self._tables = tables
         self.savepoints = savepoints
         self.rows = rows
+        if holds is not None:
+            self.holds = holds
         self._effect: NestedTransaction | None = None
 
     @property

@@ -6,6 +6,10 @@ step changes nothing and fails alone, a value the database refuses in the final
 write fails only its step (the batch runs again with savepoints), other actions
 in the same batch see the increments before them, and the number of statements a
 batch sends does not grow with its size.
+
+These steps run at level ``none`` (they write at once, so each test reads what a
+batch left); the same batch path under ``read_committed`` (reservations and holds,
+written at commit) is tested in ``test_sql_isolation.py``.
 """
 
 from __future__ import annotations
@@ -18,17 +22,18 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
+from saga.participants._barrier import Requested
 from saga.participants._storage import WorkItem
 from saga.participants.sql._adapter import SqlStorage
-from saga.streams import StepStatus, TransientError
+from saga.streams import Isolation, StepStatus, TransientError
 from tests.integration.test_sql_storage import (
     Database,
     postgres_database,
-    requested,
     rollback,
     sql_harness,
     sqlite_database,
 )
+from tests.integration.test_sql_storage import requested as requested_at
 
 pytestmark = pytest.mark.integration
 
@@ -44,6 +49,11 @@ def database(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Databas
 def postgres_db() -> Iterator[Database]:
     with postgres_database() as db:
         yield db
+
+
+def requested(tx_id: str, action: str, args: dict[str, Any]) -> Requested:
+    """A request at level ``none`` (see the module doc)."""
+    return requested_at(tx_id, action, args, isolation=Isolation.NONE)
 
 
 def bump(key: Any, by: Any, field: str = "balance", **bounds: Any) -> dict[str, Any]:

@@ -34,6 +34,7 @@ from saga.participants.sql._adapter import SqlSession, SqlStorage
 from saga.streams import (
     BusinessRejection,
     ConfigurationError,
+    Isolation,
     Mode,
     Outcome,
     StepStatus,
@@ -228,6 +229,7 @@ def requested(
     deadline_ms: int = DEADLINE,
     now_ms: int = NOW,
     predecessor_applied: bool = False,
+    isolation: Isolation = Isolation.READ_COMMITTED,
 ) -> Requested:
     return Requested(
         tx_id=tx_id,
@@ -239,6 +241,7 @@ def requested(
         deadline_ms=deadline_ms,
         now_ms=now_ms,
         predecessor_applied=predecessor_applied,
+        isolation=isolation,
     )
 
 
@@ -300,19 +303,29 @@ class TestSqlTypesAndColumns:
             ),
         ],
     )
+    @pytest.mark.parametrize("level", list(Isolation))
     def test_values_take_the_column_types(
         self,
         database: Database,
         action: str,
         args: dict[str, Any],
         expected: tuple[str, Any, Fields],
+        level: Isolation,
     ) -> None:
+        """``none`` writes at apply (and its rollback restores the data exactly);
+        ``read_committed`` writes the same values at commit."""
         with sql_harness(database) as harness:
             before = harness.snapshot()
-            assert harness.storage.execute([requested("tx-1", action, args)]) == [
-                report("tx-1", StepStatus.APPLIED)
+            held = level is Isolation.READ_COMMITTED
+            assert harness.storage.execute([requested("tx-1", action, args, isolation=level)]) == [
+                report("tx-1", StepStatus.APPLIED, confirm=held)
             ]
             target, key, record = expected
+            if held:
+                assert harness.snapshot() == before
+                harness.storage.execute([commit("tx-1")])
+                assert harness.record(target, key) == record
+                return
             assert harness.record(target, key) == record
             harness.storage.execute([rollback("tx-1")])
             assert harness.snapshot() == before
@@ -322,7 +335,10 @@ class TestSqlTypesAndColumns:
             harness.storage.execute(
                 [
                     requested(
-                        "tx-1", "put", {"target": "accounts", "key": 1, "value": {"balance": 1}}
+                        "tx-1",
+                        "put",
+                        {"target": "accounts", "key": 1, "value": {"balance": 1}},
+                        isolation=Isolation.NONE,
                     )
                 ]
             )
@@ -372,15 +388,18 @@ class TestSqlTypesAndColumns:
 
 def test_a_database_error_rejects_only_its_own_step(database: Database) -> None:
     """A batch of built-in steps runs without savepoints; a step the database refuses
-    (NOT NULL here) makes the batch run again with them, and only that step fails."""
+    (NOT NULL here) makes the batch run again with them, and only that step fails.
+    (Level ``none``, which writes at apply; under ``read_committed`` the insert is
+    tried in a savepoint of its own: test_sql_isolation.py.)"""
     with sql_harness(database) as harness:
         bump = {"target": "accounts", "key": 1, "field": "balance", "by": 5}
         refused = {"target": "accounts", "key": 7, "value": {"balance": 1}}  # owner missing
+        none = Isolation.NONE
         got = harness.storage.execute(
             [
-                requested("tx-1", "increment", bump),
-                requested("tx-2", "insert", refused),
-                requested("tx-3", "increment", bump),
+                requested("tx-1", "increment", bump, isolation=none),
+                requested("tx-2", "insert", refused, isolation=none),
+                requested("tx-3", "increment", bump, isolation=none),
             ]
         )
         assert [(r.tx_id, r.status) for r in got] == [
@@ -409,12 +428,13 @@ def test_the_barrier_off_switch_is_the_storages_own(database: Database) -> None:
     from saga.streams._faults import KillFaults
 
     bump = {"target": "accounts", "key": 1, "field": "balance", "by": 5}
+    step = requested("tx-1", "increment", bump, isolation=Isolation.NONE)  # writes at apply
     with sql_harness(database) as harness:
-        harness.storage.execute([requested("tx-1", "increment", bump)])
-        harness.storage.execute([requested("tx-1", "increment", bump)])
+        harness.storage.execute([step])
+        harness.storage.execute([step])
         assert (harness.record("accounts", 1) or {})["balance"] == 105
         unsafe = harness.make(faults=KillFaults(switches="barrier-off"))
-        unsafe.execute([requested("tx-1", "increment", bump)])
+        unsafe.execute([step])
         assert (harness.record("accounts", 1) or {})["balance"] == 110
 
 
@@ -444,7 +464,10 @@ def test_custom_handlers_run_in_the_same_transaction(database: Database) -> None
                 requested("tx-1", "reserve", {"order": "o-1", "explode": True}),
                 requested("tx-2", "reserve", {"order": "o-1"}),
                 requested(
-                    "tx-3", "increment", {"target": "orders", "key": "o-1", "field": "qty", "by": 4}
+                    "tx-3",
+                    "increment",
+                    {"target": "orders", "key": "o-1", "field": "qty", "by": 4},
+                    isolation=Isolation.NONE,  # writes at apply, as the handler does
                 ),
             ]
         )
@@ -486,7 +509,10 @@ def test_lost_connection_is_a_transient_error_and_the_batch_is_retried(
 ) -> None:
     with sql_harness(postgres_db) as harness:
         step = requested(
-            "tx-1", "increment", {"target": "accounts", "key": 2, "field": "balance", "by": 1}
+            "tx-1",
+            "increment",
+            {"target": "accounts", "key": 2, "field": "balance", "by": 1},
+            isolation=Isolation.NONE,  # writes at apply
         )
 
         # Kill our own server process mid-batch, after the effect ran.
@@ -540,10 +566,12 @@ def test_two_workers_on_one_step_apply_it_once(postgres_db: Database) -> None:
             thread.join(timeout=30)
 
         # The advisory lock made the second wait for the first: no collision, no retry.
-        assert outcomes == [[report("tx-1", StepStatus.APPLIED)]] * 2
-        assert harness.record("accounts", 2) == {"owner": "bob", "balance": 51, "credit": None}
+        assert outcomes == [[report("tx-1", StepStatus.APPLIED, confirm=True)]] * 2
         [entry] = workers[1].ledger("tx-1")
         assert entry.status is LedgerStatus.APPLIED
+        # One reservation: its commit adds the amount once.
+        assert workers[1].execute([commit("tx-1")]) == [report("tx-1", StepStatus.COMMITTED)]
+        assert harness.record("accounts", 2) == {"owner": "bob", "balance": 51, "credit": None}
 
 
 def test_request_racing_its_rollback_on_another_worker_is_never_applied(
