@@ -12,7 +12,7 @@ INFRA  := infra/services.sh
 # Exports the running services' addresses (SAGA_KAFKA_BOOTSTRAP, ...) into a recipe.
 WITH_ENV := eval "$$($(INFRA) env)" &&
 
-.PHONY: help venv lint unit test demo bench bench-short profile reconcile-bench state-bench chaos chaos-short chaos-cluster console-screenshots infra-up infra-down infra-status cluster-up cluster-down cluster-status spark-cluster-up spark-cluster-down clean
+.PHONY: help venv lint docs docs-check unit test demo bench bench-short profile reconcile-bench state-bench chaos chaos-short chaos-cluster console-screenshots infra-up infra-down infra-status cluster-up cluster-down cluster-status spark-cluster-up spark-cluster-down clean
 
 help:
 	@echo "make test          install everything, start the local services, lint, run the test suite"
@@ -28,6 +28,8 @@ help:
 	@echo "                         saga reconcile --master (addresses: infra/spark-cluster.sh env)"
 	@echo "make spark-cluster-down  stop them"
 	@echo "make lint          ruff and mypy"
+	@echo "make docs          serve the manual (MkDocs) on http://127.0.0.1:8000 (DOCS_ADDR=host:port), live-reloaded"
+	@echo "make docs-check    build the manual with mkdocs build --strict (part of make test)"
 	@echo "make unit          the unit tests only (no services)"
 	@echo "make reconcile-bench  the reconciliation job's throughput on a generated log"
 	@echo "make state-bench   coordinator restart and client start after 10,000 vs 1,000,000 sagas"
@@ -40,11 +42,15 @@ help:
 	@echo "make chaos-cluster fault injection on the three-broker cluster: 5,000+ sagas, brokers killed by role"
 	@echo "                   (leader, transaction and group coordinator), paused, down for minutes, rolled (about 25 min)"
 
+# setuptools installs saga editable through a meta path finder, so that only `saga` (not
+# coordinator/, streams/, ...) becomes importable, and always follows that with an
+# information-only notice ("Editable installation ... be careful with folders ...") that
+# pip prints as a warning: PYTHONWARNINGS filters that one notice, nothing else.
 $(VENV)/.installed: pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@$(PY) -m pip install -q --upgrade pip
 	@echo "installing saga-olep with every extra and the dev tools into $(VENV)"
-	@$(PY) -m pip install -q -e '.[dev,all]'
+	@PYTHONWARNINGS="ignore:Editable installation" $(PY) -m pip install -q -e '.[dev,all]'
 	@touch $@
 
 venv: $(VENV)/.installed
@@ -53,6 +59,16 @@ lint: venv
 	$(VENV)/bin/ruff check saga coordinator participants streams tests
 	$(VENV)/bin/ruff format --check saga coordinator participants streams tests
 	$(VENV)/bin/mypy
+
+# The manual: docs/ and mkdocs.yml; the CLI and wire references are generated from the
+# code at build time (docs/_hooks.py). --strict turns a broken link or a missing page
+# into a failure.
+DOCS_ADDR ?= 127.0.0.1:8000
+docs: venv
+	$(VENV)/bin/mkdocs serve --dev-addr $(DOCS_ADDR)
+
+docs-check: venv
+	$(VENV)/bin/mkdocs build --strict --quiet --site-dir build/site
 
 unit: venv
 	$(VENV)/bin/pytest -m unit -q
@@ -76,7 +92,7 @@ spark-cluster-up: venv
 spark-cluster-down:
 	@infra/spark-cluster.sh down
 
-test: venv lint infra-up
+test: venv lint docs-check infra-up
 	@$(WITH_ENV) $(VENV)/bin/pytest -m "not slow and not chaos" -q
 
 demo: venv infra-up
