@@ -37,7 +37,9 @@ def _main() -> click.Group:
     return main
 
 
-def _commands(group: click.Group, path: tuple[str, ...]) -> Iterator[tuple[tuple[str, ...], click.Command]]:
+def _commands(
+    group: click.Group, path: tuple[str, ...]
+) -> Iterator[tuple[tuple[str, ...], click.Command]]:
     """Every command under ``group``, depth first, in the order ``--help`` lists them."""
     ctx = click.Context(group, info_name=" ".join(("saga", *path)))
     for name in group.list_commands(ctx):
@@ -109,7 +111,14 @@ def schemas_reference() -> str:
     for name in SCHEMA_NAMES:
         path = ROOT / "streams" / "schemas" / f"{name}.schema.json"
         text = json.dumps(json.loads(path.read_text(encoding="utf-8")), indent=2)
-        parts += [f"### `{name}`\n", f"`streams/schemas/{path.name}`:\n", "```json", text, "```", ""]
+        parts += [
+            f"### `{name}`\n",
+            f"`streams/schemas/{path.name}`:\n",
+            "```json",
+            text,
+            "```",
+            "",
+        ]
     return "\n".join(parts)
 
 
