@@ -6,10 +6,11 @@ and the tools' commands (:mod:`saga.tools.cli`); it imports no storage driver.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import click
@@ -18,6 +19,7 @@ from saga.streams._secrets import redact, remember_settings
 from saga.streams.kafka import KafkaSettings
 
 if TYPE_CHECKING:
+    from saga.streams._faults import Faults
     from saga.streams._signing import Keyring
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -25,6 +27,50 @@ F = TypeVar("F", bound=Callable[..., Any])
 DEFAULT_CONNECT_TIMEOUT_S = 30.0
 TOOLS_HINT = "install the tools extra: pip install 'saga-olep[tools]'"
 MAX_TIMEOUT_S = 1_000_000_000  # as coordinator._client.MAX_TIMEOUT_S (not imported: start-up cost)
+
+
+TEST_LAUNCHER = "python -m tests.launch"
+"""The test suite's entry point (tests/launch.py, never installed): the one that arms faults."""
+_TEST_VARIABLES = {
+    "SAGA_UNSAFE_TEST_SWITCHES": "switches a guarantee off",
+    "SAGA_FAULTS": "arms crash points",
+}
+_test_faults: Callable[[Mapping[str, str]], Faults] | None = None
+
+
+def enable_test_faults(make: Callable[[Mapping[str, str]], Faults]) -> None:
+    """Let ``SAGA_FAULTS`` and ``SAGA_UNSAFE_TEST_SWITCHES`` through, made into hooks by
+    ``make`` (:func:`streams._faults.faults_from_env`). Called only by the test suite's
+    launcher: the ``saga`` command as installed refuses both (:func:`refuse_test_switches`).
+    """
+    global _test_faults  # noqa: PLW0603  (one per process, set before the command runs)
+    _test_faults = make
+
+
+def refuse_test_switches(environ: Mapping[str, str]) -> None:
+    """Exit with one sentence (code 2) if a test-only variable is set, unless the test
+    suite's launcher enabled them; under the launcher, warn about unsafe switches."""
+    if _test_faults is not None:
+        if environ.get("SAGA_UNSAFE_TEST_SWITCHES"):
+            logging.getLogger("saga").warning(
+                "unsafe test switches on (%s): guarantees are broken on purpose",
+                environ["SAGA_UNSAFE_TEST_SWITCHES"],
+            )
+        return
+    for name, what in _TEST_VARIABLES.items():
+        if environ.get(name):
+            fail(
+                f"{name} is set ({environ[name]}), but the saga command never {what}: unset "
+                f"it; it is read only by the test suite's launcher ({TEST_LAUNCHER})",
+                2,
+            )
+
+
+def process_faults() -> Faults:
+    """The fault hooks of a service command: none, except under the test suite's launcher."""
+    from saga.streams._faults import NO_FAULTS
+
+    return NO_FAULTS if _test_faults is None else _test_faults(os.environ)
 
 
 def fail(message: str, code: int = 1) -> NoReturn:

@@ -9,9 +9,9 @@ usage or input); there are no stack traces for them. No message or log line
 shows a password: storage URLs' passwords and Kafka settings named like
 ``sasl.password`` are redacted (:mod:`streams._secrets`).
 
-This module holds the group, the service commands (``topics``, ``coordinator``,
-``participant``, ``schema``) and the entry point; the shared options live in
-:mod:`coordinator._cli_common`, the client commands in
+This module holds the group, the service commands (``coordinator``, ``participant``)
+and the entry point; ``topics`` and ``schema`` live in :mod:`coordinator._cli_topics`,
+the shared options in :mod:`coordinator._cli_common`, the client commands in
 :mod:`coordinator._cli_client`, ``participants`` (the participant registry) in
 :mod:`coordinator._cli_registry`, and ``reconcile`` in :mod:`streams.reconcile.cli`.
 ``demo`` and ``bench`` belong to the tools package (:mod:`saga.tools.cli`, the
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import gc
 import importlib
-import json
 import logging
 import os
 import socket
@@ -40,23 +39,25 @@ from saga.coordinator._cli_common import (
     kafka_options,
     keys_dir_option,
     load_keys,
+    process_faults,
+    refuse_test_switches,
     retention_option,
     settings_from,
 )
 from saga.coordinator._cli_keys import keys
 from saga.coordinator._cli_observe import Observability, log_format_option, observe_options
 from saga.coordinator._cli_registry import participants
+from saga.coordinator._cli_topics import schema_cmd, topics
 from saga.streams import (
     ConfigurationError,
     ConflictingRequest,
     SagaError,
     SagaTimeout,
     StorageKind,
-    schema,
 )
 from saga.streams._logs import LogFormat, configure_logging
 from saga.streams._secrets import redact, url_password
-from saga.streams.kafka import create_topics, wait_for_broker
+from saga.streams.kafka import wait_for_broker
 
 # The tools' commands: name -> module of the tools package that defines it.
 TOOL_COMMANDS = {"bench": "saga.tools.cli", "demo": "saga.tools.cli"}
@@ -199,79 +200,8 @@ def main(ctx: click.Context, verbose: int, log_format: LogFormat | None) -> None
     """
     ctx.meta[_VERBOSE_KEY] = verbose
     configure_logging(verbose, log_format or "text")
-    # Test-only: the chaos suite's negative controls (streams/_faults.py); never set in production.
-    if os.environ.get("SAGA_UNSAFE_TEST_SWITCHES"):
-        logging.getLogger("saga").warning(
-            "unsafe test switches on (%s): guarantees are broken on purpose",
-            os.environ["SAGA_UNSAFE_TEST_SWITCHES"],
-        )
-
-
-# ---------------------------------------------------------------- topics
-
-
-@main.group()
-def topics() -> None:
-    """Create or delete the saga topics."""
-
-
-@topics.command("create")
-@kafka_options
-@click.option(
-    "--partitions",
-    type=click.IntRange(1, 1024),
-    default=8,
-    show_default=True,
-    help="Partitions per topic: the unit of parallelism.",
-)
-@click.option("--replication-factor", type=click.IntRange(1, 16), default=1, show_default=True)
-@retention_option("The coordinator's retention: the status topic keeps records twice as long")
-def topics_create(
-    bootstrap: str | None,
-    prefix: str | None,
-    kafka_config: str | None,
-    partitions: int,
-    replication_factor: int,
-    retention_ms: int,
-) -> None:
-    """Create requests, events, decisions, status (compacted), dlq and participants
-    (compacted: the participant registry), all with one partition count.
-
-    Run it again after an upgrade: it adds the topics that are missing and leaves the
-    others alone."""
-    settings = settings_from(bootstrap, prefix, kafka_config)
-    created = create_topics(settings, partitions, replication_factor, retention_ms=retention_ms)
-    for name in settings.topics.all:
-        click.echo(
-            f"{name}: {'created' if name in created else 'exists'} ({partitions} partitions)"
-        )
-
-
-@topics.command("delete")
-@kafka_options
-@click.option("--yes", is_flag=True, help="Do not ask for confirmation (for scripts).")
-def topics_delete(
-    bootstrap: str | None, prefix: str | None, kafka_config: str | None, yes: bool
-) -> None:
-    """Delete every saga topic of one prefix, with all its records (asks first unless --yes).
-
-    Topics that do not exist are skipped, so running it twice is harmless.
-    """
-    from saga.streams.kafka import delete_topics
-
-    settings = settings_from(bootstrap, prefix, kafka_config)
-    names = list(settings.topics.all)
-    if not yes:
-        if not sys.stdin.isatty():
-            fail(f"nothing deleted: confirm the deletion of {', '.join(names)} with --yes", 2)
-        if not click.confirm(
-            f"delete {', '.join(names)} on {settings.bootstrap} with all their records?",
-            err=True,
-        ):
-            fail("nothing deleted; pass --yes to delete without asking", 1)
-    deleted = delete_topics(settings, names)
-    for name in names:
-        click.echo(f"{name}: {'deleted' if name in deleted else 'absent'}")
+    # Test-only variables (streams/_faults.py): refused unless the test launcher runs us.
+    refuse_test_switches(os.environ)
 
 
 # ---------------------------------------------------------------- coordinator
@@ -363,10 +293,9 @@ def coordinator_run(
     """
     from saga.coordinator._chores import Redrive
     from saga.coordinator._service import CoordinatorService
-    from saga.streams._faults import faults_from_env
     from saga.streams.log import KafkaLog
 
-    faults = faults_from_env(os.environ)
+    faults = process_faults()
     known = (
         frozenset(p.strip() for p in participants.split(",") if p.strip()) if participants else None
     )
@@ -506,10 +435,9 @@ def participant_run(
     """
     from saga.participants import ParticipantRuntime, open_storage
     from saga.participants._open import storage_url
-    from saga.streams._faults import faults_from_env
     from saga.streams.log import KafkaLog
 
-    faults = faults_from_env(os.environ)
+    faults = process_faults()
 
     if url is not None and url_password(url):
         logging.getLogger("saga.participant").warning(
@@ -552,24 +480,11 @@ def participant_run(
         runtime.run()
 
 
-@main.command("schema")
-@click.argument("record_type", required=False)
-def schema_cmd(record_type: str | None) -> None:
-    """Print the JSON Schema of a record type (saga.request, saga.step, ...), or list them."""
-    from saga.streams import SCHEMA_NAMES
-
-    if record_type is None:
-        for name in SCHEMA_NAMES:
-            click.echo(name)
-        return
-    if record_type not in SCHEMA_NAMES:
-        fail(f"unknown record type {record_type!r}; one of: {', '.join(SCHEMA_NAMES)}", 2)
-    click.echo(json.dumps(schema(record_type), indent=2))
-
-
 from saga.streams.reconcile.cli import reconcile  # noqa: E402  (registered after main exists)
 
 main.add_command(reconcile)
+main.add_command(topics)
+main.add_command(schema_cmd)
 main.add_command(acls)
 for _command in (submit, status, watch, abort, keys, participants, *ADMIN_COMMANDS):
     main.add_command(_command)

@@ -25,6 +25,8 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
 # shellcheck source=infra/config.env
 source infra/config.env
+# shellcheck source=infra/policy_rc.sh
+source infra/policy_rc.sh
 
 D=$(realpath -m "$SAGA_INFRA_DIR")
 LOGS=$D/logs
@@ -161,11 +163,10 @@ provision_debian() {
   say "installing ${missing[*]} from Debian packages"
   as_root env DEBIAN_FRONTEND=noninteractive apt-get update -qq >"$LOGS/apt.log" 2>&1 ||
     die "apt-get update failed; see $LOGS/apt.log"
-  # policy-rc.d keeps the packages' own system services from starting; ours run on other ports.
-  as_root sh -c 'printf "#!/bin/sh\nexit 101\n" > /usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d'
-  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >>"$LOGS/apt.log" 2>&1 ||
-    { as_root rm -f /usr/sbin/policy-rc.d; die "apt-get install ${missing[*]} failed; see $LOGS/apt.log"; }
-  as_root rm -f /usr/sbin/policy-rc.d
+  # The packages' own system services must not start (ours run on other ports), and a
+  # policy-rc.d the host already had is kept (infra/policy_rc.sh).
+  with_services_held as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >>"$LOGS/apt.log" 2>&1 ||
+    die "apt-get install ${missing[*]} failed; see $LOGS/apt.log"
 }
 
 maven_fetch() { # pom-dir out-dir stamp-text extra-args...

@@ -3,11 +3,14 @@
 The services (coordinator, participant runtime, storage) take a :class:`Faults`
 object and call :meth:`Faults.hit` at named points of the protocol and
 :meth:`Faults.unsafe` where a test may break a guarantee on purpose. Production
-uses :data:`NO_FAULTS`, which does nothing. Only the command line builds a
-:class:`KillFaults`, and only when ``SAGA_FAULTS`` or ``SAGA_UNSAFE_TEST_SWITCHES``
-is set (library code never reads the environment), e.g.::
+uses :data:`NO_FAULTS`, which does nothing. Library code never reads the
+environment, and the ``saga`` command as installed refuses ``SAGA_FAULTS`` and
+``SAGA_UNSAFE_TEST_SWITCHES`` with one sentence: only the test suite's own entry
+point, ``python -m tests.launch <saga arguments>`` (``tests/launch.py``, which is
+not installed), turns them into a :class:`KillFaults` (:func:`faults_from_env`), e.g.::
 
-    SAGA_FAULTS="participant.after_local_commit:3"   # SIGKILL on the 3rd time the point is hit
+    SAGA_FAULTS="participant.after_local_commit:3" python -m tests.launch participant run ...
+    # SIGKILL on the 3rd time the point is hit
 
 Points: ``participant.after_local_commit`` (storage committed, events not sent),
 ``participant.after_events`` (events acknowledged, offsets not committed),
@@ -16,7 +19,7 @@ Points: ``participant.after_local_commit`` (storage committed, events not sent),
 
 Unsafe test switches (``SAGA_UNSAFE_TEST_SWITCHES``) break a guarantee on
 purpose, so that the chaos suite can show its checker catches the breakage (its
-negative controls). Never set them outside that suite:
+negative controls); the test launcher is the only way to set them:
 
 * ``barrier-off``: a participant ignores its ledger for requests: a repeated
   request is applied again and a request after its rollback is applied;
@@ -119,7 +122,8 @@ class KillFaults:
 
 
 def faults_from_env(environ: Mapping[str, str]) -> Faults:
-    """The hooks the command line runs with: :data:`NO_FAULTS` unless the test variables are set."""
+    """The hooks a process started by the test launcher runs with: :data:`NO_FAULTS`
+    unless the test variables are set."""
     points = environ.get("SAGA_FAULTS")
     switches = environ.get("SAGA_UNSAFE_TEST_SWITCHES")
     if not points and not switches:

@@ -68,7 +68,8 @@ class Proc:
     def start(self) -> Proc:
         log = self.log_path.open("ab")
         self.popen = subprocess.Popen(
-            [sys.executable, "-m", "coordinator", *self.args],
+            # The test launcher: the saga command, plus SAGA_FAULTS (tests/launch.py).
+            [sys.executable, "-m", "tests.launch", *self.args],
             env=self.env,
             stdout=log,
             stderr=subprocess.STDOUT,

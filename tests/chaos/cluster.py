@@ -56,7 +56,7 @@ class Proc:
     def start(self) -> Proc:
         with self.log_path.open("ab") as log:
             self.popen = subprocess.Popen(
-                [sys.executable, "-m", "coordinator", *self.args],
+                [sys.executable, "-m", "tests.launch", *self.args],  # reads SAGA_FAULTS
                 cwd=ROOT,
                 env=self.env,
                 stdout=log,
