@@ -48,11 +48,11 @@ from test_sql_storage import (
     only_status,
     postgres_database,
     report,
-    requested,
     rollback,
     sql_harness,
     sqlite_database,
 )
+from test_sql_storage import requested as _requested
 
 from saga.participants._barrier import (
     LedgerStatus,
@@ -64,16 +64,31 @@ from saga.participants._handlers import Handler, Reject
 from saga.participants._open import open_storage
 from saga.participants._storage import RequestSeen, Storage
 from saga.participants.mongo import _adapter as _mongo
-from saga.participants.mongo import _unit as _mongo_unit
+from saga.participants.mongo import _recovery as _mongo_recovery
 from saga.participants.mongo._adapter import DocumentWrite, MongoSession, MongoStorage
 from saga.participants.mongo._shared import SharedState
 from saga.participants.mongo._unit import _MongoUnit
 from saga.participants.redis._adapter import RedisSession, RedisStorage
 from saga.participants.sql._adapter import SqlSession, SqlStorage
-from saga.streams import ConfigurationError, Mode, Outcome, StepStatus, TransientError
+from saga.streams import (
+    ConfigurationError,
+    Isolation,
+    Mode,
+    Outcome,
+    StepStatus,
+    TransientError,
+)
 from tests._infra import Services
 
 pytestmark = pytest.mark.integration
+
+
+def requested(*args: Any, isolation: Isolation = Isolation.NONE, **kwargs: Any) -> Requested:
+    """A request at level ``none`` unless ``isolation`` says otherwise: the contract here is
+    the one of writing at apply and compensating on rollback (each storage's
+    ``read_committed`` has tests of its own)."""
+    return replace(_requested(*args, **kwargs), isolation=isolation)
+
 
 NUMERIC_FIELDS = frozenset({"balance", "credit", "qty", "price"})
 SEEDS: list[tuple[str, Any, Fields]] = [
@@ -246,17 +261,19 @@ class MongoHarness(Harness):
         doc = self.db[target].find_one({"_id": key})
         if doc is None:
             return None
-        return {k: v for k, v in doc.items() if k not in ("_id", "_saga")}
+        # ``_saga`` and the other ``_saga_*`` fields are bookkeeping, not business data.
+        return {k: v for k, v in doc.items() if k != "_id" and not k.startswith("_saga")}
 
     def remove(self, target: str, key: Any) -> None:
         self.db[target].delete_one({"_id": key})
 
     def snapshot(self) -> Any:
-        # ``_saga`` names the last saga write: bookkeeping, not business data.
+        # ``_saga`` names the last saga write: bookkeeping, not business data (so are
+        # the bounds ``_saga_bounds`` records).
         return {
             name: sorted(
                 (
-                    sorted((k, v) for k, v in doc.items() if k != "_saga")
+                    sorted((k, v) for k, v in doc.items() if not k.startswith("_saga"))
                     for doc in self.db[name].find()
                 ),
                 key=repr,
@@ -526,7 +543,8 @@ class TestStorageContract:
         """A built-in step has nothing to confirm: its `applied` report says so, and a
         commit (repeated or not) changes nothing, writes nothing and reports nothing."""
         assert not storage.storage.has_confirm(action)
-        assert not storage.storage.needs_decision(Outcome.COMMIT)
+        # A commit decision may need work (a `read_committed` saga's commit writes).
+        assert storage.storage.needs_decision(Outcome.COMMIT)
         assert storage.storage.needs_decision(Outcome.ROLLBACK)
         applied = storage.storage.execute([requested("tx-1", action, args)])
         assert applied == [report("tx-1", StepStatus.APPLIED)]
@@ -1455,7 +1473,7 @@ class TestMongo:
         self, mongo: MongoHarness, monkeypatch: pytest.MonkeyPatch
     ) -> None:
         delete = requested("tx-1", "delete", {"target": "accounts", "key": 1})
-        crash_once(monkeypatch, _mongo_unit, "_purge")
+        crash_once(monkeypatch, _mongo_recovery, "_purge")
         with pytest.raises(Crash):
             mongo.storage.execute([delete])
         [entry] = mongo.storage.ledger("tx-1")
