@@ -7,7 +7,7 @@
 * ``saga topics delete`` never deletes without a confirmation;
 * a coordinator without ``--instance-id`` takes the host name (distinct per container);
 * ``saga demo`` ends with the ``saga reconcile`` command for its own prefix, and the
-  README shows that very command.
+  README and the audit guide (docs/how-to/audit.md) show that very command.
 """
 
 from __future__ import annotations
@@ -103,10 +103,10 @@ def test_one_exit_status_table_for_submit_wait_and_status() -> None:
         SagaState.ROLLING_BACK: 4,
         SagaState.FAILED: 5,
     }
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    page = (ROOT / "docs" / "reference" / "cli.md").read_text(encoding="utf-8")
     for code, word in ((0, "`committed`"), (3, "`rolled_back`"), (5, "`failed`")):
-        assert f"| {code} | {word}" in readme, f"README's exit-status table lacks {code} {word}"
-    assert "| 4 | not final yet" in readme
+        assert f"| {code} | {word}" in page, f"the CLI reference's exit-status table lacks {code}"
+    assert "| 4 | not final yet" in page
 
 
 def test_topics_delete_without_yes_from_a_script_deletes_nothing() -> None:
@@ -181,7 +181,7 @@ def test_the_readme_shows_the_command_the_demo_prints() -> None:
     assert isinstance(cfg, DemoConfig)
     command = reconcile_command(cfg, {"SAGA_KAFKA_BOOTSTRAP": cfg.kafka.bootstrap})
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    # Once in the demo's sample output, once (two-space indent) in the reconcile section.
+    guide = (ROOT / "docs" / "how-to" / "audit.md").read_text(encoding="utf-8")
+    # In the demo's sample output, and (two-space indent) in the audit guide.
     assert command in readme, command
-    section = readme[readme.index("### Auditing and repairing") :]
-    assert command.replace("\n    ", "\n  ") in section, command
+    assert command.replace("\n    ", "\n  ") in guide, command

@@ -1,6 +1,6 @@
 """Every saga request the documentation shows is one `saga submit` accepts: no rot.
 
-The requests are the JSON blocks of README.md and docs/ that hold ``steps``, and the
+The requests are the JSON blocks of README.md and docs/ (every page) that hold ``steps``, and the
 files of examples/. Each is read as `saga submit` reads it (only the submission's
 keys), built into the wire record as `saga submit` builds it, validated against the
 request schema (what `saga schema saga.request` prints), and each built-in step's
@@ -29,7 +29,7 @@ pytestmark = pytest.mark.unit
 
 README = ROOT / "README.md"
 EXAMPLES = ROOT / "examples"
-DOCS = [README, *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [README, *sorted((ROOT / "docs").rglob("*.md"))]
 # The keys of a submission (coordinator/_cli_client.py submit's docstring).
 SUBMISSION_KEYS = frozenset({"steps", "saga", "mode", "timeout_s", "tx_id", "meta"})
 JSON_BLOCK = re.compile(r"^```json\n(.*?)^```", re.MULTILINE | re.DOTALL)
