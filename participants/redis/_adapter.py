@@ -1,13 +1,18 @@
 """The Redis storage: hash records and the step ledger, changed together (a script or MULTI/EXEC).
 
-redis-py is imported by this adapter's modules only: :mod:`participants._redis_session`
-(the native session), :mod:`participants._redis_actions` (the built-in actions),
-:mod:`participants._redis_unit` (one item's rounds), :mod:`participants._redis_batch`
-(the script path; its Lua is :mod:`participants._redis_script`) and this one.
+redis-py is imported by this adapter's modules only: :mod:`participants.redis._session`
+(the native session), :mod:`participants.redis._actions` (the built-in actions, at both
+isolation levels; the side hash: :mod:`participants.redis._isolation`),
+:mod:`participants.redis._unit` (one item's rounds), :mod:`participants.redis._batch`
+(the script path; its planning is :mod:`participants.redis._plan`, its Lua
+:mod:`participants.redis._script`) and this one.
 Keys (``prefix`` defaults to ``saga``; the ledger's are
 :class:`participants._ledger.RedisLedgerKeys`, which the reconciliation job reads too)::
 
     <prefix>:<target>:<key>                       a record: a hash of field -> text
+    <prefix>:ledger:+isolation:<target>:<key>     its side hash: the holds, reservations and
+                                                  bounds of sagas on it (``+`` is in no
+                                                  participant name)
     <prefix>:ledger:<participant>:tx:<tx_id>      the ledger of one transaction: a hash of
                                                   step -> entry (JSON), "rolled_back" -> the
                                                   transaction-level rollback marker and
@@ -23,31 +28,43 @@ Keys (``prefix`` defaults to ``saga``; the ledger's are
 Seen markers are written with ``HSETNX``, pipelined for a run of requests without
 a step here; the transaction's known fingerprint is its step entries' when it has
 any, else the seen marker's. Pruning removes a transaction's hash when every field
-is finished (:func:`participants._barrier.finished_ms`) at or before the horizon;
-the sorted set only proposes candidates (its scores may be stale), the hash read
-under WATCH decides.
+is finished (:func:`participants.redis._unit.finished_here`: an applied
+``read_committed`` step is not, before its decision) at or before the horizon; the
+sorted set only proposes candidates (its scores may be stale), the hash read under
+WATCH decides. Pruning never touches a side hash.
 
-Two paths. New steps of the built-in ``increment`` (on integer fields) and rollback
-decisions of transactions with at most one such step here go to Redis in runs, one Lua
-script call per run of up to 500 steps (:mod:`participants._redis_batch`: the barrier
-stays here in Python; the script checks that the ledger is what the plan assumed,
-applies or compensates each step and writes its entry, in batch order). Everything
-else (repeats, commit decisions, neighbours' signals, the other actions, decimals,
-custom handlers) takes the per-step path below, which is also where the script hands
-back a step whose check failed.
+Isolation (DESIGN.md §9). At ``read_committed`` (the default) a step leaves the record
+alone: ``insert``/``put``/``update``/``delete`` hold it and ``increment`` reserves
+(escrow) in its side hash, in the same ``MULTI``/``EXEC`` or script call as the ledger
+entry, and the commit decision writes the record (the step reports ``committed``). A
+step of another saga on a held record fails at once, naming the holder (no waiting: no
+deadlock across participants, no partition blocked; the client may resubmit). At
+``none`` a step writes at once, still refusing a record another saga holds, and its
+compensation refuses to overwrite another saga's work or to cross a bound a bounded
+increment relied on (``compensation_failed``, naming the record).
+
+Two paths. New steps of the built-in ``increment`` (on integer fields) and decisions of
+transactions with at most one such step here go to Redis in runs, one Lua script call
+per run of up to 500 steps (:mod:`participants.redis._batch`: the barrier stays here in
+Python; the script checks that the ledger is what the plan assumed, applies, reserves,
+commits, releases or compensates each step and writes its entry, in batch order).
+Everything else (repeats, decisions of several steps, neighbours' signals, the other
+actions, decimals, custom handlers) takes the per-step path below, which is also where
+the script hands back a step whose check failed.
 
 Per-step path: optimistic, with WATCH/MULTI/EXEC, and the barrier decided in Python.
 A unit WATCHes the transaction's ledger hash and reads it, the action WATCHes and
-reads the record it needs and *queues* its writes (nothing is written yet), and
+reads the record it needs and its side hash and *queues* its writes (nothing is
+written yet), and
 :meth:`RedisUnit.write` sends ``MULTI``, the queued writes, the ledger entry and the
 in-flight set update, ``EXEC``. When another client changed a watched key in
 between (a script call included), ``EXEC`` does nothing and the item is run again
 from the start (up to ``max_attempts`` times, then a :class:`~streams.TransientError`).
 Each ledger write ends one such round; a decision covering several steps runs one round
 per step, and the next round checks that the ledger it read is unchanged. Each WATCH and
-the read it guards go out together
-(:func:`participants._redis_session.watch_hgetall`), so a step costs three
-round trips: the ledger, the record, ``MULTI``...``EXEC``.
+the reads it guards go out together
+(:func:`participants.redis._session.watch_hgetalls`), so a step costs three
+round trips: the ledger, the record with its side hash, ``MULTI``...``EXEC``.
 
 Why the barrier is not in Lua: the barrier (:func:`participants._barrier.plan`) and
 the custom handlers are Python; rewriting the barrier in Lua would give the

@@ -1,22 +1,25 @@
 """The Redis adapter's batch path: runs of a batch's steps in one server-side script call.
 
-Why: a step on the WATCH/MULTI/EXEC path (:mod:`participants._redis_unit`) costs three
+Why: a step on the WATCH/MULTI/EXEC path (:mod:`participants.redis._unit`) costs three
 round trips, and a participant on Redis spent most of its time waiting on them. Here a
 run of consecutive steps of a batch goes to Redis as one ``EVALSHA`` of
-:data:`participants._redis_script.SCRIPT` (redis-py's ``Script`` loads it once and
+:data:`participants.redis._script.SCRIPT` (redis-py's ``Script`` loads it once and
 again when the server answers ``NOSCRIPT``), at most :data:`CHUNK` steps per call.
 
 One barrier. The barrier stays :func:`participants._barrier.plan`, in Python
-(:class:`Planner`), and the script checks that the ledger is what the plan assumed:
+(:class:`participants.redis._plan.Planner`), and the script checks that the ledger is
+what the plan assumed:
 
 * a request is planned on a ledger that knows nothing of its transaction (no entry,
   no marker, no other fingerprint); the script checks that the transaction's hash does
   not exist, or holds only entries this same call wrote for the same request;
-* a rollback decision is planned on the transaction's hash as read, for the whole run
-  in one pipelined round trip before the call (a transaction with no step here gets
-  the rollback marker, one with one step is compensated or closed as the barrier
-  says; more steps: per step); the script checks the hash still holds exactly those
-  fields and texts (their count and SHA-1s).
+* a decision is planned on the transaction's hash as read, for the whole run in one
+  pipelined round trip before the call (a rollback of a transaction with no step here
+  gets the rollback marker, one with one step is compensated, released or closed as the
+  barrier says; a commit of one ``read_committed`` step commits its reservation; more
+  steps: per step); the script checks the hash still holds exactly those fields and texts
+  (their count and SHA-1s). A commit that changes nothing here (steps at level ``none``)
+  is answered from the hash as read, without a call.
 
 When the check fails (a repeat, a marker, an older entry, a hash changed since it was
 read, a record this path leaves to Python), the script stops there and returns what it
@@ -24,21 +27,28 @@ did so far: :class:`RedisBatch` runs that item on the per-step path (which reads
 ledger and asks the barrier with what it finds), then sends the rest.
 
 What the script does per step, in batch order (a key touched by several steps sees the
-earlier ones' effect): ``increment`` of an integer field by an integer within signed
-64 bits, with integer bounds, through ``HINCRBY``; a result outside ``[min, max]`` puts
-the old text back and records that step ``failed`` (it fails alone); a missing record or
-field is a rejection too; its compensation subtracts ``by`` the same way (a missing
-record or field: ``compensation_failed``); a plan without an effect writes its entry
-(deadline passed, waiting for a neighbour, a null compensation, the rollback marker);
-then the ledger entry, and at the end the in-flight set and finished sorted set of every
-transaction it wrote (see :mod:`participants._redis`). Anything else (a decimal field or
-``by``, float bounds, a non-canonical or non-numeric field text, a record key holding
-another type, ``HINCRBY`` overflowing 64 bits, the other built-in actions, custom
-handlers, commit decisions, a neighbour's signal) runs on the per-step path, with
-today's number handling and messages.
+earlier ones' effect), for ``increment`` of an integer field by an integer within signed
+64 bits, with integer bounds: at level ``none`` it writes through ``HINCRBY`` (a result
+outside ``[min, max]``, counting the open reservations of ``read_committed`` sagas, puts
+the old text back and records that step ``failed``: it fails alone), and its
+compensation subtracts ``by`` unless that crosses a bound recorded on the field
+(``compensation_failed``); at ``read_committed`` it reserves (escrow: the record is
+unchanged), and the decision commits or releases the reservation (see
+:mod:`participants.redis._isolation` for the side hash). A record held by another saga
+fails the step naming the holder; a missing record or field is a rejection too. A plan
+without an effect writes its entry (deadline passed, waiting for a neighbour, a null
+compensation, the rollback marker); then the ledger entry, and at the end the in-flight
+set and finished sorted set of every transaction it wrote (see
+:mod:`participants.redis._adapter`). Anything else (a decimal field, counter or ``by``,
+float bounds, numbers past 15 digits where reservations are summed, a non-canonical or
+non-numeric field text, a record key holding another type, ``HINCRBY`` overflowing 64
+bits, a reservation on a record its own saga holds, the other built-in actions, custom
+handlers, a neighbour's signal) runs on the per-step path, with today's number handling
+and messages.
 
 Atomicity: a script runs alone on the server, so each call is one atomic unit; the
-before-image and the ledger entry are written by the same call as the change. The
+before-image, the hold or reservation and the ledger entry are written by the same call
+as the change. The
 script checks the types of the in-flight and finished keys before its first write, and
 of a step's keys before that step's first write, so no error stops it inside a step.
 Clients on the per-step path WATCH what they read: a script that writes one of those
@@ -48,7 +58,7 @@ Hostile input: nothing from a record becomes script text. The script is a consta
 steps travel as ``KEYS``/``ARGV`` values, which Lua only compares, concatenates and
 passes to Redis commands. JSON is built in Python (:func:`participants._ledger.entry_json`);
 the script only splices in the old field text (``cjson.encode`` of a string) or the
-rejection reason where Python left a marker (:data:`_SPLICE`).
+rejection reason where Python left a marker (:data:`participants.redis._plan.SPLICE`).
 
 Cluster: every key a call touches is passed in ``KEYS``; on Redis Cluster they must all
 live on one node (one hash slot, e.g. a ``{tag}`` in the prefix), else the server
