@@ -63,12 +63,14 @@ lint: venv
 # The manual: docs/ and mkdocs.yml; the CLI and wire references are generated from the
 # code at build time (docs/_hooks.py). --strict turns a broken link or a missing page
 # into a failure.
+# NO_MKDOCS_2_WARNING: Material's banner about its successor, printed on every build.
 DOCS_ADDR ?= 127.0.0.1:8000
+MKDOCS := NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs
 docs: venv
-	$(VENV)/bin/mkdocs serve --dev-addr $(DOCS_ADDR)
+	$(MKDOCS) serve --dev-addr $(DOCS_ADDR)
 
 docs-check: venv
-	$(VENV)/bin/mkdocs build --strict --quiet --site-dir build/site
+	$(MKDOCS) build --strict --quiet --site-dir build/site
 
 unit: venv
 	$(VENV)/bin/pytest -m unit -q
