@@ -82,7 +82,7 @@ class IsolatedRecord(RecordBase):
         current = view.get(column.name)
         if current is None:
             raise BusinessRejection(f"{self.where} has no value in {column.name}")
-        self._escrow(column, current, by, low, high)
+        self._escrow(column, current, by, low, high, scope.tx_id)
         self._fits(column, current, by)
         self._note_bounds(column, low, high)
         value = {"by": to_json(by)}
@@ -169,7 +169,7 @@ class IsolatedRecord(RecordBase):
         limits = column_range(column, self.session.connection.dialect.name)
         if limits is None:
             return
-        down, up = self._open(column)
+        down, up, _ = self._open(column)  # every saga's, the acting one's too
         for result in (add(add(current, down), by), add(add(current, up), by)):
             if not limits[0] <= as_stored(column, result) <= limits[1]:
                 raise BusinessRejection(
@@ -236,7 +236,7 @@ class IsolatedRecord(RecordBase):
         self._refuse_held(None, reservations=False, suffix=NOT_RESTORED)
         after = subtract(row[column.name], by)
         low, high = self._bounds(column)
-        down, up = self._open(column)
+        down, up, _ = self._open(column)
         if low is not None and add(after, down) < low:
             raise BusinessRejection(
                 f"{self.where} {column.name} would be {add(after, down)}{counting(down)} "

@@ -145,20 +145,25 @@ class RecordBase:
                     f"its decision; {suffix}"
                 )
 
-    def _open(self, column: Column[Any]) -> tuple[Any, Any]:
-        """The sums of the open decrements and increments of ``column`` (every saga)."""
+    def _open(self, column: Column[Any], tx_id: str | None = None) -> tuple[Any, Any, Any]:
+        """The sums of the open decrements and increments of ``column`` by sagas other
+        than ``tx_id``, and the sum of ``tx_id``'s own: those commit or roll back with
+        the step that counts them, so they count in both directions."""
         down: Any = 0
         up: Any = 0
+        own: Any = 0
         for hold in self._holds():
             if hold.kind == RESERVE and hold.field == column.name:
                 by = from_json(column, (hold.value or {}).get("by"))
                 if by is None:
                     continue
-                if by < 0:
+                if hold.tx_id == tx_id:
+                    own = add(own, by)
+                elif by < 0:
                     down = add(down, by)
                 else:
                     up = add(up, by)
-        return down, up
+        return down, up, own
 
     def _bounds(self, column: Column[Any]) -> tuple[Any, Any]:
         """The tightest ``min`` and ``max`` any bounded increment of ``column`` relied on."""
@@ -168,11 +173,21 @@ class RecordBase:
                 return from_json(column, value.get("min")), from_json(column, value.get("max"))
         return None, None
 
-    def _escrow(self, column: Column[Any], current: Any, by: Any, low: Any, high: Any) -> None:
+    def _escrow(
+        self,
+        column: Column[Any],
+        current: Any,
+        by: Any,
+        low: Any,
+        high: Any,
+        tx_id: str | None = None,
+    ) -> None:
         """Reject unless ``current + by`` stays in ``[low, high]`` whichever of the open
-        increments of the field commit: the check counts those in the direction that
-        could break each bound (O'Neil's escrow)."""
-        down, up = self._open(column)
+        increments of the field commit: the check counts those of other sagas in the
+        direction that could break each bound (O'Neil's escrow), and those of saga
+        ``tx_id`` (the acting one) in both."""
+        down, up, own = self._open(column, tx_id)
+        current = add(current, own)
         if low is not None:
             result = add(add(current, down), by)
             if result < low:
