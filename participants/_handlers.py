@@ -3,7 +3,7 @@
 A handler module is named by a dotted path (``--handlers mycompany.saga_handlers``)
 and exposes a mapping ``HANDLERS`` from action name to :class:`Handler`::
 
-    from participants import Handler, Reject
+    from saga.participants import Handler, Reject
 
     def reserve(session, args):
         row = session.execute(...)            # the storage's native session/connection

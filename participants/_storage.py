@@ -98,11 +98,7 @@ class RequestSeen:
 
 @dataclass(frozen=True, slots=True)
 class StepScope:
-    """The step an action runs for: who holds what it holds, and at which level.
-
-    Built-in actions under ``read_committed`` name their holder by it (a hold or a
-    reservation belongs to ``(tx_id, step)``) and stop waiting at ``deadline_ms``.
-    """
+    """The step an action runs for: its level, and the holder of what it holds."""
 
     tx_id: str
     step: int
@@ -148,12 +144,9 @@ class Actions(ABC, Generic[NativeT]):
     def confirm(self, native: NativeT, action: str, args: Mapping[str, Any]) -> None: ...
 
     def scoped(self, scope: StepScope) -> Actions[NativeT]:
-        """These actions as they run for one step (``scope``): its level and identity.
-
-        The built-in actions hold and reserve under ``read_committed`` and write at once
-        under ``none``; custom handlers are the same at every level (they get isolation
-        by holding in ``try`` and writing in ``confirm``). By default: ``self``.
-        """
+        """These actions as they run for one step: built-in ones hold under ``read_committed``
+        and write at once under ``none``; custom handlers are the same at every level
+        (they hold in ``try`` and write in ``confirm``). By default: ``self``."""
         return self
 
     def has_confirm(self, action: str) -> bool:

@@ -29,6 +29,7 @@ from saga.streams import (
     ConfigurationError,
     Decision,
     InvalidRecord,
+    Isolation,
     Mode,
     Outcome,
     ParticipantAnnouncement,
@@ -72,6 +73,7 @@ VALID: dict[str, dict[str, Any]] = {
         ],
         "deadline_ms": 2000,
         "created_ms": 1000,
+        "isolation": "read_committed",
         "meta": {"trace": "t-1"},
     },
     "saga.abort": {
@@ -309,6 +311,26 @@ def test_status_decodes_to_typed_values() -> None:
     assert isinstance(record, SagaStatus)
     assert record.state is SagaState.ROLLED_BACK
     assert record.steps == (StepProgress("pg", StepStatus.COMPENSATED),)
+
+
+def test_isolation_defaults_to_read_committed_and_only_none_changes_the_fingerprint() -> None:
+    absent = {k: v for k, v in VALID["saga.request"].items() if k != "isolation"}
+    record = decode(raw(absent))
+    assert isinstance(record, SagaRequest)
+    assert record.isolation is Isolation.READ_COMMITTED
+    assert to_dict(record)["isolation"] == "read_committed"  # always written
+    none = decode(raw(valid("saga.request", isolation="none")))
+    assert isinstance(none, SagaRequest)
+    assert none.isolation is Isolation.NONE
+    assert decode(encode(none)) == none
+    # A request's digest is what it was before levels existed unless it asks for none.
+    assert record.fingerprint() == decode(raw(VALID["saga.request"])).fingerprint()
+    assert none.fingerprint() != record.fingerprint()
+
+
+def test_an_unknown_isolation_level_is_invalid() -> None:
+    with pytest.raises(InvalidRecord, match="isolation"):
+        decode(raw(valid("saga.request", isolation="serializable")))
 
 
 def test_absent_mode_means_parallel_and_absent_args_mean_empty() -> None:
