@@ -3,6 +3,7 @@
 Public API::
 
     SagaClient, AsyncSagaClient   submit sagas, wait for results, abort
+    Delivered                     where Kafka wrote a request (SagaClient.send's future)
     StatusView                    follow the status topic
     CoordinatorService            the coordinator process (``saga coordinator run``)
     CoordinatorStats              what a running service counted
@@ -14,7 +15,8 @@ Public API::
 See docs/architecture.md for how these fit together.
 """
 
-from saga.coordinator._client import AsyncSagaClient, SagaClient
+from saga.coordinator._client import Delivered, SagaClient
+from saga.coordinator._client_async import AsyncSagaClient
 from saga.coordinator._machine import (
     AbortRequested,
     Ignored,
@@ -32,6 +34,7 @@ __all__ = [
     "AsyncSagaClient",
     "CoordinatorService",
     "CoordinatorStats",
+    "Delivered",
     "Ignored",
     "RequestReceived",
     "Saga",

@@ -48,7 +48,9 @@ class StatusView:
     newest first, when the transaction is asked about (:meth:`get`,
     :meth:`wait_final`, :meth:`snapshot`, a listener that wants it); a forged one is
     logged and dropped. ``log`` makes the consumer (default: a
-    :class:`~streams.kafka.KafkaLog` of ``settings``).
+    :class:`~streams.kafka.KafkaLog` of ``settings``). Making a view asks Kafka for
+    the topics' partitions and ends, each question for up to ``timeout`` seconds
+    (:class:`~streams.TransientError` when it gets no answer).
     """
 
     def __init__(
@@ -58,6 +60,7 @@ class StatusView:
         from_beginning: bool = True,
         keys: Keyring | None = None,
         log: Log | None = None,
+        timeout: float = 10.0,
     ) -> None:
         self._settings = settings
         self._keys = keys
@@ -81,11 +84,22 @@ class StatusView:
         self._dlq = settings.topics.dlq
         self._requests = settings.topics.requests
         self._rejected: OrderedDict[str, list[tuple[str, bytes | None, Message]]] = OrderedDict()
-        partitions = self._consumer.list_partitions(self._topic)
         self._ends: dict[int, int] = {}
+        try:
+            self._consumer.assign(self._start(from_beginning, timeout))
+        except BaseException:
+            self._consumer.close()
+            raise
+        if not self._ends:
+            self._caught_up.set()
+        self._thread = threading.Thread(target=self._run, name="saga-status", daemon=True)
+        self._thread.start()
+
+    def _start(self, from_beginning: bool, timeout: float) -> list[tuple[str, int, int]]:
+        """Where to read from: the status topic (and its ends, ``from_beginning``), the DLQ."""
         start: list[tuple[str, int, int]] = []
-        for p in range(partitions):
-            low, high = self._consumer.watermarks(self._topic, p)
+        for p in range(self._consumer.list_partitions(self._topic, timeout)):
+            low, high = self._consumer.watermarks(self._topic, p, timeout)
             if from_beginning:
                 start.append((self._topic, p, low))
                 if high > low:
@@ -93,17 +107,13 @@ class StatusView:
             else:
                 start.append((self._topic, p, high))
         try:
-            for p in range(self._consumer.list_partitions(self._dlq)):
-                start.append((self._dlq, p, self._consumer.watermarks(self._dlq, p)[1]))
+            for p in range(self._consumer.list_partitions(self._dlq, timeout)):
+                start.append((self._dlq, p, self._consumer.watermarks(self._dlq, p, timeout)[1]))
         except ConfigurationError as exc:  # no DLQ topic, or not allowed to read it
             logging.getLogger("saga.client").info(
                 "not following rejected requests (%s): result() waits instead", exc
             )
-        self._consumer.assign(start)
-        if not self._ends:
-            self._caught_up.set()
-        self._thread = threading.Thread(target=self._run, name="saga-status", daemon=True)
-        self._thread.start()
+        return start
 
     def _run(self) -> None:
         try:

@@ -27,6 +27,7 @@ from saga.streams import (
     SagaTimeout,
     Step,
     StepStatus,
+    SubmitUncertain,
     TransientError,
 )
 
@@ -45,5 +46,6 @@ __all__ = [
     "SagaTimeout",
     "Step",
     "StepStatus",
+    "SubmitUncertain",
     "TransientError",
 ]

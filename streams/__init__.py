@@ -21,6 +21,7 @@ from saga.streams._errors import (
     InvalidRecord,
     SagaError,
     SagaTimeout,
+    SubmitUncertain,
     TransientError,
 )
 from saga.streams._limits import (
@@ -99,6 +100,7 @@ __all__ = [
     "StepProgress",
     "StepStatus",
     "StorageKind",
+    "SubmitUncertain",
     "Topics",
     "TransientError",
     "decode",

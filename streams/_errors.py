@@ -11,6 +11,8 @@ Every error says whether retrying the same operation can help::
     ├── ConflictingRequest         no   a tx_id reused with a different payload
     ├── SagaTimeout                yes  no final state yet; the saga is still running
     ├── TransientError             yes  broker or storage unavailable for now
+    │   ├── SubmitUncertain        yes  a submitted request may not have reached Kafka:
+    │   │                               submit it again with the same tx_id (``.tx_id``)
     │   └── TransactionAborted     yes  the Kafka transaction cannot commit: abort it and
     │                                   re-process from the committed offsets (streams.kafka)
     └── FatalKafkaError            no   the Kafka client cannot go on (fenced producer, ...)
@@ -32,9 +34,14 @@ from __future__ import annotations
 
 
 class SagaError(Exception):
-    """Base of every error saga raises on purpose."""
+    """Base of every error saga raises on purpose.
+
+    ``tx_id``: the transaction an error of a client's submit is about (set by the
+    client: its id is fixed before sending); ``None`` elsewhere.
+    """
 
     retryable: bool = False
+    tx_id: str | None = None
 
 
 class ConfigurationError(SagaError):
@@ -75,6 +82,27 @@ class TransientError(SagaError):
     """A broker or storage is unavailable for now; retrying later can help."""
 
     retryable = True
+
+
+class SubmitUncertain(TransientError):
+    """A request was handed to Kafka, but its delivery was not confirmed: it may or may not
+    be in the log (the client may still deliver it later).
+
+    ``tx_id`` is the transaction's id, fixed before sending. The way to retry is to submit
+    the same steps again with ``tx_id=error.tx_id``: two requests with one ``tx_id`` and the
+    same steps, saga name, mode and isolation are one saga, so a retry never runs the
+    transaction twice, whichever of the copies arrives. A retry with a new ``tx_id`` may.
+    """
+
+    def __init__(self, tx_id: str, reason: str, *, tx_ids: tuple[str, ...] = ()) -> None:
+        super().__init__(
+            f"transaction {tx_id} may not have reached Kafka ({reason}); submit it again "
+            f"with tx_id={tx_id!r}: a repeat with the same tx_id and steps is one saga"
+        )
+        self.tx_id: str = tx_id
+        self.reason = reason
+        self.tx_ids: tuple[str, ...] = tx_ids or (tx_id,)
+        """Every transaction the error is about (a batch's), ``tx_id`` first."""
 
 
 class FatalKafkaError(SagaError):

@@ -29,6 +29,7 @@ EXPECTED: dict[str, tuple[str, bool]] = {
     "InvalidRecord": ("SagaError", False),
     "ReconcileError": ("ConfigurationError", False),
     "SagaTimeout": ("SagaError", True),
+    "SubmitUncertain": ("TransientError", True),
     "TransactionAborted": ("TransientError", True),
     "TransientError": ("SagaError", True),
 }
@@ -42,6 +43,7 @@ CLASSES: dict[str, type[SagaError]] = {
     "InvalidRecord": saga.streams.InvalidRecord,
     "ReconcileError": ReconcileError,
     "SagaTimeout": saga.streams.SagaTimeout,
+    "SubmitUncertain": saga.streams.SubmitUncertain,
     "TransactionAborted": TransactionAborted,
     "TransientError": saga.streams.TransientError,
 }
@@ -97,15 +99,16 @@ def _all_subclasses(cls: type[BaseException]) -> set[type[BaseException]]:
 
 
 def test_every_public_saga_error_is_drawn() -> None:
-    for package in ("coordinator", "participants", "streams"):
-        root = importlib.import_module(package)
-        for info in pkgutil.walk_packages(root.__path__, f"{package}."):
+    project = ("coordinator", "participants", "streams")
+    for package in project:
+        root = importlib.import_module(f"saga.{package}")
+        for info in pkgutil.walk_packages(root.__path__, f"saga.{package}."):
             if not info.name.endswith("__main__"):
                 importlib.import_module(info.name)
-    project = ("coordinator", "participants", "streams")
     public = {
         cls.__name__
         for cls in _all_subclasses(SagaError)
-        if cls.__module__.split(".")[0] in project and not cls.__name__.startswith("_")
+        if cls.__module__.removeprefix("saga.").split(".")[0] in project
+        and not cls.__name__.startswith("_")
     }
     assert public == set(EXPECTED)
