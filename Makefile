@@ -34,7 +34,8 @@ help:
 	@echo "make reconcile-bench  the reconciliation job's throughput on a generated log"
 	@echo "make state-bench   coordinator restart and client start after 10,000 vs 1,000,000 sagas"
 	@echo "make chaos-short   fault injection, short profile (CI): every fault type once, a few minutes;"
-	@echo "                   then 1,000+ hostile records of 29 kinds in 1,000+ valid sagas"
+	@echo "                   then 1,000+ hostile records of 29 kinds in 1,000+ valid sagas; then the"
+	@echo "                   isolation tier: 2,000+ sagas on 20 hot records per store, kills, a reader"
 	@echo "make chaos         fault injection, long profile: 20,000 sagas, 20 kills of each component"
 	@echo "make console-screenshots  the web console's browser test, saving docs/img/console-*.png"
 	@echo "make cluster-up    start a local three-broker Kafka cluster (infra/kafka-cluster.sh) next to the single node"
@@ -135,10 +136,11 @@ state-bench: venv infra-up
 
 # Fault injection (tests/chaos): kills and restarts the services infra-up started, so it
 # runs after the other tests. CHAOS_SEED=N replays a run; the report goes to CHAOS_REPORT
-# (default reports/chaos.json; the hostile profile's reports/chaos-hostile.json).
+# (default reports/chaos.json; the hostile profile's reports/chaos-hostile.json; the
+# isolation tier's reports/chaos-isolation.json).
 chaos-short: venv infra-up
 	@$(WITH_ENV) $(VENV)/bin/pytest -m chaos -q -s tests/chaos/test_chaos.py::test_short_profile \
-		tests/chaos/test_chaos.py::test_hostile_profile
+		tests/chaos/test_chaos.py::test_hostile_profile tests/chaos/test_chaos.py::test_isolation_profile
 
 chaos: venv infra-up
 	@$(WITH_ENV) $(VENV)/bin/pytest -m chaos -q -s tests/chaos/test_chaos.py::test_long_profile

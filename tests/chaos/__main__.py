@@ -1,4 +1,5 @@
-"""``python -m tests.chaos [--profile short|long] [--seed N] [--report PATH] [--keep]``.
+"""``python -m tests.chaos [--profile short|long|hostile|isolation] [--seed N] [--report PATH]
+[--keep]``.
 
 Runs a chaos profile against the services ``infra/services.sh`` started (their
 addresses from the ``SAGA_*`` variables, else from ``infra/services.sh env``),
@@ -16,12 +17,13 @@ from pathlib import Path
 import pytest
 
 from tests._infra import local_services, unreachable, unreachable_message
+from tests.chaos.iso_runner import ISO_PROFILES, run_isolation
 from tests.chaos.runner import DEFAULT_REPORT, PROFILES, run_profile
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.chaos", description=__doc__)
-    parser.add_argument("--profile", choices=sorted(PROFILES), default="short")
+    parser.add_argument("--profile", choices=[*sorted(PROFILES), "isolation"], default="short")
     parser.add_argument("--seed", type=int, default=None, help="default: a random one")
     parser.add_argument("--report", type=Path, default=DEFAULT_REPORT)
     parser.add_argument("--keep", action="store_true", help="keep the topics and store data")
@@ -35,6 +37,13 @@ def main(argv: list[str] | None = None) -> int:
     if down:
         print(f"chaos: {unreachable_message(down, 'local')}", file=sys.stderr)
         return 2
+    if args.profile == "isolation":
+        path = args.report if args.report != DEFAULT_REPORT else None
+        report = run_isolation(
+            services, ISO_PROFILES["short"], seed=args.seed, keep=args.keep,
+            **({"report_path": path} if path else {}),
+        )  # fmt: skip
+        return 0 if report["passed"] else 1
     report = run_profile(
         services, PROFILES[args.profile], seed=args.seed, report_path=args.report, keep=args.keep
     )

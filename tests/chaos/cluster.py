@@ -162,8 +162,10 @@ class Cluster:
         unsafe: str | None = None,
         clock_start: float | None = None,
         keys_dir: Path | None = None,
+        targets: tuple[str, ...] = (TARGET,),
     ) -> None:
         self.services = services
+        self.targets = targets  # every participant's allow-list (--targets)
         self.keys_dir = keys_dir  # signed records: SAGA_KEYS_DIR of every process
         self.prefix = prefix
         self.token = token
@@ -228,7 +230,7 @@ class Cluster:
             "--schema",
             self.token,
             "--targets",
-            TARGET,
+            ",".join(self.targets),
             # As a supervisor (systemd, a StatefulSet) would: the same id on every restart,
             # so the restarted worker takes back its partitions at once.
             "--worker-id",

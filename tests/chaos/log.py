@@ -24,6 +24,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from saga.streams import (
     Decision,
@@ -361,6 +362,18 @@ class LogView:
     dlq: list[DeadLetter] = field(default_factory=list)
     statuses: dict[str, SagaStatus] = field(default_factory=dict)
     records: dict[str, int] = field(default_factory=dict)
+    decided_ms: dict[str, int] = field(default_factory=dict)
+    """The Kafka timestamp of each transaction's first coordinator decision (not a replay
+    nor a duplicate): no participant acts on the decision before it was produced."""
+    decision_reasons: dict[str, str] = field(default_factory=dict)
+    event_ms: dict[tuple[str, int, str], int] = field(default_factory=dict)
+    """``(tx_id, step, status)`` -> the Kafka timestamp of its first event: produced after
+    the participant's local commit, so the step's effect was in its store by then."""
+
+
+def _earliest(into: dict[Any, int], key: Any, m: Message) -> None:
+    if m.timestamp_ms is not None and (key not in into or m.timestamp_ms < into[key]):
+        into[key] = m.timestamp_ms
 
 
 def _keyed(m: Message, tx_id: str) -> bool:
@@ -403,6 +416,7 @@ def read_log(settings: KafkaSettings, keys: Keyring | None = None) -> LogView:
             continue
         if _keyed(m, event.tx_id):
             view.events[(event.tx_id, event.step)].add(str(event.status))
+            _earliest(view.event_ms, (event.tx_id, event.step, str(event.status)), m)
             if event.confirm:
                 view.confirms.add((event.tx_id, event.step))
     view.records["events"] = n
@@ -418,14 +432,14 @@ def read_log(settings: KafkaSettings, keys: Keyring | None = None) -> LogView:
             forged += 1
             continue
         if _keyed(m, decision.tx_id):
+            replayed = m.header(REPLAYED_HEADER) is not None
+            injected = m.header(INJECTED_HEADER) is not None
             view.decisions[decision.tx_id].append(
-                DecisionRecord(
-                    str(decision.outcome),
-                    m.header(REPLAYED_HEADER) is not None,
-                    m.header(INJECTED_HEADER) is not None,
-                    m.value,
-                )
+                DecisionRecord(str(decision.outcome), replayed, injected, m.value)
             )
+            if not replayed and not injected:
+                _earliest(view.decided_ms, decision.tx_id, m)
+                view.decision_reasons.setdefault(decision.tx_id, decision.reason)
     view.records["decisions"] = n
     for m in read_messages(settings, t.dlq):
         source = (

@@ -56,7 +56,7 @@ from tests.chaos.log import (
     read_log,
 )
 from tests.chaos.stores import Stores
-from tests.chaos.workload import PARTICIPANTS, Transfer, openings
+from tests.chaos.workload import PARTICIPANTS, TARGET, Transfer, openings
 
 SAGA_TIMEOUT_S = 6 * 3600
 """Deadline of every saga: longer than any run, so a lost record leaves its saga unfinished
@@ -113,6 +113,7 @@ class System:
         signing: bool = True,
         forged: bool = False,
         replication_factor: int = 1,
+        targets: tuple[str, ...] = (TARGET,),
     ) -> None:
         self.services = services
         self.label = label
@@ -146,6 +147,7 @@ class System:
             unsafe=unsafe,
             clock_start=book.t0,
             keys_dir=self.keys_dir,
+            targets=targets,
         )
         self.submissions: dict[str, Submission] = {}
         self.order: list[str] = []

@@ -12,6 +12,10 @@ and no valid record there, every saga finished, and ``saga reconcile`` agreeing)
 when both negative controls were detected, and when every fault type of the
 profile was injected (the long profile: at least 20,000 sagas and 20 kills of
 each component). Nothing here asserts on timing.
+
+The isolation tier (:mod:`tests.chaos.iso_runner`, report ``reports/chaos-isolation.json``
+or ``CHAOS_ISOLATION_REPORT``) passes when every count of its ``read_committed`` system
+is 0 and its negative control (the same workload at level ``none``) shows dirty reads.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from typing import Any
 import pytest
 
 from tests._infra import Services
+from tests.chaos.iso_runner import ISO_PROFILES, run_isolation
 from tests.chaos.runner import COMPONENTS, DEFAULT_REPORT, PROFILES, run_profile
 
 
@@ -85,3 +90,25 @@ def test_long_profile(services: Services, infra_mode: str) -> None:
     assert report["sagas"]["submitted"] >= 20_000
     assert all(report["kills"][c] >= 20 for c in COMPONENTS), report["kills"]
     _check(report)
+
+
+@pytest.mark.chaos
+@pytest.mark.timeout(1800)
+def test_isolation_profile(services: Services, infra_mode: str) -> None:
+    """At least 2,000 sagas on at most 20 hot records per store, 30 % or more rolled back,
+    a coordinator and every store's participant killed, a reader sampling the stores:
+    no dirty read, no broken bound, no lost update, money conserved, I1-I4 (every count
+    0); the same workload at level ``none`` must show dirty reads."""
+    if infra_mode != "local":
+        pytest.fail("the isolation tier kills the local processes; use SAGA_INFRA=local",
+                    pytrace=False)  # fmt: skip
+    seed = int(os.environ["CHAOS_SEED"]) if os.environ.get("CHAOS_SEED") else None
+    default = DEFAULT_REPORT.with_name("chaos-isolation.json")
+    path = Path(os.environ.get("CHAOS_ISOLATION_REPORT") or default)
+    report = run_isolation(services, ISO_PROFILES["short"], seed=seed, report_path=path)
+    main = report["main"]
+    assert report["violations"] == 0, ({k: v for k, v in report["counts"].items() if v},
+                                       main["examples"])  # fmt: skip
+    assert report["negative_control_detected"], report["negative_control"]["counts"]
+    assert all(report["requirements"].values()), report["requirements"]
+    assert report["passed"]
