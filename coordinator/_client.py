@@ -6,9 +6,12 @@ each with a future of its own delivery (:mod:`coordinator._delivery`), and one
 background reader follows the compacted status topic for every transaction the client
 cares about, so thousands of in-flight sagas cost one consumer, not one per call.
 
-    with SagaClient(KafkaSettings.from_sources(None, None, None, os.environ)) as client:
+    with SagaClient("127.0.0.1:19092") as client:        # or SagaClient.from_env()
         tx = client.submit([Step("ledger", "increment", {...}), ...], saga="transfer")
         final = client.result(tx, timeout=10)      # SagaStatus, state committed/rolled_back/failed
+
+Where Kafka is: :mod:`coordinator._connect` (bootstrap servers, keywords for the prefix,
+a Kafka config file and the keys, or the ``saga`` command's variables).
 
 Retrying a submit: the ``tx_id`` is fixed before anything is sent, and every submit
 error carries it (``error.tx_id``). When Kafka did not confirm the delivery the error
@@ -23,21 +26,23 @@ may or may not be in the log. Submit the same steps again **with that tx_id**::
 Two requests with one ``tx_id`` and the same steps, saga name, mode and isolation are
 one saga; a retry with a new ``tx_id`` could run the transaction twice.
 
-With ``keys`` (a :class:`~streams._signing.Keyring`, e.g. ``Keyring.load(folder,
-"client")``) the client signs its requests and aborts, and believes a status record
-or a dead letter of the coordinator only when the coordinator signed it, verified
-lazily: only the records of sagas it is asked about or waits for.
+With ``keys`` (a key folder, or a :class:`~streams._signing.Keyring`, e.g.
+``Keyring.load(folder, "operator")``) the client signs its requests and aborts, and
+believes a status record or a dead letter of the coordinator only when the coordinator
+signed it, verified lazily: only the records of sagas it is asked about or waits for.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, Self
 
+from saga.coordinator._connect import Keys, client_keys, client_settings, env_settings
 from saga.coordinator._delivery import Delivered, delivery_future, submit_error, wait_delivered
 from saga.coordinator._request import DEFAULT_TIMEOUT_S, MAX_TIMEOUT_S, build_request
 from saga.coordinator._status_view import StatusView
@@ -57,7 +62,6 @@ from saga.streams._lifecycle import wall_clock_ms
 from saga.streams._otel import Spans
 from saga.streams._routing import request_headers, type_headers
 from saga.streams._signed_log import signing
-from saga.streams._signing import Keyring
 from saga.streams.kafka import KafkaLog, KafkaSettings
 from saga.streams.log import Log
 
@@ -89,10 +93,16 @@ def _still_running(tx_id: str, timeout: float, current: SagaStatus | None) -> Sa
 class SagaClient:
     """Submit sagas and follow them; safe to share between threads.
 
-    ``keys`` (``Keyring.load(folder, "client")``, or ``"operator"``) signs the
-    requests and aborts it sends and makes it believe only what the coordinator
-    signed (see :class:`StatusView`); ``log`` makes its Kafka clients (default: a
-    :class:`~streams.kafka.KafkaLog` of ``settings``; tests pass an in-memory log).
+    ``kafka``: the Kafka bootstrap servers (``SagaClient("127.0.0.1:19092")``), with
+    ``prefix`` (the topics' prefix, default ``saga``) and ``kafka_config`` (a file of
+    ``key=value`` librdkafka settings: SASL, TLS); or ready-made
+    :class:`~streams.kafka.KafkaSettings`. :meth:`from_env` reads the ``saga``
+    command's variables instead. ``keys`` (a key folder made by ``saga keys create``,
+    whose ``client`` key signs; or a :class:`~streams._signing.Keyring`, e.g.
+    ``Keyring.load(folder, "operator")``) signs the requests and aborts it sends and
+    makes it believe only what the coordinator signed (see :class:`StatusView`);
+    ``log`` makes its Kafka clients (default: a :class:`~streams.kafka.KafkaLog` of the
+    settings; tests pass an in-memory log).
     ``delivery_timeout``: how long a submit waits for Kafka to confirm its request
     before it raises :class:`~streams.SubmitUncertain`.
 
@@ -104,13 +114,17 @@ class SagaClient:
 
     def __init__(
         self,
-        settings: KafkaSettings,
+        kafka: KafkaSettings | str | None = None,
         *,
+        prefix: str | None = None,
+        kafka_config: str | os.PathLike[str] | None = None,
+        keys: Keys = None,
         status_from_beginning: bool = True,
-        keys: Keyring | None = None,
         log: Log | None = None,
         delivery_timeout: float = DEFAULT_DELIVERY_TIMEOUT_S,
     ) -> None:
+        settings = client_settings(kafka, prefix=prefix, kafka_config=kafka_config)
+        keys = client_keys(keys)
         self.settings = settings
         self.topics = settings.topics
         self.delivery_timeout = delivery_timeout
@@ -128,6 +142,28 @@ class SagaClient:
         self._submitted: OrderedDict[str, str] = OrderedDict()
         self._lock = threading.Lock()
         self._closed = False
+
+    @classmethod
+    def from_env(
+        cls,
+        environ: Mapping[str, str] | None = None,
+        *,
+        prefix: str | None = None,
+        kafka_config: str | os.PathLike[str] | None = None,
+        keys: Keys = None,
+        **options: Any,
+    ) -> Self:
+        """A client configured as the ``saga`` command is: ``SAGA_KAFKA_BOOTSTRAP``,
+        ``SAGA_TOPIC_PREFIX``, ``SAGA_KAFKA_<NAME>`` settings and ``SAGA_KEYS_DIR`` from
+        ``environ`` (default: ``os.environ``); a keyword wins over its variable.
+        ``options`` are the constructor's other keywords.
+
+        Raises:
+            ConfigurationError: no ``SAGA_KAFKA_BOOTSTRAP`` (nor keyword), or a bad setting.
+        """
+        env = os.environ if environ is None else environ
+        settings = env_settings(env, prefix=prefix, kafka_config=kafka_config)
+        return cls(settings, keys=client_keys(keys, env), **options)
 
     def __enter__(self) -> SagaClient:
         return self

@@ -8,11 +8,13 @@ thousands of waits for results share the one status reader.
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, Self
 
 from saga.coordinator._client import DEFAULT_DELIVERY_TIMEOUT_S, SagaClient, _still_running
+from saga.coordinator._connect import Keys, client_keys, env_settings
 from saga.coordinator._delivery import Delivered
 from saga.coordinator._request import DEFAULT_TIMEOUT_S
 from saga.streams import (
@@ -24,7 +26,6 @@ from saga.streams import (
     Step,
     SubmitUncertain,
 )
-from saga.streams._signing import Keyring
 from saga.streams.kafka import KafkaSettings
 from saga.streams.log import Log
 
@@ -34,29 +35,51 @@ __all__ = ["AsyncSagaClient"]
 class AsyncSagaClient:
     """The asyncio twin of :class:`SagaClient`; the blocking work runs in a thread.
 
+    Made as a :class:`SagaClient` is: ``AsyncSagaClient("127.0.0.1:19092")`` with the same
+    keywords, or :meth:`from_env`.
+
     Submits raise as :meth:`SagaClient.submit` does: :class:`~streams.SubmitUncertain`
     (with ``.tx_id``) when Kafka did not confirm a request; submit again with that id.
     """
 
     def __init__(
         self,
-        settings: KafkaSettings,
+        kafka: KafkaSettings | str | None = None,
         *,
+        prefix: str | None = None,
+        kafka_config: str | os.PathLike[str] | None = None,
+        keys: Keys = None,
         status_from_beginning: bool = True,
-        keys: Keyring | None = None,
         log: Log | None = None,
         delivery_timeout: float = DEFAULT_DELIVERY_TIMEOUT_S,
     ) -> None:
         self._client = SagaClient(
-            settings,
-            status_from_beginning=status_from_beginning,
+            kafka,
+            prefix=prefix,
+            kafka_config=kafka_config,
             keys=keys,
+            status_from_beginning=status_from_beginning,
             log=log,
             delivery_timeout=delivery_timeout,
         )
         self._waiters: dict[str, list[asyncio.Future[SagaStatus]]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._client._listen(self._on_status, self._waits_for, self._on_rejection)
+
+    @classmethod
+    def from_env(
+        cls,
+        environ: Mapping[str, str] | None = None,
+        *,
+        prefix: str | None = None,
+        kafka_config: str | os.PathLike[str] | None = None,
+        keys: Keys = None,
+        **options: Any,
+    ) -> Self:
+        """As :meth:`SagaClient.from_env`: configured as the ``saga`` command is."""
+        env = os.environ if environ is None else environ
+        settings = env_settings(env, prefix=prefix, kafka_config=kafka_config)
+        return cls(settings, keys=client_keys(keys, env), **options)
 
     @property
     def settings(self) -> KafkaSettings:

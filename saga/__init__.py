@@ -4,8 +4,9 @@ A Saga/OLEP coordinator on Apache Kafka. The names most programs need are here::
 
     from saga import SagaClient, Step
 
-    client = SagaClient("127.0.0.1:19092")
-    status = client.run([Step("ledger", "increment", {...})])
+    with SagaClient("127.0.0.1:19092") as client:     # or SagaClient.from_env()
+        tx = client.submit([Step("ledger", "increment", {...})], saga="credit")
+        status = client.result(tx)                     # committed, rolled_back or failed
 
 Beneath this package: :mod:`saga.coordinator` (state machine, service, clients),
 :mod:`saga.participants` (runtime, storage adapters, custom handlers),
