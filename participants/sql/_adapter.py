@@ -99,7 +99,13 @@ from saga.participants._actions import check_identifier
 from saga.participants._barrier import LedgerEntry, LedgerStatus
 from saga.participants._handlers import Handler, combine
 from saga.participants._storage import Actions, LedgerStorage, Unit, WorkItem
-from saga.participants.sql._actions import DriverErrors, NeedsSavepoints, SqlActions, batch_keys
+from saga.participants.sql._actions import (
+    BatchKeys,
+    DriverErrors,
+    NeedsSavepoints,
+    SqlActions,
+    batch_keys,
+)
 from saga.participants.sql._errors import (
     can_pipeline,
     describe,
@@ -297,15 +303,13 @@ class SqlStorage(LedgerStorage[SqlSession, SqlBatch]):
             pg = self._lock_transactions
             locks = RecordLocks(connection, self.holds_table, postgresql=pg)
             keys = batch_keys(items, ledger.entries, self._tables)
-            # Before any row is read: a row a step may create has no row lock yet.
-            locks.take(keys.creating)
             rows = holds = None
-            if not careful:
+            if careful:
+                locks.take(keys.creating)
+            else:
                 rows = BatchRows(connection, self._tables, postgresql=pg)
-                rows.preload(keys.rows)
-                # After the rows are locked: the holds read are the latest.
                 holds = BatchHolds(connection, self.holds_table, locks)
-                holds.preload(keys.records)
+                self._preload(connection, keys, rows, holds)
             yield SqlBatch(connection, ledger, careful, locks, rows, holds)
             if rows is not None and holds is not None and self._pipeline:
                 # A refusal of the rows' write or of the ledger's (another worker's
@@ -323,6 +327,29 @@ class SqlStorage(LedgerStorage[SqlSession, SqlBatch]):
                     rows.flush()
                     holds.flush()
             ledger.flush()
+
+    def _preload(
+        self, connection: Connection, keys: BatchKeys, rows: BatchRows, holds: BatchHolds
+    ) -> None:
+        """Lock and read what the batch's built-in steps touch: first the record locks of
+        rows a step may create (they have no row lock yet), then the rows (locked), then
+        their holds (read once the rows are locked, so they are the latest). Through
+        psycopg, in one pipeline: one wait for the server."""
+        if not keys.records:
+            return
+        if self._pipeline:
+            with pipelined(connection) as driver:
+                holds.locks.take(keys.creating)
+                read_rows = rows.load_pipelined(driver, keys.rows)
+                if read_rows is not None:
+                    read_holds = holds.load_pipelined(driver, keys.records)
+            if read_rows is not None:
+                read_rows()
+                read_holds()
+                return
+        holds.locks.take(keys.creating)
+        rows.preload(keys.rows)
+        holds.preload(keys.records)
 
     def open_unit(
         self, batch: SqlBatch, item: WorkItem, previous: Unit[SqlSession] | None

@@ -40,7 +40,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Final, TypeAlias
+from typing import TYPE_CHECKING, Any, Final, TypeAlias
 
 from sqlalchemy import (
     ARRAY,
@@ -66,6 +66,9 @@ from sqlalchemy import (
 )
 
 from saga.participants.sql._rows import bulk_rows, bulk_statement, one_of
+
+if TYPE_CHECKING:  # psycopg is PostgreSQL's driver: SQLite runs without it
+    import psycopg
 
 HOLD: Final = "hold"
 RESERVE: Final = "reserve"
@@ -272,6 +275,31 @@ class BatchHolds(Holds):
         for start in range(0, len(wanted), _CHUNK):
             self._read(wanted[start : start + _CHUNK])
 
+    def load_pipelined(
+        self, driver: psycopg.Connection[Any], records: Iterable[Record]
+    ) -> Callable[[], None]:
+        """:meth:`preload` on PostgreSQL, sent inside a pipeline (after the statements that
+        lock the records' rows, which the server runs first); the returned call, made
+        after the pipeline, reads what it found."""
+        from psycopg.rows import dict_row
+
+        wanted = sorted(set(records) - set(self._base))
+        table = self._connection.dialect.identifier_preparer.format_table(self.table)
+        cursor = driver.cursor(row_factory=dict_row)
+        cursor.execute(
+            f"SELECT h.* FROM unnest(CAST(%(targets)s AS text[]), CAST(%(records)s AS text[])) "  # noqa: S608
+            f"AS k(target, record) JOIN {table} AS h "
+            "ON h.target = k.target AND h.record = k.record",
+            {"targets": [r[0] for r in wanted], "records": [r[1] for r in wanted]},
+        )
+
+        def read() -> None:
+            with cursor:
+                found = cursor.fetchall()
+            self._fill(wanted, found)
+
+        return read
+
     def _read(self, records: list[Record]) -> None:
         c = self.table.c
         by_target: dict[str, list[str]] = {}
@@ -284,9 +312,12 @@ class BatchHolds(Holds):
                 for target, keys in sorted(by_target.items())
             )
         )
+        self._fill(records, self._connection.execute(select(self.table).where(match)).mappings())
+
+    def _fill(self, records: Iterable[Record], rows: Iterable[Mapping[Any, Any]]) -> None:
         for each in records:
             self._base[each] = {}
-        for row in self._connection.execute(select(self.table).where(match)).mappings():
+        for row in rows:
             hold = hold_of(row)
             self._base.setdefault((hold.target, hold.record), {})[hold.key] = hold
 

@@ -39,12 +39,12 @@ text does not change, so psycopg prepares it once); elsewhere (SQLite) it is one
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from contextlib import suppress
 from decimal import ROUND_HALF_UP, Context, Decimal
 from enum import Enum
 from functools import lru_cache
-from typing import Any, Final, Literal
+from typing import TYPE_CHECKING, Any, Final, Literal
 
 from sqlalchemy import (
     Column,
@@ -62,6 +62,9 @@ from sqlalchemy import (
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.sql import sqltypes
+
+if TYPE_CHECKING:  # psycopg is PostgreSQL's driver: SQLite runs without it
+    import psycopg
 
 
 class NotCached(Enum):
@@ -119,13 +122,69 @@ class BatchRows:
                 return NOT_CACHED
         return self._rows[at]
 
+    def load_pipelined(
+        self, driver: psycopg.Connection[Any], wanted: Mapping[str, Iterable[Any]]
+    ) -> Callable[[], None] | None:
+        """:meth:`preload` on PostgreSQL, sent inside a pipeline (:func:`pipelined`) with the
+        statements before and after it; the returned call, made after the pipeline, reads
+        what it found. ``None`` (nothing sent) when a key column's type cannot be named
+        in SQL: then :meth:`preload`."""
+        from psycopg.rows import dict_row
+
+        dialect = self._connection.dialect
+        quote = dialect.identifier_preparer.quote
+        queries: list[tuple[Table, list[Any], str]] = []
+        for name in sorted(wanted):
+            table = self._tables[name]
+            pk = _pk(table)
+            try:
+                kind = _sql_type(pk, dialect)
+            except sa_exc.CompileError:
+                return None
+            keys = [k for k in set(wanted[name]) if (name, k) not in self._rows]
+            with suppress(TypeError):
+                keys.sort()
+            target = dialect.identifier_preparer.format_table(table)
+            sql = (
+                f"SELECT * FROM {target} WHERE {quote(pk.name)} = "  # noqa: S608
+                f"ANY(CAST(%(keys)s AS {kind}[])) ORDER BY {quote(pk.name)} FOR UPDATE"
+            )
+            queries.extend(
+                (table, keys[start : start + _CHUNK], sql) for start in range(0, len(keys), _CHUNK)
+            )
+        cursors = []
+        for table, keys, sql in queries:
+            cursor = driver.cursor(row_factory=dict_row)
+            cursor.execute(sql, {"keys": keys})
+            cursors.append((cursor, table, keys))
+
+        def read() -> None:
+            for cursor, table, keys in cursors:
+                with cursor:
+                    types = {d.name: d.type_code for d in cursor.description or ()}
+                    found = cursor.fetchall()
+                # As SQLAlchemy would hand them over: its result processors per column.
+                convert = {
+                    name: table.c[name].type.dialect_impl(dialect).result_processor(dialect, code)
+                    or _same
+                    for name, code in types.items()
+                }
+                converted = [{n: convert[n](v) for n, v in row.items()} for row in found]
+                self._found(table, keys, converted)
+
+        return read
+
     def _read(self, table: Table, keys: list[Any]) -> None:
         pk = _pk(table)
         match = one_of(pk, keys, postgresql=self._postgresql)
         query = select(table).where(match).order_by(pk).with_for_update()
+        self._found(table, keys, self._connection.execute(query).mappings())
+
+    def _found(self, table: Table, keys: list[Any], rows: Iterable[Mapping[Any, Any]]) -> None:
+        pk = _pk(table)
         wanted = set(keys)
         strangers = False
-        for found in self._connection.execute(query).mappings():
+        for found in rows:
             value = found[pk.name]
             if value in wanted:
                 self._rows[(table.name, value)] = dict(found)
@@ -266,6 +325,10 @@ def one_of(column: Column[Any], values: list[Any], *, postgresql: bool) -> Colum
         return column.in_(values)
     array = ARRAY(column.type)
     return column == any_(bindparam(None, values, type_=array))  # psycopg casts it
+
+
+def _same(value: Any) -> Any:
+    return value
 
 
 def _pk(table: Table) -> Column[Any]:
