@@ -46,6 +46,7 @@ from saga.participants import ParticipantRuntime, open_storage
 from saga.streams import (
     ConflictingRequest,
     Decision,
+    Isolation,
     KafkaSettings,
     Keyring,
     Mode,
@@ -211,8 +212,16 @@ def shop_step() -> Step:
 def request(
     tx: str, clock: ManualClock, steps: Sequence[Step] = (), mode: Mode = Mode.PARALLEL
 ) -> SagaRequest:
+    # ``none``: a step's effect is in the store once applied, which the tests read to see
+    # whether a (forged) record was acted on; read_committed would show it only at commit.
     return SagaRequest(
-        tx, "transfer", mode, tuple(steps or (move(), shop_step())), clock() + 60_000, clock()
+        tx,
+        "transfer",
+        mode,
+        tuple(steps or (move(), shop_step())),
+        clock() + 60_000,
+        clock(),
+        isolation=Isolation.NONE,
     )
 
 
