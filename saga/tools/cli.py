@@ -126,10 +126,11 @@ def demo(
 @kafka_options
 @click.option(
     "--phases",
-    default="main,latency,rollback,direct,log",
+    default="main,latency,rollback,hot,direct,log",
     show_default=True,
     help="Comma-separated phases to run: main (closed loop, all commit), latency (open "
-    "loop at --rate), rollback (closed loop, --rollback-fail-share rejected), direct "
+    "loop at --rate), rollback (closed loop, --rollback-fail-share rejected), hot (the "
+    "main phase's loop with every step on one of 10 records per store), direct "
     "(direct-write baseline), log (log-bound baseline).",
 )
 @click.option(
@@ -159,6 +160,13 @@ def demo(
     default=30.0,
     show_default=True,
     help="Seconds measured in the rollback phase.",
+)
+@click.option(
+    "--hot-duration",
+    type=click.FloatRange(0, 86_400, min_open=True),
+    default=30.0,
+    show_default=True,
+    help="Seconds measured in the hot-record phase.",
 )
 @click.option(
     "--baseline-duration",
@@ -275,6 +283,15 @@ def demo(
     "(the main phase twice, without then with, side by side with the throughput ratio).",
 )
 @click.option(
+    "--isolation",
+    type=click.Choice(["read_committed", "none", "both"]),
+    default="read_committed",
+    show_default=True,
+    help="The sagas' isolation level; both: the main and latency phases run at "
+    "read_committed, then again at none, side by side with the throughput ratio, CPU per "
+    "saga and open-loop latencies (the other phases at read_committed).",
+)
+@click.option(
     "--service-pid",
     "service_pid",
     multiple=True,
@@ -329,6 +346,7 @@ def bench(
     duration: float,
     latency_duration: float,
     rollback_duration: float,
+    hot_duration: float,
     baseline_duration: float,
     rate: float,
     window: int,
@@ -346,6 +364,7 @@ def bench(
     seed: int,
     keep_topics: bool,
     signing: str,
+    isolation: str,
     service_pid: tuple[str, ...],
     layouts: tuple[str, ...],
     profile_dir: str | None,
@@ -391,6 +410,7 @@ def bench(
         duration=duration,
         latency_duration=latency_duration,
         rollback_duration=rollback_duration,
+        hot_duration=hot_duration,
         baseline_duration=baseline_duration,
         rate=rate,
         window=window,
@@ -408,6 +428,7 @@ def bench(
         seed=seed,
         keep_topics=keep_topics,
         signing=signing,
+        isolation=isolation,
         service_pids=pids,
         layouts=tuple(parse_layout(t) for t in layouts) or (DEFAULT_LAYOUT,),
         profile=None if profile_dir is None else Path(profile_dir),

@@ -5,12 +5,19 @@
 * ``main``     closed loop at maximum (a window of sagas in flight), all commit;
 * ``latency``  open loop at a fixed rate (``--rate`` sagas/s): decision latency;
 * ``rollback`` closed loop with a share of sagas rejected (``--rollback-fail-share``);
+* ``hot``      the main phase's closed loop with every step on one of 10 records per
+  store (under ``read_committed``: escrow increments of a few hot records);
 * ``direct``   the direct-write baseline: the same increments on the same three
   stores, batched, written by plain loops (one process per store) without saga
   machinery;
 * ``log``      the log bound: produce + consume throughput of records like the
   saga's (sampled from the main run's topics) on the same broker, divided by the
   records one saga writes.
+
+Every saga asks for the level ``--isolation`` names (default ``read_committed``); with
+``both`` the main and latency phases run at each level in turn (``main-none``,
+``latency-none`` at ``none``) and the report puts them side by side
+(:mod:`saga.tools.bench.isolation`).
 
 Each saga phase gets fresh topics (``<prefix>.<phase>``), freshly prepared data
 and fresh coordinator and participant processes, started exactly as a user

@@ -11,8 +11,16 @@ from typing import Final
 from saga.streams import ConfigurationError
 from saga.streams.kafka import KafkaSettings
 
-PHASES: Final = ("main", "latency", "rollback", "direct", "log")
-SAGA_PHASES: Final = ("main", "latency", "rollback")
+PHASES: Final = ("main", "latency", "rollback", "hot", "direct", "log")
+SAGA_PHASES: Final = ("main", "latency", "rollback", "hot")
+ISOLATION: Final = ("read_committed", "none", "both")
+NONE_SUFFIX: Final = "-none"
+"""``--isolation both``: the main and latency phases run again at level ``none``, named
+``main-none`` and ``latency-none``; every other phase runs at ``read_committed``."""
+COMPARED: Final = ("main", "latency")
+"""The phases ``--isolation both`` runs at each level."""
+HOT_RECORDS: Final = 10
+"""The hot phase's sagas all touch the first this many records of each store."""
 PARTICIPANTS: Final = ("bank", "wallet", "rewards")
 TARGET_OF: Final = {"bank": "accounts", "wallet": "wallets", "rewards": "points"}
 FIELD_OF: Final = {"bank": "balance", "wallet": "balance", "rewards": "points"}
@@ -104,6 +112,7 @@ class BenchConfig:
     duration: float = 60.0
     latency_duration: float = 30.0
     rollback_duration: float = 30.0
+    hot_duration: float = 30.0
     baseline_duration: float = 20.0
     rate: float = 400.0
     window: int = 1000
@@ -124,6 +133,8 @@ class BenchConfig:
     seed: int = 7
     keep_topics: bool = False
     signing: str = "off"
+    isolation: str = "read_committed"
+    """The sagas' level (``both``: see :data:`NONE_SUFFIX`)."""
     service_pids: Mapping[str, int] = field(default_factory=dict)
     layouts: tuple[Layout, ...] = (DEFAULT_LAYOUT,)
     profile: Path | None = None
@@ -138,7 +149,7 @@ class BenchConfig:
             )
         if self.warmup < 0 or min(self.duration, self.latency_duration) <= 0:
             raise ConfigurationError("durations must be positive seconds (the warm-up may be 0)")
-        if min(self.rollback_duration, self.baseline_duration) <= 0:
+        if min(self.rollback_duration, self.baseline_duration, self.hot_duration) <= 0:
             raise ConfigurationError("durations must be positive seconds (the warm-up may be 0)")
         if self.rate <= 0 or self.window < 1 or self.batch < 1 or self.accounts < 1:
             raise ConfigurationError("--rate, --window, --batch and --accounts must be positive")
@@ -149,6 +160,13 @@ class BenchConfig:
         if self.signing == "both" and "main" not in self.phases:
             raise ConfigurationError(
                 "--signing both compares two main phases: keep main in --phases"
+            )
+        if self.isolation not in ISOLATION:
+            raise ConfigurationError(f"--isolation {self.isolation!r}: use {', '.join(ISOLATION)}")
+        if self.isolation == "both" and not set(COMPARED) & set(self.phases):
+            raise ConfigurationError(
+                "--isolation both compares the main and latency phases at each level: "
+                "keep main or latency in --phases"
             )
         names = [layout.name for layout in self.layouts]
         if not names or len(set(names)) != len(names):
@@ -165,6 +183,13 @@ class BenchConfig:
                 f"--schema {self.schema!r} must be a letter or _ followed by up to 62 "
                 "letters, digits or _"
             )
+
+
+def phase_level(cfg: BenchConfig, phase: str) -> str:
+    """The isolation level a phase's sagas ask for."""
+    if phase.endswith(NONE_SUFFIX) or cfg.isolation == "none":
+        return "none"
+    return "read_committed"
 
 
 def account(i: int) -> str:

@@ -28,9 +28,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from saga.streams import TransientError, encode
 from saga.streams._lifecycle import wall_clock_ms
 from saga.streams._routing import request_headers
-from saga.streams._signing import (
-    CLIENT as CLIENT_PRINCIPAL,
-)
+from saga.streams._signing import CLIENT as CLIENT_PRINCIPAL
 from saga.streams._signing import (
     COORDINATOR,
     OPERATOR,
@@ -106,6 +104,8 @@ class SagaPhaseResult:
     layout: str = "default"
     stores: dict[str, str] = field(default_factory=dict)  # participant -> store
     profile: dict[str, Any] | None = None  # --profile: files and top functions per process
+    isolation: str = "read_committed"  # the level every saga of the phase asks for
+    hot_records: int | None = None  # the hot phase: every step on one of this many records
 
     def as_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -195,6 +195,8 @@ class SagaPhase:
             seed=seed,
             tx_prefix=self.settings.prefix,
             timeout_s=cfg.saga_timeout,
+            isolation=result.isolation,
+            hot=result.hot_records,
         )
         self.tracker = _Tracker()
         self.completed = 0
@@ -494,8 +496,11 @@ def run_saga_phase(
     layout: Layout = DEFAULT_LAYOUT,
     tag: str | None = None,
     signed: bool = False,
+    isolation: str = "read_committed",
+    hot: int | None = None,
 ) -> tuple[SagaPhaseResult, list[tuple[bytes | None, bytes | None]]]:
-    """One saga phase on ``layout`` (``signed``: with a key folder); returns its figures
+    """One saga phase on ``layout`` (``signed``: with a key folder; ``isolation``: the
+    sagas' level; ``hot``: every step on one of that many records); returns its figures
     and a sample of the records it wrote. ``tag`` (default: ``name``) names its topics
     (``<prefix>.<tag>.*``), log folder and profile folder."""
     result = SagaPhaseResult(
@@ -508,6 +513,8 @@ def run_saga_phase(
         window=cfg.window if mode == "closed" else None,
         layout=layout.name,
         stores=dict(layout.stores),
+        isolation=isolation,
+        hot_records=hot,
     )
     phase = SagaPhase(cfg, console, result, services, seed, layout=layout, tag=tag, signed=signed)
     sample = phase.run()

@@ -15,6 +15,7 @@ from rich.table import Table
 
 from saga.tools.bench.baselines import DirectResult, LogResult
 from saga.tools.bench.config import PARTICIPANTS, SIGNED_MAIN, BenchConfig
+from saga.tools.bench.isolation import hot_figures, isolation_figures, print_isolation
 from saga.tools.bench.phases import SagaPhaseResult
 
 
@@ -116,6 +117,7 @@ def layout_figures(
         main.records_per_saga if main else (log_bound.records_per_saga if log_bound else None)
     )
     stores = next(iter(phases.values())).stores if phases else {}
+    isolation, hot = isolation_figures(cfg, phases), hot_figures(phases)
     return {
         "layout": layout,
         "stores": stores,
@@ -136,6 +138,10 @@ def layout_figures(
         "cpu_cores_used": main.cpu_cores_used if main else None,
         "records_per_saga": records_per_saga,
         "signing": signing_figures(cfg, phases),
+        "isolation": isolation,
+        "isolation_ratio": (isolation or {}).get("throughput_ratio"),
+        "hot": hot,
+        "hot_ratio": hot["ratio_to_main"] if hot else None,
         "profile": main.profile if main else None,
         "phases": {name: r.as_json() for name, r in phases.items()},
         "direct_write": direct.as_json() if direct else None,
@@ -151,8 +157,14 @@ TARGETS: Final = (
     ("pg-wallet", "latency_shed", 0.0, False, "open loop, wallet on PostgreSQL: shed"),
     ("default", "rollback_ratio", 0.5, True, "default layout: rollback / main"),
     ("pg-wallet", "rollback_ratio", 0.5, True, "wallet on PostgreSQL: rollback / main"),
+    ("default", "isolation_ratio", 0.7, True, "#28 default: rc / none sagas/s"),
+    ("pg-wallet", "isolation_ratio", 0.7, True, "#28 wallet on PostgreSQL: rc / none"),
+    ("default", "hot_ratio", 0.5, True, "#28 default: hot records / main"),
+    ("pg-wallet", "hot_ratio", 0.5, True, "#28 wallet on PostgreSQL: hot / main"),
 )
-"""Issue #14's must-holds 1-4, checked against the layouts of the same name."""
+"""Issue #14's must-holds 1-4 and issue #28's cost figures (read_committed keeps 0.7 of
+none's throughput; the hot-record phase 0.5 of the main phase's), checked against the
+layouts of the same name."""
 
 
 def targets(layouts: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -219,6 +231,8 @@ def build_report(
             "saga_timeout_s": cfg.saga_timeout,
             "steps_per_saga": len(PARTICIPANTS),
             "signing": cfg.signing,
+            "isolation": cfg.isolation,
+            "hot_duration_s": cfg.hot_duration,
             "profile": None if cfg.profile is None else str(cfg.profile),
         },
         "machine": {
@@ -301,6 +315,7 @@ def print_summary(console: Console, report: Mapping[str, Any]) -> None:
         _print_phases(console, f"{title} ({name})" if len(layouts) > 1 else title, figures)
     if len(layouts) > 1:
         _print_side_by_side(console, layouts)
+    print_isolation(console, layouts)
     _print_baselines(console, report, layouts)
     _print_targets(console, report.get("targets") or [])
 
@@ -309,7 +324,7 @@ def _print_targets(console: Console, checks: list[Mapping[str, Any]]) -> None:
     """Issue #14's must-holds that this run measured, each with ok / NO."""
     if not checks:
         return
-    table = Table(title="issue #14 must-holds (this run)")
+    table = Table(title="issue #14 and #28 must-holds (this run)")
     table.add_column("target")
     table.add_column("value", justify="right")
     table.add_column("bound", justify="right")

@@ -17,7 +17,15 @@ from saga.tools.bench.baselines import (
     run_log_bound,
     synthetic_records,
 )
-from saga.tools.bench.config import SAGA_PHASES, SIGNED_MAIN, BenchConfig
+from saga.tools.bench.config import (
+    COMPARED,
+    HOT_RECORDS,
+    NONE_SUFFIX,
+    SAGA_PHASES,
+    SIGNED_MAIN,
+    BenchConfig,
+    phase_level,
+)
 from saga.tools.bench.phases import SagaPhaseResult, run_saga_phase
 from saga.tools.bench.proc import infra_dir, service_pids
 from saga.tools.bench.profile import py_spy
@@ -43,6 +51,7 @@ def run_bench(cfg: BenchConfig, console: Console) -> int:
         f"{cfg.workers} worker(s) per participant; logs in {cfg.logs}"
     )
     console.print(_signing_line(cfg.signing))
+    console.print(_isolation_line(cfg.isolation))
     if cfg.profile is not None:
         py_spy()  # missing: one sentence now, not after the first phases
         console.print(
@@ -61,6 +70,7 @@ def run_bench(cfg: BenchConfig, console: Console) -> int:
         "main": ("closed", cfg.fail_share, cfg.duration),
         "latency": ("open", cfg.fail_share, cfg.latency_duration),
         "rollback": ("closed", cfg.rollback_fail_share, cfg.rollback_duration),
+        "hot": ("closed", cfg.fail_share, cfg.hot_duration),
     }
     several = len(cfg.layouts) > 1
     try:
@@ -68,16 +78,15 @@ def run_bench(cfg: BenchConfig, console: Console) -> int:
             if several:
                 console.rule(f"layout {layout.name}: {layout.spec}")
             phases = by_layout.setdefault(layout.name, {})
-            order = [(i, name, name) for i, name in enumerate(SAGA_PHASES) if name in cfg.phases]
-            if cfg.signing == "both":  # the same main phase again, signed, right after
-                order.insert(1, (0, SIGNED_MAIN, "main"))
-            for i, name, kind in order:
+            for i, name, kind in phase_order(cfg):
                 mode, share, duration = plan[kind]
                 signed = cfg.signing == "on" or name == SIGNED_MAIN
                 result, records = run_saga_phase(
                     cfg, console, name, mode=mode, fail_share=share, duration=duration,
                     services=services, seed=cfg.seed + 1000 * i, layout=layout,
                     tag=f"{layout.name}.{name}" if several else name, signed=signed,
+                    isolation=phase_level(cfg, name),
+                    hot=HOT_RECORDS if kind == "hot" else None,
                 )  # fmt: skip
                 phases[name] = result
                 print_phase(console, result)
@@ -143,11 +152,37 @@ def run_bench(cfg: BenchConfig, console: Console) -> int:
     return 1 if problems else 0
 
 
+def phase_order(cfg: BenchConfig) -> list[tuple[int, str, str]]:
+    """``(seed index, phase name, kind)`` of each saga phase, in the order they run: a
+    compared phase at level ``none`` (``--isolation both``) and the signed main phase
+    (``--signing both``) right after the phase they are compared with."""
+    order: list[tuple[int, str, str]] = []
+    for i, name in enumerate(SAGA_PHASES):
+        if name not in cfg.phases:
+            continue
+        order.append((i, name, name))
+        if name == "main" and cfg.signing == "both":
+            order.append((i, SIGNED_MAIN, name))
+        if name in COMPARED and cfg.isolation == "both":
+            order.append((i, name + NONE_SUFFIX, name))
+    return order
+
+
 def _named(phases: dict[str, SagaPhaseResult], layout: str, several: bool) -> list[SagaPhaseResult]:
     """The phases, named with their layout when the run has several (for the warnings)."""
     if not several:
         return list(phases.values())
     return [replace(r, name=f"{layout}/{r.name}") for r in phases.values()]
+
+
+def _isolation_line(isolation: str) -> str:
+    if isolation == "both":
+        return (
+            "Isolation: the main and latency phases run at read_committed, then again at "
+            f"none (main{NONE_SUFFIX}, latency{NONE_SUFFIX}); the other phases at "
+            "read_committed"
+        )
+    return f"Isolation: every saga at level {isolation}"
 
 
 def _signing_line(signing: str) -> str:

@@ -1,4 +1,5 @@
-"""The bench's workload: three-step transfers, an exact share of them designed to fail."""
+"""The bench's workload: three-step transfers, an exact share of them designed to fail, at
+one isolation level, on every record or on a few hot ones."""
 
 from __future__ import annotations
 
@@ -6,18 +7,32 @@ import math
 import random
 from fractions import Fraction
 
-from saga.streams import Mode, SagaRequest, Step
+from saga.streams import Isolation, Mode, SagaRequest, Step
 from saga.streams._lifecycle import wall_clock_ms
 from saga.tools.bench.config import MAX_AMOUNT, PARTICIPANTS, account
 
 
 class Workload:
-    """Transfers of three steps; exactly ``fail_share`` of them rejected (a missing key)."""
+    """Transfers of three steps; exactly ``fail_share`` of them rejected (a missing key).
+
+    ``hot``: every step addresses one of the first ``hot`` records of its store (the
+    hot-record phase), instead of any of the ``accounts``. ``isolation``: the level
+    each request asks for.
+    """
 
     def __init__(
-        self, *, accounts: int, fail_share: float, seed: int, tx_prefix: str, timeout_s: float
+        self,
+        *,
+        accounts: int,
+        fail_share: float,
+        seed: int,
+        tx_prefix: str,
+        timeout_s: float,
+        isolation: str = "read_committed",
+        hot: int | None = None,
     ) -> None:
-        self.accounts = accounts
+        self.accounts = min(accounts, hot) if hot else accounts
+        self.isolation = Isolation(isolation)
         self.share = Fraction(fail_share).limit_denominator(10_000)
         self.rng = random.Random(seed)
         self.tx_prefix = tx_prefix
@@ -62,5 +77,6 @@ class Workload:
             steps=steps,
             deadline_ms=now + self.timeout_ms,
             created_ms=now,
+            isolation=self.isolation,
         )
         return request, amount, fails
