@@ -8,43 +8,38 @@ holds, reservations and bounds are described in :mod:`saga.participants.mongo._h
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Final, Literal
+from typing import Any
 
 from saga.participants._actions import (
-    INT64_MAX,
-    INT64_MIN,
     BuiltinAction,
     BuiltinActions,
     Delete,
     Increment,
     Insert,
-    Key,
     Put,
     RecordOps,
     Update,
 )
 from saga.participants._storage import StepScope
-from saga.participants.mongo._cas import ABSENT, _get, _same
+from saga.participants.mongo._cas import ABSENT, INTEGER, _get, _same
+from saga.participants.mongo._document import _Document
 from saga.participants.mongo._holds import (
     BOUNDS_FIELD,
     HOLD_FIELD,
     NOT_RESTORED,
     RESERVATIONS_FIELD,
-    RETRY,
     Hold,
     Reservation,
+    bound_ops,
     bounds_of,
     check_increment,
     fields_of,
-    held_reason,
+    reservation_path,
     reservations,
-    reservations_change,
-    reserved_reason,
     tightened,
 )
 from saga.participants.mongo._session import MongoSession
 from saga.participants.mongo._values import (
-    _CANONICAL_INT,
     MARKER_FIELD,
     Document,
     _add,
@@ -53,10 +48,7 @@ from saga.participants.mongo._values import (
     _restored,
     _show,
 )
-from saga.participants.mongo._writes import DocumentWrite, _doc_id
 from saga.streams import BusinessRejection
-
-Kind = Literal["insert", "update", "replace", "delete"]
 
 
 class MongoActions(BuiltinActions[MongoSession]):
@@ -75,105 +67,9 @@ class MongoActions(BuiltinActions[MongoSession]):
         return _Record(native, action.target, action.key)
 
 
-def canonical_key(key: Key) -> int | str:
-    """The ``_id`` a step's key addresses: canonical decimal integer strings become integers."""
-    if isinstance(key, str) and _CANONICAL_INT.fullmatch(key):
-        number = int(key)
-        if INT64_MIN <= number <= INT64_MAX:
-            return number
-    return key
-
-
-_UNREAD: Final = object()
-
-
-class _Record:
-    """One document of a target collection, addressed by the step's key; its shadow
-    document holds it while it does not exist yet (see :mod:`~saga.participants.mongo._holds`).
-
-    The document is read once (under its lock, settled) and kept for the step.
-    """
-
-    def __init__(self, session: MongoSession, target: str, key: Key) -> None:
-        self.session = session
-        self.target = target
-        self.key = canonical_key(key)
-        self.where = f"{target}/{key}"
-        self._doc: Any = _UNREAD
-
-    def _read(self) -> Document | None:
-        if self._doc is _UNREAD:
-            self._doc = self.session.read(self.target, self.key)
-        doc: Document | None = self._doc
-        return doc
-
-    def _existing(self) -> Document:
-        doc = self._read()
-        if doc is None:
-            raise BusinessRejection(f"{self.where} does not exist")
-        return doc
-
-    def _stage(self, kind: Kind, **parts: Any) -> None:
-        self.session.stage_internal(DocumentWrite(self.target, self.key, kind, **parts))
-
-    def _stage_shadow(self, kind: Kind, **parts: Any) -> None:
-        write = DocumentWrite(self.session.shadow_name, self._shadow_key, kind, **parts)
-        self.session.stage_internal(write)
-
-    @property
-    def _shadow_key(self) -> str:
-        return _doc_id(self.target, self.key)
-
-    def _fields(self, fields: Mapping[str, Any], what: str, *, key_allowed: bool) -> Document:
-        values: Document = {}
-        for name, value in fields.items():
-            if name.startswith(MARKER_FIELD):
-                raise BusinessRejection(
-                    f"{what} of {self.where} may not set {name!r}: names starting with "
-                    f"{MARKER_FIELD!r} are reserved for the saga marker"
-                )
-            if name == "_id":
-                # The key is the document's identity: it may be repeated, never changed.
-                if not key_allowed or canonical_key(value) != self.key:
-                    raise BusinessRejection(
-                        f"{what} of {self.where} may not change the key field '_id'"
-                    )
-                continue
-            values[name] = value
-        return values
-
-    # -- who else holds the record
-
-    def _free(
-        self, doc: Document, tx_id: str | None, then: str = RETRY, *, escrow: bool = False
-    ) -> Hold | None:
-        """Raise unless no other saga holds ``doc`` (nor, unless ``escrow``, has a
-        reservation on it); return the hold of ``tx_id``'s saga, if any."""
-        hold = Hold.of(doc)
-        if hold is not None and hold.tx_id != tx_id:
-            raise BusinessRejection(held_reason(self.where, hold, then))
-        if not escrow:
-            for reservation in reservations(doc):
-                if reservation.tx_id != tx_id:
-                    raise BusinessRejection(reserved_reason(self.where, reservation, then))
-        return hold
-
-    def _shadow(self, tx_id: str | None, then: str = RETRY) -> Document | None:
-        """The shadow document of the (absent) record when ``tx_id``'s saga holds it
-        (``None``: nobody does); raise when another saga's open hold is in it."""
-        doc = self.session.read_shadow(self.target, self.key)
-        hold = Hold.of(doc)
-        if doc is None or hold is None or hold.tx_id == tx_id:
-            return doc if hold is not None else None
-        if self.session.hold_open(list(hold.steps)):
-            # Loading the holders may have finished a recorded commit that removes it.
-            again = self.session.read_shadow(self.target, self.key)
-            held = Hold.of(again)
-            if held is not None and held.tx_id != tx_id:
-                raise BusinessRejection(held_reason(self.where, held, then))
-            return again if held is not None else None
-        self.session.drop_shadow(self._shadow_key, doc.get(MARKER_FIELD))
-        return None
+class _Record(_Document):
+    """What each built-in action does to one document, at each isolation level
+    (:class:`~saga.participants._actions.RecordOps`)."""
 
     # -- level none: write at once
 
@@ -219,11 +115,13 @@ class _Record:
         result = check_increment(
             self.where, name, current, action.by, action.min, action.max, on_field
         )
-        change: Document = {name: result}
-        bounds = tightened(doc.get(BOUNDS_FIELD), name, action.min, action.max)
-        if bounds is not None:
-            change[BOUNDS_FIELD] = bounds
-        self._stage("update", expect=doc.get(MARKER_FIELD), set=change, guard={name: current})
+        self._stage(
+            "update",
+            expect=doc.get(MARKER_FIELD),
+            set={name: result},
+            guard={name: current},
+            ops=bound_ops(name, action.min, action.max),
+        )
         return {name: current}
 
     # -- level none: compensations
@@ -404,13 +302,15 @@ class _Record:
     def reserve(self, scope: StepScope, action: Increment) -> None:
         name = self._counter(action.field)
         me = self.session.step_id(scope)
+        if self._reserve_unread(scope, action, name, me):
+            return
         doc = self._read()
         if doc is None:
             shadow = self._shadow(scope.tx_id)
             own = Hold.of(shadow)
             if shadow is None or own is None:
                 raise BusinessRejection(f"{self.where} does not exist")
-            bounds = tightened(own.bounds, name, action.min, action.max) or own.bounds
+            bounds = tightened(own.bounds, name, action.min, action.max)
             held = self._chain(own, me, action, name, bounds)
             self._stage_shadow(
                 "update", expect=shadow.get(MARKER_FIELD), set={HOLD_FIELD: held.to_bson()}
@@ -418,21 +318,50 @@ class _Record:
             return
         own = self._free(doc, scope.tx_id, escrow=True)
         change: Document = {}
-        recorded = tightened(doc.get(BOUNDS_FIELD), name, action.min, action.max)
-        if recorded is not None:
-            change[BOUNDS_FIELD] = recorded
         if own is not None:  # its own saga holds the record: the increment joins the hold
             change[HOLD_FIELD] = self._chain(own, me, action, name, own.bounds).to_bson()
         else:
             current = self._number(doc, name)
-            open_ = reservations(doc)
-            on_field = [r for r in open_ if r.field == name and r.step_id != me]
+            on_field = [r for r in reservations(doc) if r.field == name and r.step_id != me]
             check_increment(self.where, name, current, action.by, action.min, action.max, on_field)
-            kept = [r for r in open_ if r.step_id != me]
-            change.update(
-                reservations_change([*kept, Reservation(me, scope.tx_id, name, action.by)])[0]
-            )
-        self._stage("update", expect=doc.get(MARKER_FIELD), set=change)
+            change[reservation_path(me)] = Reservation(me, scope.tx_id, name, action.by).to_bson()
+        ops = bound_ops(name, action.min, action.max)
+        self._stage("update", expect=doc.get(MARKER_FIELD), set=change, ops=ops)
+
+    def _reserve_unread(self, scope: StepScope, action: Increment, name: str, me: str) -> bool:
+        """Record the reservation in one update, without reading the document first, when
+        the writes are checked client-side (FerretDB) and this process knows the marker it
+        last recorded for the document; the document as it was must then pass what
+        :meth:`reserve` checks after a read (no hold, a number, escrow), or the update is
+        put back and the step runs again, reading, which says why."""
+        if not self.session.checked_writes:
+            return False
+        marker = self.session.known_marker(self.target, self.key)
+        if marker is None:
+            return False
+
+        def fits(before: Document) -> bool:
+            value = before.get(name)
+            if Hold.of(before) is not None or not _is_number(value):
+                return False
+            on_field = [r for r in reservations(before) if r.field == name and r.step_id != me]
+            low, high = action.min, action.max
+            try:
+                check_increment(self.where, name, value, action.by, low, high, on_field)
+            except BusinessRejection:
+                return False
+            return True
+
+        reservation = Reservation(me, scope.tx_id, name, action.by).to_bson()
+        self._stage(
+            "update",
+            expect=marker,
+            set={reservation_path(me): reservation},
+            ops=bound_ops(name, action.min, action.max),
+            check=fits,
+            optimistic=True,
+        )
+        return True
 
     def _chain(self, own: Hold, me: str, action: Increment, name: str, bounds: Document) -> Hold:
         """``own`` with the increment ``action`` applied to the record it intends."""
@@ -444,6 +373,8 @@ class _Record:
 
     def commit(self, scope: StepScope, action: BuiltinAction) -> None:
         me = self.session.step_id(scope)
+        if self._settle_reservation(action, me, commit=True):
+            return
         doc = self._read()
         if doc is not None:
             marker = doc.get(MARKER_FIELD)
@@ -454,18 +385,18 @@ class _Record:
                     return
                 now = fields_of(doc)
                 wanted = hold.intended
-                change = {k: v for k, v in wanted.items() if k not in now or not _same(now[k], v)}
+                moved = {k: v for k, v in wanted.items() if k not in now or not _same(now[k], v)}
                 gone = [k for k in now if k not in wanted]
                 unset = [*gone, HOLD_FIELD]
-                self._stage("update", expect=marker, set=change, unset=unset, idempotent=True)
+                self._stage("update", expect=marker, set=moved, unset=unset, idempotent=True)
                 return
-            open_ = reservations(doc)
-            mine = [r for r in open_ if r.step_id == me]
+            mine = [r for r in reservations(doc) if r.step_id == me]
             if mine:
-                change, unset = reservations_change(r for r in open_ if r.step_id != me)
+                change: Document = {}
                 value = doc.get(mine[0].field)
                 if _is_number(value):
                     change[mine[0].field] = _add(value, mine[0].by, self.where)
+                unset = self._dropping(doc, me)
                 self._stage("update", expect=marker, set=change, unset=unset, idempotent=True)
                 return
         shadow = self.session.read_shadow(self.target, self.key)
@@ -486,6 +417,8 @@ class _Record:
 
     def release(self, scope: StepScope, action: BuiltinAction) -> None:
         me = self.session.step_id(scope)
+        if self._settle_reservation(action, me, commit=False):
+            return
         doc = self._read()
         if doc is not None:
             marker = doc.get(MARKER_FIELD)
@@ -493,28 +426,41 @@ class _Record:
             if hold is not None and hold.tx_id == scope.tx_id:
                 self._stage("update", expect=marker, unset=[HOLD_FIELD], idempotent=True)
                 return
-            open_ = reservations(doc)
-            if any(r.step_id == me for r in open_):
-                change, unset = reservations_change(r for r in open_ if r.step_id != me)
-                self._stage("update", expect=marker, set=change, unset=unset, idempotent=True)
+            if any(r.step_id == me for r in reservations(doc)):
+                unset = self._dropping(doc, me)
+                self._stage("update", expect=marker, unset=unset, idempotent=True)
                 return
         shadow = self.session.read_shadow(self.target, self.key)
         hold = Hold.of(shadow)
         if shadow is not None and hold is not None and hold.tx_id == scope.tx_id:
             self._stage_shadow("delete", expect=shadow.get(MARKER_FIELD), idempotent=True)
 
-    # -- values
-
-    def _counter(self, name: str) -> str:
-        if name == "_id" or name.startswith(MARKER_FIELD):
-            raise BusinessRejection(f"increment may not change the field {name!r}")
-        return name
-
-    def _number(self, doc: Mapping[str, Any], name: str) -> int | float:
-        value = doc.get(name)
-        if value is None:
-            raise BusinessRejection(f"{self.where} has no value in {name}")
-        if not _is_number(value):
-            raise BusinessRejection(f"{self.where} {name} is not a number ({_show(value)})")
-        number: int | float = value
-        return number
+    def _settle_reservation(self, action: BuiltinAction, me: str, *, commit: bool) -> bool:
+        """Commit (add the amount) or release ``me``'s reservation in one update, without
+        reading the document, when this process knows the marker it last recorded for it
+        and the amount is an integer (``$inc`` is exact on integers only; fractions are
+        added in decimal, after a read). The update applies only if the document still
+        carries that marker and the reservation, and the field holds an integer; else the
+        step runs again, reading (see :mod:`~saga.participants.mongo._holds`)."""
+        if not isinstance(action, Increment) or isinstance(action.by, float):
+            return False
+        marker = self.session.known_marker(self.target, self.key)
+        if marker is None:
+            return False
+        name = self._counter(action.field)
+        path = reservation_path(me)
+        guard: Document = {f"{path}.step": me}
+        ops: Document = {}
+        if commit:
+            guard[name] = INTEGER
+            ops["$inc"] = {name: action.by}
+        self._stage(
+            "update",
+            expect=marker,
+            guard=guard,
+            unset=[path],
+            ops=ops,
+            idempotent=True,
+            optimistic=True,
+        )
+        return True

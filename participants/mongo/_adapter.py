@@ -29,9 +29,10 @@ from saga.participants._storage import (
     Unit,
     WorkItem,
 )
-from saga.participants.mongo._actions import MongoActions, canonical_key
+from saga.participants.mongo._actions import MongoActions
 from saga.participants.mongo._batch import BatchWrites
 from saga.participants.mongo._cas import _SERVER_CAS, _Cas
+from saga.participants.mongo._document import canonical_key
 from saga.participants.mongo._errors import (
     _AUTHENTICATION_FAILED,
     _CONFIGURATION_CODES,
@@ -40,6 +41,7 @@ from saga.participants.mongo._errors import (
     _is_transient,
     _Refused,
     _Speculation,
+    _Stale,
 )
 from saga.participants.mongo._holds import SHADOW_SUFFIX
 from saga.participants.mongo._ledger import (
@@ -167,7 +169,9 @@ class MongoStorage(LedgerStorage[MongoSession, None]):
         self.cas = _SERVER_CAS
         self.tx_cache: _Lru[str, _TxView] = _Lru(TX_CACHE_SIZE)
         self.shared = shared
-        self.batch = BatchWrites(name, self.tx_collection, self.ledger_collection, shared)
+        self.batch = BatchWrites(
+            name, self.tx_collection, self.ledger_collection, shared, self.tx_cache
+        )
         builtin = MongoActions(self.targets)
         self.actions: Actions[MongoSession] = combine(builtin, handlers)
 
@@ -223,6 +227,7 @@ class MongoStorage(LedgerStorage[MongoSession, None]):
 
     def close(self) -> None:
         self.batch.flush_records(quietly=True)
+        self.batch.drop_updates()
         self.client.close()
 
     # -- work
@@ -234,7 +239,9 @@ class MongoStorage(LedgerStorage[MongoSession, None]):
         documents of the batch's new transactions go in together, and their writes run
         after them (*Batched intents* in the package doc; on a first attempt only). The
         step documents of the batch's new steps are inserted at its end; after a failure
-        too, unless the connection is lost (then the next flush or reader does it)."""
+        too, unless the connection is lost (then the next flush or reader does it). The
+        records of its idempotent decisions are updated at its end too (after a failure
+        they are given up: those decisions run again, finding nothing left to write)."""
         batch = self.batch
         batch.deferring = attempt == 0 and not self.transactional
         try:
@@ -242,12 +249,14 @@ class MongoStorage(LedgerStorage[MongoSession, None]):
             batch.flush_intents()
         except BaseException as exc:
             batch.drop_intents()
+            batch.drop_updates()
             if not isinstance(exc, mongo_errors.ConnectionFailure):
                 batch.flush_records(quietly=True)
             raise
         finally:
             batch.deferring = False
         batch.flush_records()
+        batch.flush_updates()
 
     def open_unit(
         self, batch: None, item: WorkItem, previous: Unit[MongoSession] | None
@@ -261,10 +270,11 @@ class MongoStorage(LedgerStorage[MongoSession, None]):
         return _MongoUnit(self, previous.refused)
 
     def run_again(self, unit: Unit[MongoSession], exc: Exception) -> bool:
-        """Run again after a failed speculation (the ledger knows the transaction) or a
-        refused write (this time the action finds it refused, and the step or its
-        compensation fails with the server's reason; a second refusal is raised)."""
-        if isinstance(exc, _Speculation):
+        """Run again after a failed speculation (the ledger knows the transaction), an
+        optimistic write that missed (this time it reads), or a refused write (this time
+        the action finds it refused, and the step or its compensation fails with the
+        server's reason; a second refusal is raised)."""
+        if isinstance(exc, _Speculation | _Stale):
             return True
         if isinstance(exc, _Refused):
             assert isinstance(unit, _MongoUnit)

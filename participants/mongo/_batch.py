@@ -1,6 +1,7 @@
 """What one MongoDB storage's batch leaves to do together: the transaction documents of
-its new transactions (*Batched intents* in :mod:`saga.participants.mongo`) and the step
-documents of its new steps (:class:`~saga.participants.mongo._shared._Unrecorded`).
+its new transactions (*Batched intents* in :mod:`saga.participants.mongo`), the step
+documents of its new steps (:class:`~saga.participants.mongo._shared._Unrecorded`) and
+the records of its decisions that wrote idempotently (:meth:`BatchWrites.defer_update`).
 
 Units hand their deferred work to the storage's :class:`BatchWrites`; the storage
 flushes it when the batch ends, and units flush it earlier whenever something would
@@ -9,7 +10,9 @@ look past it.
 
 from __future__ import annotations
 
+import json
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -18,9 +21,15 @@ from pymongo.collection import Collection
 
 from saga.participants._barrier import LedgerEntry
 from saga.participants._storage import RunBatchAgain
-from saga.participants.mongo._errors import _DUPLICATE_KEY, _Conflict, _detail, _Refused
+from saga.participants.mongo._errors import (
+    _DUPLICATE_KEY,
+    _Conflict,
+    _detail,
+    _Refused,
+    _Stale,
+)
 from saga.participants.mongo._ledger import _TxView
-from saga.participants.mongo._shared import SharedState, _StepRecord
+from saga.participants.mongo._shared import SharedState, _Lru, _StepRecord
 from saga.participants.mongo._values import Document
 from saga.participants.mongo._writes import DocumentWrite
 
@@ -62,16 +71,19 @@ class BatchWrites:
         tx_collection: Collection[Document],
         ledger_collection: Collection[Document],
         shared: SharedState,
+        tx_cache: _Lru[str, _TxView],
     ) -> None:
         self.name = name
         self.tx_collection = tx_collection
         self.ledger_collection = ledger_collection
         self.shared = shared
+        self.tx_cache = tx_cache
         self.deferring = False
         self._intents: list[_DeferredIntent] = []
         self._intent_locks: set[Lock] = set()
         self._intent_txs: set[str] = set()
         self._unrecorded: dict[str, _StepRecord] = {}
+        self._updates: dict[str, tuple[str, Document]] = {}
 
     # -- batched intents
 
@@ -99,8 +111,9 @@ class BatchWrites:
         A document found already there (the transaction is known: the request ran on a
         guess, or another worker got there first), a write the server refused or one
         that found its document changed (its intent is discarded, as on the one-by-one
-        path) make the batch run again (:class:`RunBatchAgain`), once the others are
-        done: the second attempt runs item by item and reads what it needs.
+        path; an optimistic write that missed is one) make the batch run again
+        (:class:`RunBatchAgain`), once the others are done: the second attempt runs item
+        by item and reads what it needs.
         """
         group = self._take_intents()
         if not group:
@@ -121,7 +134,7 @@ class BatchWrites:
                     continue
                 try:
                     deferred.unit.run_deferred(deferred)
-                except (_Refused, _Conflict):
+                except (_Refused, _Conflict, _Stale):
                     deferred.unit.forget()
                     again = True
         finally:
@@ -152,9 +165,12 @@ class BatchWrites:
         self.shared.unrecorded.add(record)
 
     def record_now(self, step_id: str) -> None:
-        """Make sure the step document ``step_id`` is inserted before it is changed."""
+        """Make sure the step document ``step_id`` is inserted, and its deferred update
+        made, before it is read or changed."""
         if step_id in self._unrecorded:
             self.flush_records()
+        if step_id in self._updates:
+            self.flush_updates()
 
     def flush_records(self, *, quietly: bool = False) -> None:
         """Insert the step documents deferred so far, in one ``insert_many``.
@@ -181,3 +197,43 @@ class BatchWrites:
             return
         for record in records:
             self._unrecorded.pop(record.doc["_id"], None)
+
+    # -- deferred updates of step documents
+
+    def defer_update(self, tx_id: str, step_id: str, change: Document) -> None:
+        """Make the update ``change`` of step document ``step_id`` with the batch's others.
+
+        For a decision whose write is idempotent (see :mod:`saga.participants.mongo._holds`):
+        until the update is made, its step reads as still applied in the store, and the
+        decision, should it come again after a crash, finds nothing left to write and
+        records itself. The updates of a batch that change the same fields to the same
+        values go in one ``update_many`` (``rev`` by ``$inc``, ``finished_ms`` by ``$max``
+        of the decision's time: a step document carries when it would finish if decided
+        at once), so a batch of commits costs one or a few updates, not one per step.
+        """
+        self._updates[step_id] = (tx_id, change)
+
+    def flush_updates(self) -> None:
+        updates, self._updates = self._updates, {}
+        groups: dict[str, list[str]] = {}
+        changes: dict[str, Document] = {}
+        for step_id, (_, change) in updates.items():
+            key = json.dumps(change, sort_keys=True, default=str)
+            groups.setdefault(key, []).append(step_id)
+            changes[key] = change
+        try:
+            for key, ids in groups.items():
+                self.ledger_collection.update_many({"_id": {"$in": ids}}, changes[key])
+        except BaseException:
+            self._forget(tx_id for tx_id, _ in updates.values())
+            raise
+
+    def drop_updates(self) -> None:
+        """Give the deferred updates up after a failure: their decisions run again (and
+        find nothing left to write), and what the storage remembered of them is forgotten."""
+        updates, self._updates = self._updates, {}
+        self._forget(tx_id for tx_id, _ in updates.values())
+
+    def _forget(self, tx_ids: Iterable[str]) -> None:
+        for tx_id in tx_ids:
+            self.tx_cache.pop(tx_id)

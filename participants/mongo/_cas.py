@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Final
 
 from pymongo import ReturnDocument
@@ -27,16 +27,30 @@ class _Absent:
 ABSENT: Final = _Absent()
 
 
+class _Integer:
+    """An expected value: the field holds an integer."""
+
+    def __repr__(self) -> str:
+        return "INTEGER"
+
+
+INTEGER: Final = _Integer()
+
+
 class _Cas:
     """Single-document compare-and-set writes addressed by ``_id``.
 
     ``expect`` maps (dotted) field names to the value they must have (``None``:
-    null or absent, :data:`ABSENT`: absent). Server-side (MongoDB, or inside a
-    transaction) the conditions join the filter. Client-side (FerretDB, whose
+    null or absent, :data:`ABSENT`: absent, :data:`INTEGER`: an integer). Server-side
+    (MongoDB, or inside a transaction) the conditions join the filter. Client-side (FerretDB, whose
     filters other than ``{"_id": ...}`` scan the collection) the write is an
     ``_id``-only ``findAndModify`` returning the document as it was; when that
     document does not meet ``expect`` it is put back at once and the write counts
     as missed. Each method returns whether the write took effect.
+
+    :meth:`update` also takes a ``check`` of the document as it was (client-side only:
+    a write that needs one is not tried server-side), for a write made without
+    reading first: when the check fails, the write is put back and counts as missed.
     """
 
     def __init__(self, server_side: bool) -> None:
@@ -45,7 +59,12 @@ class _Cas:
     def _where(self, key: Any, expect: Mapping[str, Any]) -> Document:
         where: Document = {"_id": key}
         for name, value in expect.items():
-            where[name] = {"$exists": False} if value is ABSENT else value
+            if value is ABSENT:
+                where[name] = {"$exists": False}
+            elif value is INTEGER:
+                where[name] = {"$type": ["int", "long"]}
+            else:
+                where[name] = value
         return where
 
     def update(
@@ -55,13 +74,20 @@ class _Cas:
         expect: Mapping[str, Any],
         change: Mapping[str, Any],
         session: ClientSession | None = None,
+        check: Callable[[Document], bool] | None = None,
     ) -> bool:
         if self.server_side or session is not None:
+            assert check is None, "a checked write is client-side only"
             found = collection.update_one(self._where(key, expect), change, session=session)
             return found.matched_count == 1
         before = collection.find_one_and_update(
             {"_id": key}, change, return_document=ReturnDocument.BEFORE
         )
+        if before is not None and check is not None and _meets(before, expect):
+            if check(before):
+                return True
+            collection.replace_one({"_id": key}, before)  # as it was: the check failed
+            return False
         return self._kept(collection, key, before, expect)
 
     def replace(
@@ -125,6 +151,8 @@ def _meets(doc: Mapping[str, Any], expect: Mapping[str, Any]) -> bool:
 def _field_meets(actual: Any, expected: Any) -> bool:
     if expected is ABSENT:
         return actual is ABSENT
+    if expected is INTEGER:
+        return isinstance(actual, int) and not isinstance(actual, bool)
     if expected is None:
         return actual is ABSENT or actual is None
     return actual is not ABSENT and _same(actual, expected)

@@ -60,6 +60,11 @@ class _Speculation(Exception):
     """The transaction a request was run for as new is known to the ledger: run it again."""
 
 
+class _Stale(Exception):
+    """An optimistic write missed (the document is not as this process last knew it): run
+    the step again, reading."""
+
+
 def _is_transient(exc: mongo_errors.PyMongoError) -> bool:
     if isinstance(exc, mongo_errors.ConnectionFailure):
         return True

@@ -13,8 +13,13 @@ with :data:`RESERVED_PROJECTION`):
   ``delete`` hold; so does an ``increment`` of a record its own saga holds, folded into
   ``doc`` (later steps of a saga see what its earlier steps intend: same-saga steps are
   compatible, and one commit writes what they intend, in step order).
-* ``_saga_res`` (:class:`Reservation` list): the open escrow reservations of
-  ``increment`` steps: step id, saga, field and amount.
+* ``_saga_res`` (:class:`Reservation` by step): the open escrow reservations of
+  ``increment`` steps: step id, saga, field and amount. Each is a field of its own,
+  named by the step id (:func:`reservation_path`), so that a commit adds its amount and
+  drops its reservation in one update without reading the document first: ``$inc`` and
+  ``$unset``, compare-and-set on the marker this process last recorded for the document
+  and on the reservation being there (a miss, such as a document changed by another
+  process, makes the step run again, reading).
 * ``_saga_bounds``: per field, the tightest ``min``/``max`` a bounded increment (at
   either level) relied on; a ``none`` compensation never leaves the field outside them.
 
@@ -148,11 +153,18 @@ class Reservation:
         return {"step": self.step_id, "tx": self.tx_id, "field": self.field, "by": self.by}
 
 
+def reservation_path(step_id: str) -> str:
+    """The (dotted) field of step ``step_id``'s reservation: the step id with ``%``, ``.``
+    and ``$`` escaped, since a field name may not contain a dot."""
+    key = step_id.replace("%", "%25").replace(".", "%2E").replace("$", "%24")
+    return f"{RESERVATIONS_FIELD}.{key}"
+
+
 def reservations(doc: Mapping[str, Any] | None) -> list[Reservation]:
     """The open reservations a document carries."""
     raw = None if doc is None else doc.get(RESERVATIONS_FIELD)
     found: list[Reservation] = []
-    for item in raw if isinstance(raw, list) else ():
+    for item in raw.values() if isinstance(raw, Mapping) else ():
         if isinstance(item, Mapping):
             by = item.get("by")
             if isinstance(by, int | float) and not isinstance(by, bool):
@@ -160,12 +172,6 @@ def reservations(doc: Mapping[str, Any] | None) -> list[Reservation]:
                     Reservation(str(item["step"]), str(item["tx"]), str(item["field"]), by)
                 )
     return found
-
-
-def reservations_change(kept: Iterable[Reservation]) -> tuple[Document, list[str]]:
-    """The ``$set`` and ``$unset`` parts that leave a document with ``kept`` only."""
-    items = [r.to_bson() for r in kept]
-    return ({RESERVATIONS_FIELD: items}, []) if items else ({}, [RESERVATIONS_FIELD])
 
 
 # ---------------------------------------------------------------- bounds
@@ -181,16 +187,26 @@ def bounds_of(recorded: Mapping[str, Any] | None, name: str) -> tuple[Number | N
 
 def tightened(
     recorded: Mapping[str, Any] | None, name: str, low: Number | None, high: Number | None
-) -> Document | None:
-    """The recorded bounds once ``[low, high]`` on ``name`` is added (``None``: unchanged)."""
-    if low is None and high is None:
-        return None
+) -> Document:
+    """The recorded bounds once ``[low, high]`` on ``name`` is added (an absent bound is
+    left out, never stored as null)."""
     old_low, old_high = bounds_of(recorded, name)
-    new_low = low if old_low is None or (low is not None and low > old_low) else old_low
-    new_high = high if old_high is None or (high is not None and high < old_high) else old_high
-    if (new_low, new_high) == (old_low, old_high):
-        return None
-    return {**(recorded or {}), name: {"min": new_low, "max": new_high}}
+    lows = [b for b in (old_low, low) if b is not None]
+    highs = [b for b in (old_high, high) if b is not None]
+    bounds = {**({"min": max(lows)} if lows else {}), **({"max": min(highs)} if highs else {})}
+    return {**(recorded or {}), name: bounds} if bounds else dict(recorded or {})
+
+
+def bound_ops(name: str, low: Number | None, high: Number | None) -> Document:
+    """The update operators that record ``[low, high]`` on field ``name`` in a document's
+    bounds, keeping the tightest (``$max`` of the minimums, ``$min`` of the maximums;
+    neither needs the document read first)."""
+    ops: Document = {}
+    if low is not None:
+        ops["$max"] = {f"{BOUNDS_FIELD}.{name}.min": low}
+    if high is not None:
+        ops["$min"] = {f"{BOUNDS_FIELD}.{name}.max": high}
+    return ops
 
 
 def check_increment(

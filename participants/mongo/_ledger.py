@@ -97,15 +97,16 @@ def _entry_fields(entry: LedgerEntry) -> Document:
     fields["args"] = None if entry.args is None else json.dumps(fields["args"])
     fields["before"] = json.dumps(fields["before"])
     fields["last"] = entry.step >= entry.n_steps - 1
-    fields["finished_ms"] = _finished_ms(entry)
+    fields["finished_ms"] = finished_ms(entry)
     return fields
 
 
 def _finished_ms(entry: LedgerEntry) -> int | None:
-    """When the entry's transaction finished here (:func:`participants._barrier.finished_ms`),
-    except that a ``read_committed`` step still applied has not: it holds or reserves a
-    document until its decision, and pruning must never drop that (its step document
-    names what the hold is for)."""
+    """When the entry's transaction finished here for pruning
+    (:func:`participants._barrier.finished_ms`), except that a ``read_committed`` step still
+    applied has not: it holds or reserves a document until its decision, and pruning must
+    never drop that. (Its document still carries ``finished_ms``, so that a decision can
+    record itself with ``$max`` alone: see ``BatchWrites.defer_update``.)"""
     if entry.status is LedgerStatus.APPLIED and (
         isolation_of(entry.before) is Isolation.READ_COMMITTED
     ):

@@ -67,8 +67,10 @@ class LedgerPruner:
         if not steps and int(doc.get("finished_ms", horizon_ms + 1)) > horizon_ms:
             return 0  # markers only, not finished long enough
         if any(f is None or f > horizon_ms for f in finishes):
-            for d, f in zip(steps, finishes, strict=True):
-                if f is not None and "finished_ms" in d:
+            # Looked at again when the last step finishes (a held step included: it
+            # carries finished_ms, which its decision raises to when it finished).
+            for d in steps:
+                if "finished_ms" in d:
                     self.ledger.update_one({"_id": d["_id"]}, {"$unset": {"finished_ms": ""}})
             return 0
         if not self.cas.delete(self.txs, doc["_id"], {"rev": doc["rev"]}):

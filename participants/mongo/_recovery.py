@@ -23,6 +23,7 @@ from saga.participants.mongo._errors import (
     _detail,
     _is_transient,
     _Refused,
+    _Stale,
 )
 from saga.participants.mongo._ledger import _now_ms, _split_step_id, _TxView
 from saga.participants.mongo._shared import _StepRecord
@@ -49,7 +50,7 @@ class _UnitRecovery(_UnitBase):
     ) -> None:
         try:
             self._run_staged(staged, marker)
-        except (_Refused, _Conflict):
+        except (_Refused, _Conflict, _Stale):
             discard()
             raise
 
@@ -65,6 +66,9 @@ class _UnitRecovery(_UnitBase):
                 raise
             reason = f"{staged.target}/{staged.key}: the server refused the write ({_detail(exc)})"
             raise _Refused(staged.target, staged.key, reason) from exc
+        if not done and staged.optimistic:
+            self._shared.settled.pop(self._lock_name(staged.target, staged.key))
+            raise _Stale(f"{staged.target}/{staged.key} is not as this process last knew it")
         if not done:
             raise _Conflict(
                 f"participant {self.storage.name!r}: {staged.target}/{staged.key} changed while "
@@ -137,6 +141,7 @@ class _UnitRecovery(_UnitBase):
         participant, tx_id, step = parts
         view = self._view(tx_id, participant)
         if step not in view.steps:  # read even if unlisted: the marker says it was written
+            self._batch.record_now(step_id)
             session = self.transaction_session()
             view.steps[step] = self._ledger.find_one({"_id": step_id}, session=session)
         doc = view.steps[step]
@@ -246,6 +251,15 @@ class _UnitRecovery(_UnitBase):
         )
 
     # -- holds (see :mod:`saga.participants.mongo._holds`)
+
+    def known_marker(self, target: str, key: Any) -> str | None:
+        """The marker the document (locked by this unit) carried when this process last
+        recorded a write of it; ``None``: not known."""
+        name = self._lock_name(target, key)
+        record = self._shared.unrecorded.get(name)
+        if record is not None:
+            self._make_durable(record)
+        return self._shared.settled.get(name)
 
     def hold_open(self, step_ids: list[str]) -> bool:
         """Whether a step among ``step_ids`` (a hold's holders) is still applied and

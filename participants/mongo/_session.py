@@ -106,6 +106,18 @@ class MongoSession:
         """Stage a write of a built-in action (the shadow collection is not a target)."""
         self._stage(write)
 
+    @property
+    def checked_writes(self) -> bool:
+        """Whether a write may carry a ``check`` (client-side compare-and-set, FerretDB)."""
+        storage = self._unit.storage
+        return not storage.transactional and not storage.cas.server_side
+
+    def known_marker(self, target: str, key: Any) -> str | None:
+        """Lock ``target/key`` without reading it; the marker this process last recorded for
+        it (``None``: not known), for an optimistic write."""
+        self._unit.lock(target, key)
+        return self._unit.known_marker(target, key)
+
     def hold_open(self, step_ids: list[str]) -> bool:
         """Whether a step among a hold's holders is still undecided (see
         :meth:`~saga.participants.mongo._recovery._UnitRecovery.hold_open`)."""

@@ -134,7 +134,8 @@ class _MongoUnit(_UnitRecovery):
             purge = _purge_field(staged, marker).get("purge")
             if purge is not None:  # in the same transaction: nothing is left to name it
                 collection = self.storage.db[purge["target"]]
-                _purge(collection, purge["key"], purge["marker"], self._session, self._cas)
+                session = self.transaction_session()
+                _purge(collection, purge["key"], purge["marker"], session, self._cas)
         if current is None:
             self._register(view, entry, None, self._created(view, entry.step, fields))
         else:
@@ -177,9 +178,13 @@ class _MongoUnit(_UnitRecovery):
             marker = _new_marker(view.step_id(step), rev + 1, staged)
             if staged.idempotent:
                 # Run again, it changes nothing: a crash before the record is healed by the
-                # redelivered signal, which finds nothing left to do (see _holds).
+                # redelivered signal, which finds nothing left to do (see _holds). So the
+                # write needs no intent, and its record may wait for the batch's end.
                 self._run_staged(staged, marker)
-                self._finalise(view, entry, rev, fields, staged, marker)
+                if staged.kind == "delete":
+                    _purge(self.storage.db[staged.target], staged.key, marker, None, self._cas)
+                self._shared.settled.put(self._lock_name(staged.target, staged.key), marker)
+                self._record_later(view, entry, current, fields)
                 return
             intent = self._intent(staged, marker, fields)
             self._update_step(view, entry, {"$set": {"pending": intent, "rev": rev + 1}})
@@ -289,6 +294,27 @@ class _MongoUnit(_UnitRecovery):
         if intent is not None:
             doc["pending"] = {_pending_key(entry.step): intent}
         return doc
+
+    def _record_later(
+        self, view: _TxView, entry: LedgerEntry, current: Document, fields: Document
+    ) -> None:
+        """Record a final entry with the batch's deferred updates (``BatchWrites.defer_update``);
+        an entry that is not final is recorded at once."""
+        rev = int(current["rev"])
+        finished = fields["finished_ms"]
+        if finished is None:
+            self._update_step(view, entry, {"$set": {**fields, "rev": rev + 1}})
+            return
+        changed = {k: v for k, v in fields.items() if k != "finished_ms" and current.get(k) != v}
+        known = current.get("finished_ms") is not None
+        change: Document = {
+            "$max": {"finished_ms": entry.updated_ms if known else finished},
+            "$inc": {"rev": 1},
+        }
+        if changed:
+            change["$set"] = changed
+        view.steps[entry.step] = {**current, **changed, "finished_ms": finished, "rev": rev + 1}
+        self._batch.defer_update(view.tx_id, current["_id"], change)
 
     def _finalise(
         self,

@@ -23,7 +23,7 @@ from pymongo.client_session import ClientSession
 from saga.participants._barrier import LedgerEntry
 from saga.participants._storage import Unit
 from saga.participants.mongo._cas import _changed
-from saga.participants.mongo._errors import _Conflict, _Speculation
+from saga.participants.mongo._errors import _Conflict, _Speculation, _Stale
 from saga.participants.mongo._ledger import (
     _check_tx_id,
     _entry_of,
@@ -102,8 +102,9 @@ class _UnitBase(Unit[MongoSession]):
     def finish(self, error: BaseException | None) -> None:
         """After a failure the storage forgets what this unit saw, so the next attempt
         reads the ledger again (not after a rejected confirmation, which changed
-        nothing, nor a failed speculation, which read nothing it remembers)."""
-        if error is not None and not isinstance(error, BusinessRejection | _Speculation):
+        nothing, nor a failed speculation, which read nothing it remembers, nor an
+        optimistic write that missed, which only knew the document wrong)."""
+        if error is not None and not isinstance(error, BusinessRejection | _Speculation | _Stale):
             self.forget()
 
     def forget(self) -> None:
@@ -200,6 +201,7 @@ class _UnitBase(Unit[MongoSession]):
         if step not in view.steps:
             doc = None
             if view.listed(step):  # a step is listed before its document is created
+                self._batch.record_now(view.step_id(step))
                 session = self.transaction_session()
                 doc = self._ledger.find_one({"_id": view.step_id(step)}, session=session)
             view.steps[step] = doc
@@ -331,3 +333,7 @@ class _UnitBase(Unit[MongoSession]):
     @abstractmethod
     def hold_open(self, step_ids: list[str]) -> bool:
         """Whether a step among ``step_ids`` (a hold's holders) is still undecided."""
+
+    @abstractmethod
+    def known_marker(self, target: str, key: Any) -> str | None:
+        """The marker this process last recorded for the document (``None``: not known)."""

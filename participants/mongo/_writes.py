@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
@@ -42,7 +42,13 @@ class DocumentWrite:
     step document names it until then, as a delete's names its own document.
     ``idempotent``: running the write again after it took effect changes nothing (it
     removes, in the document it changes, what it acts on: a hold or a reservation), so
-    it needs no intent (see :mod:`saga.participants.mongo._holds`).
+    it needs no intent (see :mod:`saga.participants.mongo._holds`). ``ops``: more
+    update operators (``$inc``, ``$max``, ``$min``: field -> operand). ``optimistic``:
+    ``expect`` is what this process last knew of the document, not what the step read;
+    a miss means run the step again, reading.
+    ``check``: what the document as it was must pass (client-side compare-and-set only,
+    see :class:`~saga.participants.mongo._cas._Cas`; not kept in an intent, which only
+    needs to know whether the write happened).
     """
 
     target: str
@@ -55,6 +61,9 @@ class DocumentWrite:
     guard: Mapping[str, Any] = field(default_factory=dict)
     then_remove: Mapping[str, Any] | None = None
     idempotent: bool = False
+    ops: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    optimistic: bool = False
+    check: Callable[[Document], bool] | None = field(default=None, compare=False)
 
     def run(
         self,
@@ -85,7 +94,9 @@ class DocumentWrite:
             change["$set"] = {**self.set, MARKER_FIELD: marker}
             if self.unset:
                 change["$unset"] = dict.fromkeys(self.unset, "")
-        return cas.update(collection, self.key, expect, change, session)
+            for operator, operands in self.ops.items():
+                change[operator] = dict(operands)
+        return cas.update(collection, self.key, expect, change, session, self.check)
 
     def happened(self, current: Document | None, marker: str) -> bool:
         """Whether this write (with ``marker``) is what ``current`` shows."""
@@ -102,6 +113,7 @@ class DocumentWrite:
             "unset": list(self.unset),
             "guard": _to_text(dict(self.guard)),
             "then_remove": None if self.then_remove is None else dict(self.then_remove),
+            "ops": _to_text(dict(self.ops)),
         }
 
     @classmethod
@@ -116,6 +128,7 @@ class DocumentWrite:
             unset=tuple(doc.get("unset") or ()),
             guard=_from_text(doc.get("guard")) or {},
             then_remove=doc.get("then_remove"),
+            ops=_from_text(doc.get("ops")) or {},
         )
 
 

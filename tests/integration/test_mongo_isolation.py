@@ -16,11 +16,14 @@ from collections.abc import Iterator
 from typing import Any
 
 import pymongo
+import pymongo.monitoring
 import pytest
 
 from saga.participants._barrier import LedgerStatus, Requested
 from saga.participants._storage import DecisionArrived, Report
 from saga.participants.mongo import MongoStorage
+from saga.participants.mongo import _adapter as mongo_adapter
+from saga.participants.mongo._batch import BatchWrites
 from saga.participants.mongo._holds import RESERVED_PROJECTION
 from saga.participants.mongo._unit import _MongoUnit
 from saga.streams import Isolation, Mode, Outcome, StepStatus
@@ -171,7 +174,7 @@ def test_no_dirty_spend_and_no_broken_bound(store: Store) -> None:
         ("t1", 0, COMPENSATED),
     ]
     assert store.find("accounts", "x") == {"_id": "x", "balance": 0}
-    assert "_saga_res" not in store.db["accounts"].find_one({"_id": "x"})
+    assert not store.db["accounts"].find_one({"_id": "x"}).get("_saga_res")  # no reservation
 
 
 def test_escrow_counts_open_debits_of_other_sagas(store: Store) -> None:
@@ -237,8 +240,7 @@ def test_a_hold_waits_for_no_one_and_open_reservations_refuse_it(store: Store) -
     assert one(store.run(inc("t1", "y", 5))).status is APPLIED
     got = one(store.run(step("t2", "delete", {"target": "accounts", "key": "y"})))
     assert got.reason == (
-        "accounts/y has an open reservation of saga t1 (step 0) until its decision; "
-        "retry after it"
+        "accounts/y has an open reservation of saga t1 (step 0) until its decision; retry after it"
     )
     assert one(store.run(commit("t1"))).status is COMMITTED
     assert store.balance("y") == 55
@@ -268,7 +270,7 @@ def test_reservations_of_many_sagas_on_one_hot_record_all_go_through(store: Stor
     decisions = [commit(f"t{i}") if i % 2 else rollback(f"t{i}") for i in range(8)]
     assert [r.status for r in store.run(*decisions)] == [COMPENSATED, COMMITTED] * 4
     assert store.balance("x") == 40
-    assert "_saga_res" not in store.db["accounts"].find_one({"_id": "x"})
+    assert not store.db["accounts"].find_one({"_id": "x"}).get("_saga_res")  # no reservation
 
 
 def test_repeated_decisions_take_effect_once(store: Store) -> None:
@@ -294,16 +296,22 @@ def test_a_crash_between_a_commit_and_its_record_commits_once(
         ("t1", 0, APPLIED),
         ("t2", 0, APPLIED),
     ]
-    real = _MongoUnit._finalise
 
-    def crash(self: _MongoUnit, *args: Any, **kwargs: Any) -> None:
+    def crash(*args: Any, **kwargs: Any) -> None:
         raise RuntimeError("the process dies after the write, before its record")
 
-    monkeypatch.setattr(_MongoUnit, "_finalise", crash)
-    for tx_id in ("t1", "t2"):
+    # t1's commit writes idempotently (no intent) and is recorded at the batch's end;
+    # t2's creates accounts/n from its shadow document, through an intent.
+    with monkeypatch.context() as patch:
+        patch.setattr(BatchWrites, "flush_updates", crash)
         with pytest.raises(RuntimeError):
-            store.run(commit(tx_id))
-    monkeypatch.setattr(_MongoUnit, "_finalise", real)
+            store.run(commit("t1"))
+    with monkeypatch.context() as patch:
+        patch.setattr(_MongoUnit, "_finalise", crash)
+        with pytest.raises(RuntimeError):
+            store.run(commit("t2"))
+    assert [e.status for e in store.storage.ledger()] == [LedgerStatus.APPLIED] * 2
+    assert store.balance("x") == 100
     restarted = store.make(intent_lease_ms=0, shared=type(store.storage.shared)())
     assert status(restarted.execute([commit("t1"), commit("t2")])) == [
         ("t1", 0, COMMITTED),
@@ -312,6 +320,66 @@ def test_a_crash_between_a_commit_and_its_record_commits_once(
     assert store.find("accounts", "x") == {"_id": "x", "balance": 100}
     assert store.find("accounts", "n") == {"_id": "n", "balance": 3}
     assert list(store.db["saga_ledger_holds"].find({})) == []
+
+
+class Commands(pymongo.monitoring.CommandListener):
+    """Records ``(command, collection, _ids)``; a filter on anything but ``_id`` fails."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, str, list[Any]]] = []
+
+    def started(self, event: pymongo.monitoring.CommandStartedEvent) -> None:
+        name, command = event.command_name, event.command
+        if name == "insert":
+            ids = [doc["_id"] for doc in command["documents"]]
+        elif name in ("find", "findAndModify", "update"):
+            found = command.get("filter") or command.get("query")
+            filters = [s["q"] for s in command["updates"]] if name == "update" else [found]
+            assert all(list(f) == ["_id"] for f in filters), f"{name} filters on {filters}"
+            ids = [f["_id"] for f in filters]
+        else:
+            return
+        self.seen.append((name, command[name], ids))
+
+    def succeeded(self, event: pymongo.monitoring.CommandSucceededEvent) -> None:
+        pass
+
+    def failed(self, event: pymongo.monitoring.CommandFailedEvent) -> None:
+        pass
+
+
+def test_the_hot_path_of_an_increment(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once this process has written a document, a reservation is one update of it (no
+    read), its commit another, and the batch's commits one update of the ledger."""
+    commands = Commands()
+    real = mongo_adapter.MongoClient
+    monkeypatch.setattr(
+        mongo_adapter,
+        "MongoClient",
+        lambda *args, **kwargs: real(*args, event_listeners=[commands], **kwargs),
+    )
+    storage = store.make()
+    first = [inc("t0", "x", 1), inc("t1", "y", 1)]
+    assert [r.status for r in storage.execute(first)] == [APPLIED] * 2
+    assert [r.status for r in storage.execute([commit("t0"), commit("t1")])] == [COMMITTED] * 2
+    commands.seen.clear()
+    assert [r.status for r in storage.execute([inc("t2", "x", 5), inc("t3", "y", -5, min=0)])] == [
+        APPLIED
+    ] * 2
+    assert commands.seen == [
+        ("insert", "saga_ledger_tx", ["bank:t2", "bank:t3"]),
+        ("findAndModify", "accounts", ["x"]),
+        ("findAndModify", "accounts", ["y"]),
+        ("insert", "saga_ledger", ["bank:t2:0", "bank:t3:0"]),
+    ]
+    commands.seen.clear()
+    assert [r.status for r in storage.execute([commit("t2"), commit("t3")])] == [COMMITTED] * 2
+    assert commands.seen == [
+        ("findAndModify", "accounts", ["x"]),
+        ("findAndModify", "accounts", ["y"]),
+        ("update", "saga_ledger", [{"$in": ["bank:t2:0", "bank:t3:0"]}]),
+    ]
+    assert (store.balance("x"), store.balance("y")) == (6, 46)
 
 
 def test_an_open_hold_is_never_pruned(store: Store) -> None:
