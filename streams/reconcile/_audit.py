@@ -14,21 +14,23 @@ Per step, the statuses its participant reported are kept as bit masks
 is looked at only for transactions whose masks say it matters.
 
 Classes, most severe first: ``violation`` (an invariant is broken; the row
-names which and why), ``compensation_failed``, ``resolved_by_hand`` (rolled back
-once an operator's ``saga.resolve`` closed each failed compensation), ``stuck_no_decision`` (no
-decision ``grace`` after the deadline), ``stuck_unfinished`` (a decision, and
-``grace`` after it a step still lacks ``compensated`` after a rollback, or, after a
-commit, ``committed`` where its ``applied`` event said ``"confirm": true``; a step
-with nothing to confirm is finished by the commit decision itself, and a
-``committed`` event for it, as every step got before the ``confirm`` field, is
-harmless),
-``in_flight`` (still within its deadline or grace), ``ok``.
+names which and why), ``early_effect`` (only I7 is: a step's effect reached its
+store before its saga's commit, :mod:`._isolation`), ``compensation_failed``,
+``resolved_by_hand`` (rolled back once an operator's ``saga.resolve`` closed each
+failed compensation), ``stuck_no_decision`` (no decision ``grace`` after the
+deadline), ``stuck_unfinished`` (a decision, and ``grace`` after it a step still
+lacks ``compensated`` after a rollback, or, after a commit, ``committed`` where its
+``applied`` event said ``"confirm": true``; a step with nothing to confirm is
+finished by the commit decision itself, and a ``committed`` event for it, as every
+step got before the ``confirm`` field, is harmless), ``in_flight`` (still within
+its deadline or grace), ``ok``.
 """
 
 from __future__ import annotations
 
 from typing import Any, Final
 
+from saga.streams.reconcile._isolation import EARLY_EFFECT, classed, early_effects
 from saga.streams.reconcile._parse import (
     EVENT_STATUSES,
     parse_decisions,
@@ -50,6 +52,7 @@ __all__ = [
 
 CLASSES: Final = (
     "violation",
+    EARLY_EFFECT,
     "compensation_failed",
     "resolved_by_hand",
     "stuck_no_decision",
@@ -57,7 +60,7 @@ CLASSES: Final = (
     "in_flight",
     "ok",
 )
-INVARIANTS: Final = ("I1", "I2", "I3", "I4", "I6")
+INVARIANTS: Final = ("I1", "I2", "I3", "I4", "I6", "I7")
 
 _UNKNOWN: Final = "names unknown participant(s): "
 """How the coordinator's rollback reason lists the participants that do not exist."""
@@ -98,7 +101,7 @@ _AGGREGATES: Final = {
     # one partition (key = tx_id), and consumers act on the first.
     "req": """min(CASE WHEN kind = 'request' THEN named_struct('off', off, 'part', part,
         'saga', saga, 'mode', mode, 'parts', parts, 'deadline_ms', deadline_ms,
-        'created_ms', created_ms) END)""",
+        'created_ms', created_ms, 'isolation', isolation, 'actions', actions) END)""",
     "dec": """min(CASE WHEN kind = 'decision' THEN named_struct('off', off, 'part', part,
         'outcome', outcome, 'at_ms', at_ms, 'reason', reason) END)""",
     "outcomes": "array_sort(collect_set(CASE WHEN kind = 'decision' THEN outcome END))",
@@ -298,8 +301,9 @@ def ledger_findings(
     by the chaos suite). An ``applied`` event from a participant in ``covered``
     must have a ledger entry with ``effect``. Entries with an unresolved intent
     (MongoDB without transactions) are not judged. The entry's status is not
-    compared with the decision: a step with nothing to confirm stays ``applied`` in
-    its ledger after the commit (its participant does nothing on commit).
+    compared with the decision for I4: a step with nothing to confirm stays
+    ``applied`` in its ledger after the commit (its participant does nothing on
+    commit). The I7 findings (:func:`._isolation.early_effects`) join them.
     """
     from pyspark.sql import functions as F
 
@@ -307,7 +311,7 @@ def ledger_findings(
         F.expr(
             "collect_list(named_struct('participant', participant, 'step', step, "
             "'status', status, 'effect', effect, 'updated_ms', updated_ms, "
-            "'pending', pending, 'source', source))"
+            "'pending', pending, 'source', source, 'level', level))"
         ).alias("ledger")
     )
     how = "left" if window else "full"
@@ -334,7 +338,7 @@ def ledger_findings(
             ' was applied by ', x.participant, ', but its ledger has no effect recorded')))"""
     return joined.selectExpr(
         "*",
-        f"concat({store_only}, {log_only}) AS ledger_findings",
+        f"concat({store_only}, {log_only}, {early_effects(quiet)}) AS ledger_findings",
         "size(coalesce(ledger, array())) AS ledger_entries",
     ).drop("ledger")
 
@@ -361,8 +365,7 @@ def classify(frame: Any, *, as_of_ms: int) -> Any:
         )
         .selectExpr(
             "tx AS tx_id",
-            """CASE WHEN size(findings) > 0 THEN 'violation' ELSE coalesce(progress, 'ok') END
-            AS class""",
+            f"{classed('findings', 'progress')} AS class",
             "array_sort(array_distinct(transform(findings, f -> f.invariant))) AS invariants",
             "transform(findings, f -> concat(f.invariant, ': ', f.reason)) AS reasons",
             "req.saga AS saga",

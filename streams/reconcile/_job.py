@@ -19,8 +19,8 @@ is one of them (:mod:`._signatures`); ``signatures`` in the summary counts those
 apart, with the dead letters the coordinator did not sign (``dlq_forged``) and
 those of records refused for their signature (``dlq_unauthenticated``).
 
-Exit status: 0 clean (``in_flight`` allowed), 1 violations, stuck sagas or a
-failed business check, 2 could not run (:class:`._spark.ReconcileError`).
+Exit status: 0 clean (``in_flight`` allowed), 1 violations, early effects, stuck
+sagas or a failed business check, 2 could not run (:class:`._spark.ReconcileError`).
 """
 
 from __future__ import annotations
@@ -59,6 +59,8 @@ from saga.streams.reconcile._spark import (
 __all__ = ["RunResult", "run"]
 
 _STUCK = ("stuck_no_decision", "stuck_unfinished", "compensation_failed")
+_BAD = ("violation", "early_effect", *_STUCK)
+"""The classes that make a run exit 1."""
 _OUTPUT_COLUMNS = (
     "tx_id",
     "class",
@@ -395,7 +397,7 @@ def _finish(
     classes = {c: totals[f"class_{c}"] for c in _audit.CLASSES}
     invariants = {i: totals[f"inv_{i}"] for i in _audit.INVARIANTS}
     failed_checks = [c for c in checks if not c["holds"]]
-    bad = classes["violation"] + sum(classes[c] for c in _STUCK)
+    bad = sum(classes[c] for c in _BAD)
     exit_code = 1 if bad or failed_checks else 0
     verdict_text = _verdict(classes, failed_checks, exit_code)
     audit_s = t_audit - t_ready

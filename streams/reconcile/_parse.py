@@ -102,10 +102,12 @@ _UNION_COLUMNS: Final = (
     ("redriven", "string"),
     ("rkey", "string"),
     ("confirm", "boolean"),
+    ("isolation", "string"),
+    ("actions", "array<string>"),
 )
 
 _REQUESTS_SCHEMA: Final = (
-    "v BIGINT, type STRING, tx_id STRING, saga STRING, mode STRING, "
+    "v BIGINT, type STRING, tx_id STRING, saga STRING, mode STRING, isolation STRING, "
     "steps ARRAY<STRUCT<participant: STRING, action: STRING, args: STRING>>, "
     "deadline_ms BIGINT, created_ms BIGINT, meta STRING, reason STRING, at_ms BIGINT, "
     "step BIGINT, note STRING, by STRING"
@@ -137,7 +139,7 @@ def _reason(required: bool) -> str:
 
 
 _REQUEST_KEYS: Final = _keys_within(
-    "v", "type", "tx_id", "saga", "mode", "steps", "deadline_ms", "created_ms", "meta"
+    "v", "type", "tx_id", "saga", "mode", "isolation", "steps", "deadline_ms", "created_ms", "meta"
 )
 _EVENT_KEYS: Final = _keys_within(
     "v", "type", "tx_id", "step", "participant", "status", "reason", "at_ms", "confirm"
@@ -147,6 +149,7 @@ _REQUEST_VALID: Final = f"""coalesce(
     AND {_REQUEST_KEYS}
     AND length(r.saga) BETWEEN 1 AND {MAX_SAGA_CHARS}
     AND (r.mode IN ('parallel', 'sequential') OR NOT array_contains(keys, 'mode'))
+    AND (r.isolation IN ('read_committed', 'none') OR NOT array_contains(keys, 'isolation'))
     AND size(r.steps) BETWEEN 1 AND 64
     AND forall(r.steps, s -> s.participant RLIKE '{_NAME}' AND s.action RLIKE '{_NAME}'
                              AND (s.args IS NULL OR startswith(s.args, '{{')))
@@ -304,7 +307,9 @@ def parse_requests(raw: Any, rejected: Any = None, signer: SignerColumn | None =
     ``signer`` (a key folder's, :func:`._signatures.signer_column`): only records
     signed by ``client`` or ``operator`` are valid (a resolve: ``operator`` only).
     ``actor`` is who acted (an abort's or resolve's ``by``; ``operator`` for an abort
-    the operator key signed), ``note`` a resolve's note.
+    the operator key signed), ``note`` a resolve's note. ``isolation`` is the request's
+    level as written (NULL when absent: a request older than the field, which the
+    participants of its time applied without isolation), ``actions`` its steps' actions.
     """
     checked = _parsed(raw, _REQUESTS_SCHEMA, rejected, signer).selectExpr(
         "*", f"NOT {_BY_REQUESTER} AS forged"
@@ -323,6 +328,8 @@ def parse_requests(raw: Any, rejected: Any = None, signer: SignerColumn | None =
         saga="CASE WHEN kind = 'request' THEN r.saga END",
         mode="CASE WHEN kind = 'request' THEN coalesce(r.mode, 'parallel') END",
         parts="CASE WHEN kind = 'request' THEN transform(r.steps, s -> s.participant) END",
+        actions="CASE WHEN kind = 'request' THEN transform(r.steps, s -> s.action) END",
+        isolation="CASE WHEN kind = 'request' THEN r.isolation END",
         deadline_ms="CASE WHEN kind = 'request' THEN r.deadline_ms END",
         created_ms="CASE WHEN kind = 'request' THEN r.created_ms END",
         at_ms="CASE WHEN kind IN ('abort', 'resolve') THEN r.at_ms END",

@@ -17,6 +17,7 @@ __all__ = ["render", "write_json", "write_jsonl"]
 
 _MEANING = {
     "violation": "an invariant is broken",
+    "early_effect": "a step's effect reached its store before its saga's commit (I7)",
     "compensation_failed": "an operator must act",
     "resolved_by_hand": "rolled back; a failed compensation was resolved by hand",
     "stuck_no_decision": "no decision after the deadline + grace",
@@ -30,6 +31,7 @@ _INVARIANT = {
     "I3": "rollback => applied steps compensated, none applied after",
     "I4": "ledgers agree with the log",
     "I6": "only invalid records on the DLQ",
+    "I7": "isolation: no effect in a store before its saga's commit (ledgers)",
 }
 
 

@@ -54,6 +54,7 @@ from typing import Any, Final
 from urllib.parse import unquote, urlsplit
 
 from saga.streams.reconcile._config import LedgerSource, StoreSpec, TableSource
+from saga.streams.reconcile._isolation import LEVEL_KEY, level_of
 from saga.streams.reconcile._spark import ReconcileError
 
 __all__ = [
@@ -68,7 +69,7 @@ __all__ = [
 
 LEDGER_SCHEMA: Final = (
     "source STRING, participant STRING, tx_id STRING, step INT, status STRING, "
-    "effect BOOLEAN, updated_ms BIGINT, pending BOOLEAN"
+    "effect BOOLEAN, updated_ms BIGINT, pending BOOLEAN, level STRING"
 )
 _LEDGER_COLUMNS: Final = [
     "source",
@@ -79,6 +80,7 @@ _LEDGER_COLUMNS: Final = [
     "effect",
     "updated_ms",
     "pending",
+    "level",
 ]
 _SAMPLE: Final = 500
 _TIMEOUT_S: Final = 10
@@ -114,6 +116,15 @@ def _qualified(schema: str | None, table: str) -> str:
     return f'"{schema}"."{table}"' if schema else f'"{table}"'
 
 
+def jdbc_level(before: Any) -> Any:
+    """The column of a ledger entry's level (:func:`._isolation.level_of`) from its
+    ``before`` column as JDBC reads it (PostgreSQL ``json`` as text)."""
+    from pyspark.sql import functions as F
+
+    mark = F.get_json_object(before.cast("string"), f"$['{LEVEL_KEY}']")
+    return F.when(mark == "read_committed", "read_committed").otherwise("none")
+
+
 def _jdbc(spark: Any, store: StoreSpec, table: str) -> Any:
     jdbc, props = jdbc_address(store.url)
     reader = spark.read.format("jdbc").option("url", jdbc).option("fetchsize", "10000")
@@ -127,8 +138,8 @@ def _sql_ledger_rows(url: str, name: str, label: str) -> Iterator[tuple[Any, ...
     import psycopg
 
     query = (
-        "SELECT participant, tx_id, step, status, effect, updated_ms "  # noqa: S608 (quoted name)
-        f"FROM {name} WHERE step >= 0"
+        "SELECT participant, tx_id, step, status, effect, updated_ms, "  # noqa: S608 (quoted)
+        f"before ->> '{LEVEL_KEY}' FROM {name} WHERE step >= 0"
     )
     with (
         psycopg.connect(url, connect_timeout=_TIMEOUT_S) as conn,
@@ -136,7 +147,7 @@ def _sql_ledger_rows(url: str, name: str, label: str) -> Iterator[tuple[Any, ...
     ):
         cursor.itersize = 10_000
         cursor.execute(query)
-        for participant, tx_id, step, status, effect, updated_ms in cursor:
+        for participant, tx_id, step, status, effect, updated_ms, level in cursor:
             yield (
                 label,
                 str(participant),
@@ -146,6 +157,7 @@ def _sql_ledger_rows(url: str, name: str, label: str) -> Iterator[tuple[Any, ...
                 bool(effect),
                 int(updated_ms or 0),
                 False,
+                level_of({LEVEL_KEY: level}),
             )
 
 
@@ -169,11 +181,13 @@ def _mongo_ledger_rows(
 ) -> Iterator[tuple[Any, ...]]:
     client = _mongo_client(url)
     try:
-        fields = {n: 1 for n in ("participant", "tx_id", "step", "status", "effect", "updated_ms")}
+        names = ("participant", "tx_id", "step", "status", "effect", "updated_ms", "before")
+        fields = {n: 1 for n in names}
         fields["pending.at_ms"] = 1
         cursor = client[database][collection].find({"step": {"$gte": 0}}, fields, batch_size=5000)
         for doc in cursor:
             pending = doc.get("pending") is not None
+            before = doc.get("before")  # JSON text (MongoDB field names may not hold a dot)
             yield (
                 label,
                 str(doc.get("participant")),
@@ -183,6 +197,7 @@ def _mongo_ledger_rows(
                 bool(doc.get("effect", False)),
                 int(doc.get("updated_ms") or 0),
                 pending,
+                level_of(json.loads(before) if isinstance(before, str) else before),
             )
     finally:
         client.close()
@@ -305,6 +320,7 @@ def _redis_ledger_rows(url: str, prefix: str, label: str) -> Iterator[tuple[Any,
                         bool(entry.get("effect", False)),
                         int(entry.get("updated_ms") or 0),
                         False,
+                        level_of(entry.get("before")),
                     )
     finally:
         client.close()
@@ -446,6 +462,7 @@ def ledger_frame(
             F.col("effect").cast("boolean").alias("effect"),
             F.col("updated_ms").cast("bigint").alias("updated_ms"),
             F.lit(False).alias("pending"),
+            jdbc_level(F.col("before")).alias("level"),
         )
     elif store.kind == "mongo":
         reader = partial(

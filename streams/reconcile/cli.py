@@ -53,7 +53,7 @@ holds when its query returns no row, or, if it has a boolean column ok, when
 ok is true in every row it returns.
 
 \b
-Exit status: 0 clean; 1 violations, stuck sagas or a failed check;
+Exit status: 0 clean; 1 violations, early effects, stuck sagas or a failed check;
 2 the job could not run (Kafka, a topic, the jars, a store or an option).
 """
 
@@ -234,9 +234,9 @@ def reconcile(
     """Audit the saga log (and the participants' ledgers) with Spark; replay stuck sagas.
 
     Reads requests, events and decisions (and the dead letters) as a batch,
-    checks invariants I1-I4 and I6 per transaction, classifies each as ok,
+    checks invariants I1-I4, I6 and I7 per transaction, classifies each as ok,
     in_flight, stuck_no_decision, stuck_unfinished, compensation_failed,
-    resolved_by_hand or violation, writes the findings as Parquet with a JSON
+    resolved_by_hand, early_effect or violation, writes the findings as Parquet with a JSON
     summary, and prints a summary table and the operator actions (aborts,
     resolves, redrives). With --replay it re-publishes what stuck sagas miss.
     """

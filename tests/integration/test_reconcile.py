@@ -410,6 +410,7 @@ def write_ledgers(
     redis_prefix: str,
 ) -> None:
     """Each participant's entries in its store's layout (the adapters' own helpers)."""
+    from saga.participants._actions import READ_COMMITTED_BEFORE
     from saga.participants._barrier import LedgerEntry, LedgerStatus
     from saga.participants._ledger import entry_json as _entry_text
     from saga.participants.mongo._ledger import _entry_fields
@@ -425,6 +426,7 @@ def write_ledgers(
             n_steps=3,
             deadline_ms=OLD + 30_000,
             effect=e.effect,
+            before=READ_COMMITTED_BEFORE,  # every seeded request is read_committed (I7)
             updated_ms=e.updated_ms,
         )
 
@@ -443,7 +445,7 @@ def write_ledgers(
             "n_steps": 3,
             "deadline_ms": OLD + 30_000,
             "effect": e.effect,
-            "before": None,
+            "before": READ_COMMITTED_BEFORE,
             "reason": None,
             "rollback_pending": False,
             "successor_compensated": False,

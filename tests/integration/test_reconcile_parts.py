@@ -349,6 +349,7 @@ def test_public_names() -> None:
     }
     assert reconcile.CLASSES == (
         "violation",
+        "early_effect",
         "compensation_failed",
         "resolved_by_hand",
         "stuck_no_decision",
