@@ -70,6 +70,15 @@ local function minus(text)  -- of a canonical integer text other than "0"
   if text:sub(1, 1) == '-' then return text:sub(2) end
   return '-' .. text
 end
+-- the i-th of the reason texts joined by "\n" (only a step that fails needs one)
+local function part(texts, i)
+  local k = 0
+  for piece in string.gmatch(texts, '([^\n]*)\n?') do
+    k = k + 1
+    if k == i then return piece end
+  end
+  return ''
+end
 -- the reason naming the saga that holds the record (nil: none, or a stale "hold")
 local function held(sk, where)
   local tx = redis.call('HGET', sk, 'hold')
@@ -121,19 +130,24 @@ for i = 1, n do
   if kind == 'put' then
     code, entry, flags = 'w', ARGV[b + 5], ARGV[b + 13]
   else
-    local rt, st = kind_of(rk), kind_of(sk)
-    if (rt ~= 'none' and rt ~= 'hash') or (st ~= 'none' and st ~= 'hash') then break end
-    local reasons = {}
-    for part in string.gmatch(ARGV[b + 14], '([^\n]*)\n?') do table.insert(reasons, part) end
     local name, by, low, high = ARGV[b + 9], ARGV[b + 10], ARGV[b + 11], ARGV[b + 12]
     local rfield = 'r:' .. tx .. ':' .. field
+    local down = by:sub(1, 1) == '-'
+    local cname = (down and 'neg:' or 'pos:') .. name
+    -- every read a step needs, before its first write: a key of another type stops here
+    local s = redis.pcall('HMGET', sk, 'hold', 'neg:' .. name, 'pos:' .. name,
+      'min:' .. name, 'max:' .. name, rfield)
+    if s['err'] then break end
+    local hold, neg, pos, lowb, highb, res = s[1], s[2], s[3], s[4], s[5], s[6]
+    local old = redis.pcall('HGET', rk, name)
+    if type(old) == 'table' then break end
+    local c = false  -- the counter by adds to (not `down and neg or pos`: neg may be false)
+    if by ~= '0' then if down then c = neg else c = pos end end
+    local reason = ARGV[b + 14]
     if kind == 'cmt' or kind == 'rel' then
-      if redis.call('HGET', sk, rfield) then
-        local cname = (by:sub(1, 1) == '-' and 'neg:' or 'pos:') .. name
-        local c = by ~= '0' and redis.call('HGET', sk, cname)
+      if res then
         if c and not canonical(c) then break end
         if kind == 'cmt' then
-          local old = rt == 'hash' and redis.call('HGET', rk, name)
           if not old or not canonical(old) then break end
           local ok = redis.pcall('HINCRBY', rk, name, by)
           if type(ok) == 'table' and ok['err'] then break end
@@ -142,55 +156,52 @@ for i = 1, n do
         if by ~= '0' then count(sk, cname, minus(by)) end
       end
       code, entry, flags = 'a', done, ARGV[b + 13]
+    elseif kind == 'res' and hold == tx then
+      break  -- its saga's own hold: the per-step path's view
     else
-      local mine = kind == 'res' and redis.call('HGET', sk, 'hold') == tx
-      if mine then break end  -- its saga's own hold: the per-step path's view
-      text = kind ~= 'dec' and held(sk, reasons[6]) or nil
-      local old = not text and rt == 'hash' and redis.call('HGET', rk, name)
+      if kind ~= 'dec' and hold then text = held(sk, part(reason, 6)) end
       if text then
-      elseif rt == 'none' then
-        text = reasons[4]
       elseif not old then
-        text = reasons[5]
+        text = part(reason, redis.call('EXISTS', rk) == 0 and 4 or 5)  -- gone, or no field
+      elseif not canonical(old) then
+        break
       elseif kind == 'dec' then
-        if not canonical(old) then break end
-        local down = by:sub(1, 1) == '-'
-        local bound = by ~= '0' and redis.call('HGET', sk, (down and 'min:' or 'max:') .. name)
-        local c = bound and redis.call('HGET', sk, (down and 'neg:' or 'pos:') .. name)
+        -- by is minus the step's; a bound it would cross refuses (counting reservations)
+        local bound = false
+        if by ~= '0' then if down then bound = lowb else bound = highb end end
         if bound and not canonical(bound) then break end
-        if c and not (small(c) and small(old) and small(by)) then break end
+        local k = bound and c
+        if k and not (small(k) and small(old) and small(by)) then break end
         local ok = redis.pcall('HINCRBY', rk, name, by)
         if type(ok) == 'table' and ok['err'] then break end
         if bound then
           local now = redis.call('HGET', rk, name)
-          local v = c and fmt(tonumber(now) + tonumber(c)) or now
+          local v = k and fmt(tonumber(now) + tonumber(k)) or now
           local r = cmp(v, bound)
           if (down and r < 0) or (not down and r > 0) then
-            text = reasons[1] .. v .. (c and reasons[7] or '') ..
-              (down and reasons[2] or reasons[3]) .. bound .. reasons[8]
+            text = part(reason, 1) .. v .. (k and part(reason, 7) or '') ..
+              (down and part(reason, 2) or part(reason, 3)) .. bound .. part(reason, 8)
             redis.call('HSET', rk, name, old)
           end
         end
         if not text then code, entry, flags = 'a', done, ARGV[b + 13] end
       else
-        if not canonical(old) then break end
-        local neg = low ~= '' and redis.call('HGET', sk, 'neg:' .. name)
-        local pos = high ~= '' and redis.call('HGET', sk, 'pos:' .. name)
-        local lowb = low ~= '' and redis.call('HGET', sk, 'min:' .. name)
-        local highb = high ~= '' and redis.call('HGET', sk, 'max:' .. name)
+        neg, lowb = low ~= '' and neg, low ~= '' and lowb
+        pos, highb = high ~= '' and pos, high ~= '' and highb
         if (neg and not small(neg)) or (pos and not small(pos)) then break end
         if (lowb and not canonical(lowb)) or (highb and not canonical(highb)) then break end
         if kind == 'inc' then
-          if (neg or pos) and not (small(old) and small(by)) then break end
+          local exact = small(old) and small(by)
+          if (neg or pos) and not exact then break end
           local ok = redis.pcall('HINCRBY', rk, name, by)
           if type(ok) == 'table' and ok['err'] then break end  -- overflow: Python's big integers
-          local now = redis.call('HGET', rk, name)
+          local now = exact and fmt(tonumber(old) + tonumber(by)) or redis.call('HGET', rk, name)
           local lv = neg and fmt(tonumber(now) + tonumber(neg)) or now
           local hv = pos and fmt(tonumber(now) + tonumber(pos)) or now
           if low ~= '' and cmp(lv, low) < 0 then
-            text = reasons[1] .. lv .. (neg and reasons[7] or '') .. reasons[2]
+            text = part(reason, 1) .. lv .. (neg and part(reason, 7) or '') .. part(reason, 2)
           elseif high ~= '' and cmp(hv, high) > 0 then
-            text = reasons[1] .. hv .. (pos and reasons[7] or '') .. reasons[3]
+            text = part(reason, 1) .. hv .. (pos and part(reason, 7) or '') .. part(reason, 3)
           end
           if text then
             redis.call('HSET', rk, name, old)
@@ -200,20 +211,18 @@ for i = 1, n do
             flags = ARGV[b + 13]
           end
         else  -- res: escrow, the record unchanged
-          local cname = (by:sub(1, 1) == '-' and 'neg:' or 'pos:') .. name
-          local c = by ~= '0' and redis.call('HGET', sk, cname)
           if not (small(old) and small(by)) or (c and not small(c)) then break end
           local d = tonumber(by)
           if low ~= '' then
             local lv = fmt(tonumber(old) + (neg and tonumber(neg) or 0) + math.min(d, 0))
             if cmp(lv, low) < 0 then
-              text = reasons[1] .. lv .. (neg and reasons[7] or '') .. reasons[2]
+              text = part(reason, 1) .. lv .. (neg and part(reason, 7) or '') .. part(reason, 2)
             end
           end
           if not text and high ~= '' then
             local hv = fmt(tonumber(old) + (pos and tonumber(pos) or 0) + math.max(d, 0))
             if cmp(hv, high) > 0 then
-              text = reasons[1] .. hv .. (pos and reasons[7] or '') .. reasons[3]
+              text = part(reason, 1) .. hv .. (pos and part(reason, 7) or '') .. part(reason, 3)
             end
           end
           if not text then
