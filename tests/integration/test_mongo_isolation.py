@@ -19,7 +19,7 @@ import pymongo
 import pymongo.monitoring
 import pytest
 
-from saga.participants._barrier import LedgerStatus, Requested
+from saga.participants._barrier import LedgerStatus, PredecessorApplied, Requested
 from saga.participants._storage import DecisionArrived, Report
 from saga.participants.mongo import MongoStorage
 from saga.participants.mongo import _adapter as mongo_adapter
@@ -244,6 +244,50 @@ def test_a_hold_waits_for_no_one_and_open_reservations_refuse_it(store: Store) -
     )
     assert one(store.run(commit("t1"))).status is COMMITTED
     assert store.balance("y") == 55
+
+
+def test_holds_and_reservations_within_one_batch(store: Store) -> None:
+    """Steps of several sagas in one batch (whose new transactions go in together) see
+    each other's holds and reservations as if they came one by one."""
+    new = {"target": "accounts", "key": "n", "value": {"balance": 1}}
+    got = store.run(
+        step("t1", "insert", new),
+        step("t2", "insert", new),
+        step("t3", "put", new, level=NONE),
+        inc("t4", "x", 5),
+        inc("t5", "x", -5, min=0),
+    )
+    assert [(r.tx_id, r.status) for r in got] == [
+        ("t1", APPLIED),
+        ("t2", StepStatus.FAILED),
+        ("t3", StepStatus.FAILED),
+        ("t4", APPLIED),
+        ("t5", StepStatus.FAILED),
+    ]
+    assert got[1].reason == got[2].reason == held("accounts/n", "t1")
+    assert got[4].reason == "accounts/x balance would be -5, below the minimum 0"
+    assert (store.find("accounts", "n"), store.balance("x")) == (None, 0)
+    assert [r.status for r in store.run(commit("t1"), commit("t4"))] == [COMMITTED] * 2
+    assert (store.find("accounts", "n"), store.balance("x")) == ({"_id": "n", "balance": 1}, 5)
+
+
+def test_a_sequential_step_holds_once_its_predecessor_applied(store: Store) -> None:
+    second = Requested(
+        "t1", 1, "update", {"target": "orders", "key": "k", "set": {"qty": 1}},
+        Mode.SEQUENTIAL, 2, DEADLINE, NOW,
+    )  # fmt: skip
+    first = Requested(
+        "t1", 0, "increment", {"target": "accounts", "key": "x", "field": "balance", "by": 3},
+        Mode.SEQUENTIAL, 2, DEADLINE, NOW,
+    )  # fmt: skip
+    assert store.run(second) == []  # waits for its predecessor
+    assert status(store.run(first)) == [("t1", 0, APPLIED)]
+    assert status(store.run(PredecessorApplied("t1", 1, NOW))) == [("t1", 1, APPLIED)]
+    late = one(store.run(update("t2", "k", 9)))
+    assert late.reason == held("orders/k", "t1", 1)
+    assert (store.balance("x"), store.qty()) == (0, 5)
+    assert status(store.run(commit("t1"))) == [("t1", 0, COMMITTED), ("t1", 1, COMMITTED)]
+    assert (store.balance("x"), store.qty()) == (3, 1)
 
 
 def test_steps_of_one_saga_on_one_record_are_compatible(store: Store) -> None:
