@@ -451,8 +451,11 @@ def test_a_forged_commit_decision_is_not_obeyed(rig: Rig) -> None:
     rig.system.coordinator()
     rig.wallet()
     with rig.system.client() as client:
-        # A debit the bank will reject: the saga must roll back.
-        tx = client.submit(transfer("bob", TOO_MUCH), saga="transfer", timeout=120)
+        # A debit the bank will reject: the saga must roll back. At isolation none the
+        # wallet's credit is in the store once applied, which a forged commit would keep.
+        tx = client.submit(
+            transfer("bob", TOO_MUCH), saga="transfer", timeout=120, isolation="none"
+        )
         wait_wallet_applied(client, tx)
         assert rig.stores.wallets()["bob"] == TOO_MUCH  # the credit a commit would keep
         commit = encode(Decision(tx, Outcome.COMMIT, FORGED, now_ms()))
