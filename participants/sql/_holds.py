@@ -265,13 +265,14 @@ class BatchHolds(Holds):
     def __init__(self, connection: Connection, table: Table, locks: RecordLocks) -> None:
         super().__init__(table, locks)
         self._connection = connection
-        self._base: dict[Record, dict[HoldKey, Hold]] = {}
+        self._view: dict[Record, dict[HoldKey, Hold]] = {}  # as the batch has left them
+        self._stored: set[HoldKey] = set()  # rows read from the table
         self._added: dict[HoldKey, Hold] = {}
         self._dropped: set[HoldKey] = set()
 
     def preload(self, records: Iterable[Record]) -> None:
         """Read the rows of ``records`` (after their rows or record locks are taken)."""
-        wanted = sorted(set(records) - set(self._base))
+        wanted = sorted(set(records) - set(self._view))
         for start in range(0, len(wanted), _CHUNK):
             self._read(wanted[start : start + _CHUNK])
 
@@ -283,7 +284,7 @@ class BatchHolds(Holds):
         after the pipeline, reads what it found."""
         from psycopg.rows import dict_row
 
-        wanted = sorted(set(records) - set(self._base))
+        wanted = sorted(set(records) - set(self._view))
         table = self._connection.dialect.identifier_preparer.format_table(self.table)
         cursor = driver.cursor(row_factory=dict_row)
         cursor.execute(
@@ -315,39 +316,46 @@ class BatchHolds(Holds):
         self._fill(records, self._connection.execute(select(self.table).where(match)).mappings())
 
     def _fill(self, records: Iterable[Record], rows: Iterable[Mapping[Any, Any]]) -> None:
-        for each in records:
-            self._base[each] = {}
+        """The records' rows as read, with this batch's own changes applied."""
+        fresh: dict[Record, dict[HoldKey, Hold]] = {each: {} for each in records}
         for row in rows:
             hold = hold_of(row)
-            self._base.setdefault((hold.target, hold.record), {})[hold.key] = hold
+            self._stored.add(hold.key)
+            if hold.key not in self._dropped:
+                fresh.setdefault((hold.target, hold.record), {})[hold.key] = hold
+        for key, hold in self._added.items():
+            if key[:2] in fresh:
+                fresh[key[:2]][key] = hold
+        self._view.update(fresh)
 
     def of(self, record: Record) -> list[Hold]:
-        if record not in self._base:
+        if record not in self._view:
             self._read([record])
-        found = {k: h for k, h in self._base[record].items() if k not in self._dropped}
-        found.update((k, h) for k, h in self._added.items() if k[:2] == record)
-        return sorted(found.values(), key=lambda h: (h.tx_id, h.step, h.field))
+        return sorted(self._view[record].values(), key=lambda h: (h.tx_id, h.step, h.field))
 
     def add(self, hold: Hold) -> None:
-        if hold.key in self._base.get(hold.key[:2], {}):
-            self._dropped.add(hold.key)  # replaced: the old row goes first
-        self._added[hold.key] = hold
+        key = hold.key
+        if key[:2] not in self._view:
+            self._read([key[:2]])
+        if key in self._stored:
+            self._dropped.add(key)  # replaced: the old row goes first
+        self._view[key[:2]][key] = hold
+        self._added[key] = hold
 
     def drop(self, key: HoldKey) -> bool:
         record = (key[0], key[1])
-        if record not in self._base:
+        if record not in self._view:
             self._read([record])
-        if self._added.pop(key, None) is not None:
-            return True
-        if key in self._base[record] and key not in self._dropped:
+        if self._view[record].pop(key, None) is None:
+            return False
+        self._added.pop(key, None)
+        if key in self._stored:
             self._dropped.add(key)
-            return True
-        return False
+        return True
 
     def lock_absent(self, record: Record) -> bool:
         if not self.locks.take_one(record, self._connection.execute, top_level=True):
             return False
-        self._base.pop(record, None)
         self._read([record])
         return True
 
