@@ -121,7 +121,9 @@ Two modes (``transactions=None`` detects at :meth:`MongoStorage.setup`)
   of the business document, the write, and a share of two batched inserts (its
   transaction document, see *Batched intents*, and its step document); a decision
   on a step this storage recorded costs one update of its step document (see
-  *Cache*).
+  *Cache*). Under ``read_committed`` (see *Isolation*) an ``increment`` on a document
+  this process wrote before costs one update to reserve (no read) and one to commit,
+  and a batch's commits share one update of the ledger.
 
 Batched intents. On a batch's first attempt without transactions, the transaction
 documents of the new transactions whose step writes (not a delete) are not inserted
@@ -232,9 +234,15 @@ not exist yet, in its shadow document in ``<ledger_collection>_holds``, so that 
 ``find`` of the target never shows it before commit. Every hold, reservation, commit
 and release is the step's one staged write, recorded with its ledger entry by the
 protocol above; a step of another saga on a held record fails at once naming the
-holder. Under ``none`` apply writes at once, and a compensation first checks that it
-overwrites no one's work and breaks no recorded bound. Participants that write the
-same documents must share the ledger collection (as for markers).
+holder. A commit or release that removes what it acts on from the document it changes
+needs no intent (running it again finds nothing to do), and its ledger record joins the
+batch's others in one update. Where this process knows the marker it last recorded
+for a document, a reservation and its commit are written without reading the document
+first: the write is compare-and-set on that marker and checked on the document as it
+was, and a miss is put back and the step run again, reading. Under ``none`` apply
+writes at once, and a compensation first checks that it overwrites no one's work and
+breaks no recorded bound. Participants that write the same documents must share the
+ledger collection (as for markers).
 """
 
 from saga.participants.mongo._adapter import MongoStorage

@@ -84,10 +84,13 @@ class _Cas:
             {"_id": key}, change, return_document=ReturnDocument.BEFORE
         )
         if before is not None and check is not None and _meets(before, expect):
-            if check(before):
-                return True
-            collection.replace_one({"_id": key}, before)  # as it was: the check failed
-            return False
+            passed = False
+            try:
+                passed = check(before)
+            finally:
+                if not passed:  # failed (or raised): put the document back as it was
+                    collection.replace_one({"_id": key}, before)
+            return passed
         return self._kept(collection, key, before, expect)
 
     def replace(

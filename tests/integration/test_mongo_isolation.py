@@ -426,6 +426,47 @@ def test_the_hot_path_of_an_increment(store: Store, monkeypatch: pytest.MonkeyPa
     assert (store.balance("x"), store.balance("y")) == (6, 46)
 
 
+def test_a_document_changed_by_another_process_is_read_again(store: Store) -> None:
+    """An update made without reading (this process knew the document's marker) finds the
+    document written by another process since: it is put back, and the step runs again,
+    reading; fractions are added in decimal, after a read."""
+    store.db["accounts"].insert_one({"_id": "z", "balance": 10.5})
+    assert one(store.run(inc("t1", "z", 1))).status is APPLIED
+    assert one(store.run(commit("t1"))).status is COMMITTED  # this process knows z now
+    other = store.make(shared=type(store.storage.shared)())  # another process
+    assert one(other.execute([inc("t2", "z", 2)])).status is APPLIED
+    assert one(store.run(inc("t3", "z", 0.1))).status is APPLIED
+    assert status(other.execute([commit("t2")]) + store.run(commit("t3"))) == [
+        ("t2", 0, COMMITTED),
+        ("t3", 0, COMMITTED),
+    ]
+    assert store.balance("z") == 13.6
+    assert not store.db["accounts"].find_one({"_id": "z"}).get("_saga_res")
+
+
+def test_none_compensations_refuse_to_overwrite_a_held_or_changed_record(store: Store) -> None:
+    gone = {"target": "accounts", "key": "y"}
+    assert one(store.run(step("t1", "delete", gone, level=NONE))).status is APPLIED
+    made = {"target": "accounts", "key": "y", "value": {"balance": 1}}
+    assert one(store.run(step("t2", "insert", made))).status is APPLIED  # held, pending
+    undo = one(store.run(rollback("t1")))
+    assert undo.status is StepStatus.COMPENSATION_FAILED
+    assert undo.reason == (
+        "compensation failed: accounts/y is held by saga t2 (step 0) until its decision; "
+        "not restored (a replayed rollback tries again)"
+    )
+    assert one(store.run(rollback("t2"))).status is COMPENSATED
+    assert one(store.run(rollback("t1"))).status is COMPENSATED  # replayed: free again
+    assert store.find("accounts", "y") == {"_id": "y", "balance": 50}
+
+    new = {"target": "orders", "key": "o", "value": {"qty": 1}}
+    assert one(store.run(step("t3", "insert", new, level=NONE))).status is APPLIED
+    store.db["orders"].update_one({"_id": "o"}, {"$set": {"qty": 2}})  # someone else
+    undo = one(store.run(rollback("t3")))
+    assert undo.reason is not None and "orders/o changed since this step wrote it" in undo.reason
+    assert store.find("orders", "o") == {"_id": "o", "qty": 2}
+
+
 def test_an_open_hold_is_never_pruned(store: Store) -> None:
     assert one(store.run(update("t1", "k", 7))).status is APPLIED
     assert store.storage.prune(DEADLINE + 10**9, 100) == 0
