@@ -164,8 +164,8 @@ def test_repeats_decisions_and_markers_match_the_per_step_path(pair: Pair) -> No
     pair.both([requested("tx-6", "increment", bump(1, 1))])
 
 
-@pytest.mark.parametrize("isolation", list(Isolation))
-def test_random_batches_match_the_per_step_path(pair: Pair, isolation: Isolation) -> None:
+@pytest.mark.parametrize("isolation", [*Isolation, None], ids=[*Isolation, "mixed"])
+def test_random_batches_match_the_per_step_path(pair: Pair, isolation: Isolation | None) -> None:
     rng = random.Random(14)
     for key in range(4):
         pair.seed(key, {"owner": f"o{key}", "balance": str(rng.randint(-5, 50))})
@@ -196,7 +196,7 @@ def test_random_batches_match_the_per_step_path(pair: Pair, isolation: Isolation
                     DEADLINE,
                     NOW + batch,
                     fingerprint=f"fp-{tx}-{n % 2}",
-                    isolation=isolation,
+                    isolation=isolation or rng.choice(list(Isolation)),
                 )
             )
         pair.both(items)
