@@ -328,6 +328,46 @@ def test_parallel_workers_on_one_hot_row_keep_the_bound(harness: SqlHarness) -> 
     assert holds(db) == []
 
 
+def test_two_workers_inserting_one_key_hold_it_once(database: Database) -> None:
+    """Two workers (one on the batch path, one careful) insert the same absent key at the
+    same moment: the record lock lets exactly one hold it, the other fails naming it."""
+    noop = Handler(lambda session, args: None, lambda session, args, before: None)
+    with sql_harness(database) as harness:
+        workers = [harness.make(), harness.make(handlers={"noop": noop})]
+        for worker in workers:
+            worker.setup()
+        for attempt in range(6):
+            key = 100 + attempt
+            start = threading.Barrier(2)
+            reports: list[Any] = []
+
+            def work(
+                storage: Storage, n: int, key: int = key, start: Any = start, reports: Any = reports
+            ) -> None:
+                value = {"owner": f"w{n}", "balance": n}
+                step = requested(
+                    f"I{key}-{n}", "insert", {"target": "accounts", "key": key, "value": value}
+                )
+                start.wait()
+                deadline = time.monotonic() + 30
+                while True:
+                    try:
+                        reports.extend(storage.execute([step]))
+                        return
+                    except TransientError:  # SQLite's one writer: try again
+                        assert time.monotonic() < deadline
+
+            threads = [threading.Thread(target=work, args=(w, n)) for n, w in enumerate(workers)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(timeout=60)
+            assert sorted(r.status for r in reports) == [APPLIED, FAILED]
+            [lost] = [r for r in reports if r.status is FAILED]
+            assert lost.reason and lost.reason.startswith(f"accounts/{key} is held by saga I{key}-")
+            assert harness.record("accounts", key) is None
+
+
 # ---------------------------------------------------------------- decisions, crashes, retention
 
 
