@@ -24,22 +24,33 @@ So a rejected step undoes exactly its own change and still records ``failed``,
 and its neighbours in the batch are untouched.
 
 A batch of built-in actions only (no custom handlers) runs without those
-savepoints, and its increments on the batch's locked copy of their rows
-(:mod:`participants._sql_rows`); on PostgreSQL it costs the same statements
-whatever its size::
+savepoints, its increments on the batch's locked copy of their rows
+(:mod:`participants.sql._rows`) and its holds and reservations on the batch's copy
+of the holds table (:mod:`participants.sql._holds`); on PostgreSQL it costs the same
+statements whatever its size::
 
     BEGIN
       SELECT pg_advisory_xact_lock(...)            -- the batch's transactions
       SELECT ... FROM ledger WHERE tx_id = ANY(...) FOR UPDATE
+      SELECT pg_advisory_xact_lock(...)            -- records a step may create
       SELECT ... FROM accounts WHERE id = ANY(...) FOR UPDATE   -- per target table
+      SELECT ... FROM ledger_holds ...             -- the holds of those records
       UPDATE accounts ... FROM json_to_recordset(...)           -- per target table
+      DELETE FROM ledger_holds ... / INSERT INTO ledger_holds ...
       INSERT INTO ledger ... / UPDATE ledger ...   -- new and changed entries
     COMMIT
 
 Through psycopg, the locks and the ledger lookup go out together in one pipeline,
-and the writes with the ``COMMIT`` in another (:func:`~participants._sql_errors.pipelined`):
-with the pool's liveness check and psycopg's own ``BEGIN``, a batch waits for the
-server five times instead of nine.
+the record locks, rows and holds in a second, and the writes with the ``COMMIT``
+in a third (:func:`~participants.sql._errors.pipelined`): with the pool's liveness
+check and psycopg's own ``BEGIN``, a batch waits for the server five times, as it
+did before the holds (their read shares the rows' wait, their writes the commit's).
+
+Isolation (:mod:`participants.sql._isolation`): under ``read_committed`` a step
+changes the holds table only (a hold with the intended fields, or an escrow
+reservation), and its commit decision writes the row and removes the hold, each in
+the same transaction as the step's ledger entry. Holds live in ``<ledger>_holds``,
+created with the ledger (and added to a ledger made before it), never pruned.
 
 Any other built-in action runs its own statements, after the copy is written
 back. When the database refuses a statement (which aborts a PostgreSQL
@@ -55,10 +66,12 @@ rollback marker being written. The ledger's primary key is the backstop (see
 
 The adapter is :class:`SqlStorage` (a :class:`~participants._storage.LedgerStorage`,
 whose batch loop drives it) here; its native session is in
-:mod:`participants._sql_session`, its built-in actions in
-:mod:`participants._sql_actions`, its ledger and unit in
-:mod:`participants._sql_ledger`, its connection and error helpers in
-:mod:`participants._sql_errors`.
+:mod:`participants.sql._session`, its built-in actions in
+:mod:`participants.sql._actions` (``none``), :mod:`participants.sql._isolation`
+(``read_committed``) and :mod:`participants.sql._record` (what both share), their
+holds in :mod:`participants.sql._holds`, its ledger and unit in
+:mod:`participants.sql._ledger`, its connection and error helpers in
+:mod:`participants.sql._errors`.
 
 Errors, translated at this boundary (docs/architecture.md §4):
 
@@ -173,7 +186,8 @@ class SqlStorage(LedgerStorage[SqlSession, SqlBatch]):
     psycopg 3. ``targets`` are the tables steps may touch (the allow-list); each
     must exist, in ``schema`` when given, with a single-column primary key.
     The ledger lives in ``ledger_table`` in the same schema and is created by
-    :meth:`setup` when absent.
+    :meth:`setup` when absent, with the holds table ``<ledger_table>_holds``
+    (:mod:`participants.sql._holds`).
 
     ``handlers`` runs custom actions: either the mapping of action name to
     :class:`~participants.Handler` that :func:`~participants.load_handlers`
