@@ -219,10 +219,12 @@ class Rig:
         *,
         signer: str | None = None,
         claimed_kid: str | None = None,
+        headers: list[tuple[str, bytes]] | None = None,
     ) -> Forged:
         """Write ``value`` raw to ``topic``: unsigned, or signed with ``signer``'s real key
-        (and, with ``claimed_kid``, presented under another principal's key id)."""
-        headers: list[tuple[str, bytes]] = []
+        (and, with ``claimed_kid``, presented under another principal's key id), or with
+        ``headers`` as given."""
+        headers = list(headers or ())
         if signer is not None:
             headers = self.system.keyring(signer).sign(topic, tx_id, value)
         if claimed_kid is not None:
