@@ -8,8 +8,9 @@ with :data:`RESERVED_PROJECTION`):
 
 * ``_saga_hold`` (:class:`Hold`): the saga holding the record (``tx``), its steps that
   hold it (``steps``, step ids ``participant:tx_id:step``), the record as those steps
-  leave it (``doc``: Extended JSON text of its fields, ``null`` for *absent*) and the
-  bounds its increments relied on (``bounds``). ``insert``, ``put``, ``update`` and
+  leave it (``doc``: Extended JSON text of its fields, ``null`` for *absent*) and, in
+  a shadow document, the bounds its increments relied on (``bounds``, written with the
+  record at commit). ``insert``, ``put``, ``update`` and
   ``delete`` hold; so does an ``increment`` of a record its own saga holds, folded into
   ``doc`` (later steps of a saga see what its earlier steps intend: same-saga steps are
   compatible, and one commit writes what they intend, in step order).
@@ -22,6 +23,14 @@ with :data:`RESERVED_PROJECTION`):
   process, makes the step run again, reading).
 * ``_saga_bounds``: per field, the tightest ``min``/``max`` a bounded increment (at
   either level) relied on; a ``none`` compensation never leaves the field outside them.
+
+Another saga's step on a held record fails at once with a reason naming the holder
+(:func:`held_reason`), and so does a hold on a record with another saga's open
+reservation: no step waits, so no wait can span participants into a deadlock, and no
+partition is blocked behind a long saga; the saga rolls back and may be submitted again.
+Reservations of different sagas never conflict: the escrow check (:func:`check_increment`)
+counts the committed value and every open reservation on the field in the direction
+that could break the bound, so whichever of them commit or roll back, no bound breaks.
 
 A record that does not exist yet (an ``insert``, or a ``put`` creating it) must not
 appear to a reader of the target collection before commit, so its hold lives in a
@@ -42,7 +51,8 @@ leaves each hold or reservation applied exactly once. A commit or release of a h
 reservation kept in the document it changes needs no intent: the write removes the hold
 or reservation together with its effect, so running it again finds nothing to do, and a
 decision redelivered after a crash between that write and its ledger record only records
-the step. The one write that changes two documents, the commit that creates a record held
+the step (so the records of a batch's decisions are made together, at its end). The
+one write that changes two documents, the commit that creates a record held
 in its shadow document, goes through an intent like an apply: it inserts the record, and
 its step document names the shadow document (``purge``) until it is removed, exactly as
 a delete names the document it marked (whoever next loads the step removes it). A shadow
