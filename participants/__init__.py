@@ -8,6 +8,7 @@ Public API::
     SqlStorage, MongoStorage, RedisStorage the adapters (each imports its driver when first used)
     SqlSession, MongoSession, RedisSession what actions and handlers get as ``native``
     Handler, Reject, load_handlers         custom actions (try / confirm / cancel)
+    current_step, StepScope                the step a handler runs for (a holder's name)
     Actions                                custom actions as one object (``handlers=``)
     Storage                                what the runtime asks of a storage
     LedgerStorage, Unit, RunBatchAgain     the base class a new adapter derives from
@@ -32,7 +33,7 @@ from saga.participants._barrier import (
     Requested,
     SuccessorCompensated,
 )
-from saga.participants._handlers import Handler, Reject, load_handlers
+from saga.participants._handlers import Handler, Reject, current_step, load_handlers
 from saga.participants._open import open_storage
 from saga.participants._runtime import ParticipantRuntime, ParticipantStats
 from saga.participants._storage import (
@@ -42,6 +43,7 @@ from saga.participants._storage import (
     Report,
     RequestSeen,
     RunBatchAgain,
+    StepScope,
     Storage,
     Unit,
     WorkItem,
@@ -91,10 +93,12 @@ __all__ = [
     "RunBatchAgain",
     "SqlSession",
     "SqlStorage",
+    "StepScope",
     "Storage",
     "SuccessorCompensated",
     "Unit",
     "WorkItem",
+    "current_step",
     "load_handlers",
     "open_storage",
 ]

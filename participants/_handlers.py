@@ -24,12 +24,19 @@ business rejection. Any other exception is a bug in the handler: the step's loca
 transaction is rolled back and the step fails with the exception as its reason
 (the saga rolls back), and the participant goes on with its other work -- a record
 that triggers the bug must not stop it for good.
+
+A handler runs the same at every isolation level; it gets ``read_committed`` itself by
+holding in ``try_``, writing in ``confirm`` and releasing in ``cancel``, naming the
+holder by :func:`current_step` (the saga's ``tx_id`` and the step), as
+``examples/isolated_handler.py`` shows.
 """
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +46,33 @@ from saga.streams import BusinessRejection, ConfigurationError
 
 Reject = BusinessRejection
 """Raise ``Reject("why")`` in a handler's ``try_`` to fail the step (the saga rolls back)."""
+
+
+_STEP: ContextVar[StepScope | None] = ContextVar("saga_handler_step", default=None)
+
+
+def current_step() -> StepScope:
+    """The step the running handler function acts for: its saga's ``tx_id``, the step's
+    index, the saga's isolation level and deadline (a holder's name, for a handler that
+    holds records until its saga's decision).
+
+    Raises :class:`RuntimeError` outside a handler's ``try_``, ``confirm`` or ``cancel``.
+    """
+    scope = _STEP.get()
+    if scope is None:
+        raise RuntimeError(
+            "current_step() is only known inside a handler's try_, confirm or cancel"
+        )
+    return scope
+
+
+@contextmanager
+def _running(scope: StepScope | None) -> Iterator[None]:
+    token = _STEP.set(scope)
+    try:
+        yield
+    finally:
+        _STEP.reset(token)
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +113,8 @@ def load_handlers(dotted: str) -> dict[str, Handler]:
 class WithHandlers(Actions[NativeT]):
     """Custom handlers first, then the storage's built-in actions."""
 
+    scope: StepScope | None = None
+
     def __init__(self, handlers: Mapping[str, Handler], builtin: Actions[NativeT]) -> None:
         self.handlers = dict(handlers)
         self.builtin = builtin
@@ -87,13 +123,15 @@ class WithHandlers(Actions[NativeT]):
         view = WithHandlers.__new__(WithHandlers)
         view.handlers = self.handlers
         view.builtin = self.builtin.scoped(scope)
+        view.scope = scope
         return view
 
     def apply(self, native: NativeT, action: str, args: Mapping[str, Any]) -> Any:
         handler = self.handlers.get(action)
         if handler is None:
             return self.builtin.apply(native, action, args)
-        return handler.try_(native, args)
+        with _running(self.scope):
+            return handler.try_(native, args)
 
     def compensate(
         self, native: NativeT, action: str, args: Mapping[str, Any], before: Any
@@ -102,14 +140,16 @@ class WithHandlers(Actions[NativeT]):
         if handler is None:
             self.builtin.compensate(native, action, args, before)
         else:
-            handler.cancel(native, args, before)
+            with _running(self.scope):
+                handler.cancel(native, args, before)
 
     def confirm(self, native: NativeT, action: str, args: Mapping[str, Any]) -> None:
         handler = self.handlers.get(action)
         if handler is None:
             self.builtin.confirm(native, action, args)
         elif handler.confirm is not None:
-            handler.confirm(native, args)
+            with _running(self.scope):
+                handler.confirm(native, args)
 
     def has_confirm(self, action: str) -> bool:
         """A handler has something to confirm when it has a ``confirm`` function."""

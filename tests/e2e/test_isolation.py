@@ -377,7 +377,7 @@ def test_none_lost_update_fails_loudly(bank: Bank, client: SagaClient) -> None:
     assert "accounts/nlu-k" in reason, reason
 
     row = eventually(lambda: listed_failed(bank).get(t3), timeout=30, message="not listed")
-    assert row["steps"][0]["status"] == "compensation_failed", row
+    assert row is not None and row["steps"][0]["status"] == "compensation_failed", row
 
 
 def test_none_broken_bound_fails_loudly(bank: Bank, client: SagaClient) -> None:
@@ -409,4 +409,4 @@ def test_none_broken_bound_fails_loudly(bank: Bank, client: SagaClient) -> None:
     assert "accounts/nbb-x" in reason, reason
 
     row = eventually(lambda: listed_failed(bank).get(t1), timeout=30, message="not listed")
-    assert row["steps"][0]["status"] == "compensation_failed", row
+    assert row is not None and row["steps"][0]["status"] == "compensation_failed", row

@@ -37,10 +37,12 @@ PUBLIC = [
     "RunBatchAgain",
     "SqlSession",
     "SqlStorage",
+    "StepScope",
     "Storage",
     "SuccessorCompensated",
     "Unit",
     "WorkItem",
+    "current_step",
     "load_handlers",
     "open_storage",
 ]
