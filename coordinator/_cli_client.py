@@ -187,7 +187,9 @@ def submit(
     optionally `saga`, `mode` (parallel|sequential), `isolation` (read_committed|none),
     `timeout_s`, `tx_id`, `meta`.
     With --wait the exit status tells the outcome: 0 committed, 3 rolled back,
-    5 failed (an operator must act), 4 still running when the wait ended.
+    5 failed (an operator must act), 4 still running when the wait ended. A participant
+    that never announced itself is named on standard error, with the nearest announced
+    name; the saga is sent all the same.
     """
     from saga.coordinator._client import DEFAULT_TIMEOUT_S, SagaClient, build_request
 
@@ -210,6 +212,10 @@ def submit(
         raise ConfigurationError(f"{where}: {exc.reason}") from exc
     keys = load_keys(keys_dir, "client")
     with SagaClient(settings, status_from_beginning=False, keys=keys) as client:
+        # A name never announced is most often a typo: said, but sent all the same (the
+        # coordinator waits for a participant that is still starting).
+        for hint in client.unannounced(request):
+            click.echo(f"saga: warning: {hint}", err=True)
         client.send(request)
         tx_id = request.tx_id
         if not as_json:

@@ -44,6 +44,7 @@ from typing import Any, Self
 
 from saga.coordinator._connect import Keys, client_keys, client_settings, env_settings
 from saga.coordinator._delivery import Delivered, delivery_future, submit_error, wait_delivered
+from saga.coordinator._hints import Announced
 from saga.coordinator._request import DEFAULT_TIMEOUT_S, MAX_TIMEOUT_S, build_request
 from saga.coordinator._status_view import StatusView
 from saga.streams import (
@@ -142,6 +143,8 @@ class SagaClient:
         self._submitted: OrderedDict[str, str] = OrderedDict()
         self._lock = threading.Lock()
         self._closed = False
+        self._announced = Announced(self._source, keys)
+        self._hinted: OrderedDict[str, None] = OrderedDict()  # names warned about
 
     @classmethod
     def from_env(
@@ -264,7 +267,10 @@ class SagaClient:
         Resubmitting a ``tx_id`` with the same steps, saga name, mode and isolation is
         harmless and leads to the same outcome; with a different payload it raises
         :class:`ConflictingRequest`. With ``wait_delivery`` (default) the call returns
-        once Kafka has the request.
+        once Kafka has the request. A participant name that never announced itself on
+        the participant registry is logged as a warning (``saga.client``), once per
+        name, with the nearest announced name (:meth:`unannounced`); the request is
+        sent all the same.
 
         Raises:
             SubmitUncertain: Kafka did not confirm the request within
@@ -282,8 +288,36 @@ class SagaClient:
             tx_id=tx_id,
             meta=meta,
         )
-        self.send(request, wait_delivery=wait_delivery)
+        view = self._view_if_up()
+        if view is not None:  # Kafka answers: the registry can be read quickly
+            for name, hint in self._hints(request):
+                with self._lock:
+                    if name in self._hinted:
+                        continue
+                    self._hinted[name] = None
+                    if len(self._hinted) > _SENT_KEPT:
+                        self._hinted.popitem(last=False)
+                log.warning("%s", hint, extra={"tx_id": request.tx_id})
+        self._send(request, wait_delivery, view)
         return request.tx_id
+
+    def unannounced(self, request: SagaRequest | Sequence[Step | Mapping[str, Any]]) -> list[str]:
+        """A sentence for each participant the request (or steps) names that never
+        announced itself on the participant registry, with the nearest announced name
+        ("participant 'ledgr' has never announced itself on saga.participants; did you
+        mean 'ledger'?"); empty when all did, or when the registry cannot be read.
+
+        Such a request may still be sent: the coordinator waits a while for a participant
+        that has not announced itself yet (it may be starting), then rolls the saga back.
+        """
+        if self._view_if_up() is None:
+            return []
+        if not isinstance(request, SagaRequest):
+            request = self.build(request)
+        return [hint for _, hint in self._hints(request)]
+
+    def _hints(self, request: SagaRequest) -> list[tuple[str, str]]:
+        return self._announced.hints(step.participant for step in request.steps)
 
     def send(self, request: SagaRequest, *, wait_delivery: bool = True) -> Future[Delivered]:
         """Append a request built by :meth:`build`; returns the future of its delivery.
@@ -294,8 +328,13 @@ class SagaClient:
         without, callers that batch their sends wait on the futures themselves (and a
         :meth:`flush` serves their delivery reports).
         """
+        return self._send(request, wait_delivery, self._view_if_up())
+
+    def _send(
+        self, request: SagaRequest, wait_delivery: bool, view: StatusView | None
+    ) -> Future[Delivered]:
+        # ``view`` started before sending: it follows the coordinator's rejections.
         fingerprint = request.fingerprint()
-        view = self._view_if_up()  # started before sending: the coordinator's rejections
         with self._lock:
             known = self._submitted.get(request.tx_id)
             status = view.get(request.tx_id) if view is not None else None
@@ -395,4 +434,5 @@ class SagaClient:
         with self._view_lock:
             if self._view_ is not None:
                 self._view_.close()
+        self._announced.close()
         self._producer.close(10)  # delivers what it can; never raises

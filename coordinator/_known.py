@@ -7,9 +7,16 @@ Three policies, one per way of running the coordinator:
   (:class:`~streams._registry.ParticipantRegistry`). The coordinator reads the
   registry to its end before it decides anything (:meth:`KnownParticipants.start`),
   and follows it between batches (:meth:`KnownParticipants.poll`). A request naming
-  a name not seen yet makes it read the registry to its end once more before the
-  name counts as unknown, so a participant that announced itself a moment before
-  the request was read is not mistaken for a missing one.
+  a name not announced yet **waits for it** up to ``grace_ms`` (never past its
+  deadline): processes start in no particular order, and a participant takes
+  seconds to announce itself. Meanwhile the saga is pending as any other (the
+  participants that exist act on it); when the grace ends, the registry is read to
+  its end once more, and a step still pending whose participant has not announced
+  itself counts as compensated and rolls the saga back, with the reason a request
+  naming it had before there was a grace (:meth:`KnownParticipants.missing`). A
+  restarted coordinator gives such sagas the grace again. With ``grace_ms`` 0 the
+  registry is read to its end before the name counts as unknown, and the saga rolls
+  back at once.
 * **static** (``--participants a,b``): the names given; the registry is not read.
 * **accept** (``--unknown-participants accept``, and the library default): every
   name exists, as for deployments that start participants after their first requests.
@@ -20,15 +27,17 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Final
 
-from saga.streams import ConfigurationError, SagaRequest
+from saga.coordinator._machine import ParticipantsMissing, RequestReceived, Saga
+from saga.streams import ConfigurationError, SagaRequest, StepStatus
 from saga.streams._lifecycle import Clock, wall_clock_ms
 from saga.streams._registry import ParticipantRegistry
 from saga.streams._signing import Keyring
 from saga.streams.log import Log
 
-__all__ = ["KnownParticipants"]
+__all__ = ["DEFAULT_PARTICIPANT_GRACE_MS", "KnownParticipants"]
 
 log = logging.getLogger("saga.coordinator")
 
@@ -39,6 +48,9 @@ _REFRESH_TIMEOUT_S: Final = 2.0
 _REFRESH_EVERY_S: Final = 0.2
 _STARTUP_REPORT_S: Final = 10.0
 
+DEFAULT_PARTICIPANT_GRACE_MS: Final = 30_000
+"""How long a request waits for a participant that has not announced itself yet."""
+
 
 class KnownParticipants:
     """The coordinator's answer to "does this participant exist?" (see the module docstring)."""
@@ -48,11 +60,13 @@ class KnownParticipants:
         *,
         static: frozenset[str] | None = None,
         registry: ParticipantRegistry | None = None,
+        grace_ms: int = 0,
     ) -> None:
         if static is not None and registry is not None:
             raise ValueError("give a static list of participants or a registry, not both")
         self.static = static
         self.registry = registry
+        self.grace_ms = grace_ms
         self._refreshed_at = 0.0
 
     @classmethod
@@ -63,9 +77,12 @@ class KnownParticipants:
         keys: Keyring | None = None,
         clock: Clock = wall_clock_ms,
         client_id: str | None = None,
+        grace_ms: int = 0,
     ) -> KnownParticipants:
-        """The registry policy, reading ``log_``'s participants topic."""
-        return cls(registry=ParticipantRegistry(log_, keys=keys, clock=clock, client_id=client_id))
+        """The registry policy, reading ``log_``'s participants topic; requests naming a
+        participant not announced yet wait ``grace_ms`` for it."""
+        registry = ParticipantRegistry(log_, keys=keys, clock=clock, client_id=client_id)
+        return cls(registry=registry, grace_ms=grace_ms)
 
     @property
     def ready(self) -> bool:
@@ -112,23 +129,68 @@ class KnownParticipants:
         if self.registry is not None:
             self.registry.close()
 
+    @property
+    def waits(self) -> bool:
+        """Whether a request naming a participant not announced yet waits for it."""
+        return self.registry is not None and self.grace_ms > 0
+
     def check(self, request: SagaRequest) -> tuple[frozenset[str] | None, str | None]:
         """``(known, why)`` for :class:`~coordinator._machine.RequestReceived`.
 
         ``known`` is None when every name is accepted; ``why`` explains, for the
-        rollback reason, why a name outside ``known`` is unknown.
+        rollback reason, why a name outside ``known`` is unknown. A request that will
+        wait (:attr:`waits`) does not make the registry be read again now.
         """
         if self.static is not None:
             return self.static, None
-        registry = self.registry
-        if registry is None:
+        if self.registry is None:
             return None, None
-        names = registry.names()
-        if any(step.participant not in names for step in request.steps):
-            now = time.monotonic()
-            if now - self._refreshed_at >= _REFRESH_EVERY_S:
-                self._refreshed_at = now
-                registry.refresh(_REFRESH_TIMEOUT_S)
-                names = registry.names()
-        why = f"no participant of that name has announced itself on {registry.topic}"
-        return names, why
+        names = self.registry.names()
+        if not self.waits and any(step.participant not in names for step in request.steps):
+            names = self._refreshed()
+        return names, self._why()
+
+    def _why(self) -> str:
+        assert self.registry is not None
+        return f"no participant of that name has announced itself on {self.registry.topic}"
+
+    def _refreshed(self) -> frozenset[str]:
+        """The registry's names, read to its end first (at most every _REFRESH_EVERY_S)."""
+        assert self.registry is not None
+        now = time.monotonic()
+        if now - self._refreshed_at >= _REFRESH_EVERY_S:
+            self._refreshed_at = now
+            self.registry.refresh(_REFRESH_TIMEOUT_S)
+        return self.registry.names()
+
+    def wait_for(self, inp: RequestReceived, now_ms: int) -> tuple[RequestReceived, int | None]:
+        """The request as the machine should see it, and when its wait ends (None: none).
+
+        A request naming a participant not announced yet is taken as if every name
+        were known, and waits until ``now_ms + grace_ms`` or its deadline, whichever
+        comes first; then :meth:`missing` says which steps can never be applied.
+        """
+        if not self.waits or inp.known is None:
+            return inp, None
+        if all(step.participant in inp.known for step in inp.request.steps):
+            return inp, None
+        ends = min(inp.request.deadline_ms, now_ms + self.grace_ms)
+        if ends <= now_ms:
+            return inp, None
+        return replace(inp, known=None, unknown_why=None), ends
+
+    def restored_wait(self, saga: Saga, now_ms: int) -> int | None:
+        """When the wait of a saga rebuilt by a restart ends: one with a step still pending
+        is given the grace again (its participant may be starting too); None: no wait."""
+        if not self.waits or not saga.request_seen or saga.state.final:
+            return None
+        if StepStatus.PENDING not in saga.steps:
+            return None
+        return min(saga.deadline_ms, now_ms + self.grace_ms)
+
+    def missing(self, saga: Saga, now_ms: int) -> ParticipantsMissing | None:
+        """The machine's input for ``saga`` whose wait ended at ``now_ms`` (None: nothing
+        to check); the registry is read to its end first."""
+        if self.registry is None or not saga.request_seen or saga.state.final:
+            return None
+        return ParticipantsMissing(saga.tx_id, self._refreshed(), self._why(), now_ms)

@@ -20,6 +20,9 @@ Rules (docs/architecture.md §2, §6):
   status leave in the same Kafka transaction (no ``committing`` record);
   after ``rollback`` it is ``rolled_back`` once every step is ``compensated``,
   or ``failed`` when a compensation could not be completed;
+* a step naming a participant that does not exist counts as compensated, and its saga
+  rolls back: when the request comes (the names known at once), or when the wait for
+  its participants ends (``ParticipantsMissing``, for a step still pending);
 * an operator's ``saga.resolve`` of a ``failed`` saga marks a step whose
   compensation failed ``resolved`` (handled by hand); with no failed step left
   the saga is ``rolled_back``, its reason naming who resolved it. A resolve of
@@ -34,13 +37,14 @@ Nothing is decided on an early event: only the request tells whether it is valid
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from saga.coordinator._machine_io import (
     AbortRequested,
     Ignored,
     Input,
     Output,
+    ParticipantsMissing,
     RequestReceived,
     ResolveRequested,
     StepReported,
@@ -68,6 +72,7 @@ __all__ = [
     "Ignored",
     "Input",
     "Output",
+    "ParticipantsMissing",
     "RequestReceived",
     "ResolveRequested",
     "Saga",
@@ -125,6 +130,9 @@ class Saga:
     confirms: tuple[bool, ...] = ()
     """Per step: the event that moved it said ``confirm`` (only ``applied`` events do: a
     ``committed`` event will follow a commit). Empty is read as all false."""
+    mode: Mode | None = field(default=None, compare=False)
+    """The request's mode (not published, so not part of the state: None after a restore,
+    read as sequential)."""
 
     @property
     def decided(self) -> bool:
@@ -205,6 +213,7 @@ def _new_from_request(request: SagaRequest, at_ms: int) -> Saga:
         updated_ms=at_ms,
         deadline_ms=request.deadline_ms,
         fingerprint=request.fingerprint(),
+        mode=request.mode,
     )
 
 
@@ -253,28 +262,7 @@ def decide(saga: Saga | None, inp: Input) -> tuple[Saga | None, list[Output]]:
             for i, p in enumerate(after.participants)
             if inp.known is not None and p not in inp.known
         ]
-        voided: list[Output] = []
-        if unknown:
-            steps = list(after.steps)
-            for i in unknown:
-                steps[i] = StepStatus.COMPENSATED
-            after = replace(after, steps=tuple(steps))
-            if not after.decided:
-                after = _decide(
-                    after, Outcome.ROLLBACK, _unknown_reason(after, unknown, inp), inp.at_ms
-                )
-            if inp.request.mode is Mode.SEQUENTIAL:
-                voided = [
-                    StepEvent(
-                        after.tx_id,
-                        i,
-                        after.participants[i],
-                        StepStatus.COMPENSATED,
-                        inp.at_ms,
-                        "nothing to compensate: no such participant (reported by the coordinator)",
-                    )
-                    for i in unknown
-                ]
+        after, voided = _void_unknown(after, unknown, inp.unknown_why, inp.at_ms)
         before, after = saga, _settle(after, inp.at_ms)
         return after, [*_outputs(before, after), *voided]
     elif isinstance(inp, StepReported):
@@ -296,6 +284,19 @@ def decide(saga: Saga | None, inp: Input) -> tuple[Saga | None, list[Output]]:
         by = f" {inp.abort.by}" if inp.abort.by else ""
         reason = f"aborted by operator{by}" + (f": {inp.abort.reason}" if inp.abort.reason else "")
         after = _settle(_decide(saga, Outcome.ROLLBACK, reason, inp.abort.at_ms), inp.abort.at_ms)
+    elif isinstance(inp, ParticipantsMissing):
+        if saga is None or not saga.request_seen:
+            return saga, []
+        unknown = [
+            i
+            for i, (p, s) in enumerate(zip(saga.participants, saga.steps, strict=True))
+            if s is StepStatus.PENDING and p not in inp.known
+        ]
+        if not unknown:
+            return saga, []
+        after, voided = _void_unknown(saga, unknown, inp.why, inp.at_ms)
+        after = _settle(replace(after, updated_ms=inp.at_ms), inp.at_ms)
+        return after, [*_outputs(saga, after), *voided]
     elif isinstance(inp, ResolveRequested):
         before = saga
         resolved = _on_resolve(saga, inp.resolve)
@@ -340,16 +341,39 @@ def _on_resolve(saga: Saga | None, resolve: SagaResolve) -> Saga | Ignored:
     return replace(saga, state=SagaState.ROLLED_BACK, reason=reason)
 
 
-def _unknown_reason(saga: Saga, unknown: list[int], inp: RequestReceived) -> str:
+def _void_unknown(
+    saga: Saga, unknown: list[int], why: str | None, at_ms: int
+) -> tuple[Saga, list[Output]]:
+    """``saga`` with its steps ``unknown`` (of participants that do not exist) compensated
+    and, if undecided, rolled back; and, unless it is known to be parallel, a
+    ``compensated`` report of each (the step before waits for it: sequential)."""
+    if not unknown:
+        return saga, []
+    steps = list(saga.steps)
+    for i in unknown:
+        steps[i] = StepStatus.COMPENSATED
+    saga = replace(saga, steps=tuple(steps))
+    if not saga.decided:
+        saga = _decide(saga, Outcome.ROLLBACK, _unknown_reason(saga, unknown, why), at_ms)
+    if saga.mode is Mode.PARALLEL:
+        return saga, []
+    note = "nothing to compensate: no such participant (reported by the coordinator)"
+    return saga, [
+        StepEvent(saga.tx_id, i, saga.participants[i], StepStatus.COMPENSATED, at_ms, note)
+        for i in unknown
+    ]
+
+
+def _unknown_reason(saga: Saga, unknown: list[int], why: str | None) -> str:
     # The audit (streams/reconcile/_audit.py) reads the names after the last
     # "names unknown participant(s): ", up to the end: that part stays last.
     names = sorted({saga.participants[i] for i in unknown})
     listed = ", ".join(names)
     tail = f"step {unknown[0]} names unknown participant(s): {listed}"
-    if inp.unknown_why is None:
+    if why is None:
         return tail
     quoted = ", ".join(repr(n) for n in names)
-    return f"unknown participant {quoted}: {inp.unknown_why}; {tail}"
+    return f"unknown participant {quoted}: {why}; {tail}"
 
 
 def _on_request(saga: Saga | None, inp: RequestReceived) -> Saga:

@@ -60,13 +60,31 @@ class ResolveRequested:
 
 
 @dataclass(frozen=True, slots=True)
+class ParticipantsMissing:
+    """The wait for a saga's participants ended at ``at_ms`` (the coordinator's grace).
+
+    A step still pending whose participant is outside ``known`` can never be applied: it
+    counts as compensated and the saga rolls back (if it is not decided yet), as for a
+    request naming such a participant (:class:`RequestReceived`); ``why`` leads the
+    rollback reason.
+    """
+
+    tx_id: str
+    known: frozenset[str]
+    why: str
+    at_ms: int
+
+
+@dataclass(frozen=True, slots=True)
 class Tick:
     """Time has reached ``now_ms``: deadlines up to it have passed."""
 
     now_ms: int
 
 
-Input = RequestReceived | StepReported | AbortRequested | ResolveRequested | Tick
+Input = (
+    RequestReceived | StepReported | AbortRequested | ResolveRequested | ParticipantsMissing | Tick
+)
 
 
 def input_of(
@@ -100,6 +118,8 @@ def tx_of(inp: Input) -> str:
         return inp.abort.tx_id
     if isinstance(inp, ResolveRequested):
         return inp.resolve.tx_id
+    if isinstance(inp, ParticipantsMissing):
+        return inp.tx_id
     raise TypeError(inp)
 
 

@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import heapq
 import logging
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
 from saga.coordinator import _route
 from saga.coordinator._chores import DEFAULT_REDRIVE, Chores, Redrive
-from saga.coordinator._known import KnownParticipants
+from saga.coordinator._known import DEFAULT_PARTICIPANT_GRACE_MS, KnownParticipants
 from saga.coordinator._machine import (
     Ignored,
     Input,
@@ -40,7 +39,7 @@ from saga.coordinator._observe import CoordinatorObserver
 from saga.coordinator._restore import restore
 from saga.coordinator._retention import PartitionState, due_to_forget, due_to_refresh
 from saga.coordinator._timers import TimerBatch
-from saga.coordinator._txn import Transactions, next_offsets
+from saga.coordinator._txn import Transactions, await_previous_owner, next_offsets, rewind
 from saga.streams import (
     Decision,
     FatalKafkaError,
@@ -105,8 +104,10 @@ class CoordinatorService(Stoppable):
     6 s by default). ``participants``, when given, is the set of participant names that
     exist: a request naming another rolls back at once; else, with
     ``unknown_participants="reject"``, those that announced themselves on the participant
-    registry (read to its end before any decision; :mod:`coordinator._known`); else
-    (``"accept"``, the default here) any name.
+    registry (read to its end before any decision; :mod:`coordinator._known`), and a
+    request naming one not announced yet waits for it ``participant_grace_ms`` (never
+    past its deadline) before it rolls back; else (``"accept"``, the default here) any
+    name.
 
     Retention (``retention_ms``): a saga that ended ``committed`` or
     ``rolled_back`` is forgotten once ``retention_ms`` have passed since both its
@@ -161,6 +162,7 @@ class CoordinatorService(Stoppable):
         aborters: frozenset[str] = frozenset({CLIENT, OPERATOR}),
         unknown_participants: Literal["accept", "reject"] = "accept",
         redrive: Redrive = DEFAULT_REDRIVE,
+        participant_grace_ms: int = DEFAULT_PARTICIPANT_GRACE_MS,
     ) -> None:
         self.settings = settings
         self._keys = keys
@@ -177,7 +179,11 @@ class CoordinatorService(Stoppable):
         self.known = KnownParticipants(static=participants)
         if participants is None and unknown_participants == "reject":
             self.known = KnownParticipants.from_registry(
-                self._log, keys=keys, clock=clock, client_id=f"{self.topics.prefix}.registry"
+                self._log,
+                keys=keys,
+                clock=clock,
+                client_id=f"{self.topics.prefix}.registry",
+                grace_ms=participant_grace_ms,
             )
         self.batch_size = batch_size
         self.poll_timeout_s = poll_timeout_s
@@ -266,35 +272,26 @@ class CoordinatorService(Stoppable):
         if not new:
             return
         rejoins = self._consumer.rejoins
-        self._await_previous_owner(new)
+        await_previous_owner(
+            self._consumer,
+            (self.topics.requests, self.topics.events, self.topics.decisions),
+            new,
+        )
         if self._consumer.rejoins != rejoins:
             return  # fenced meanwhile (in a reset): the rejoined consumer's assignment restores
         restored = self._restore(new)
         for p in new:
             part = PartitionState()
+            now = self.clock()
             for saga in restored.get(p, ()):
                 part.sagas[saga.tx_id] = saga
                 self.chores.restored(part, saga)
+                if (ends := self.known.restored_wait(saga, now)) is not None:
+                    heapq.heappush(part.waits, (ends, saga.tx_id))
             heapq.heapify(part.forget)
             self._partitions[p] = part
             self.stats.restored += len(part.sagas)
         log.info("assigned partitions %s (restored %d sagas)", new, self.stats.restored)
-
-    def _await_previous_owner(self, partitions: list[int]) -> None:
-        """Wait until no transaction of a previous owner of ``partitions`` is pending.
-
-        An instance that has not learnt yet that it lost them may still commit a
-        transaction: status records, and the offsets past the inputs they account
-        for. Restored before it commits, the state would lack what those offsets skip
-        (a saga whose request it had read stayed undecided for good; found by the
-        chaos suite). A read_committed consumer reads committed offsets only once no
-        transaction is pending on them, so this waits for it to be resolved.
-        """
-        topics = (self.topics.requests, self.topics.events, self.topics.decisions)
-        try:
-            self._consumer.committed([(t, p) for t in topics for p in partitions], timeout=60)
-        except TransientError as exc:
-            log.warning("could not wait for the partitions' previous owner: %s", exc)
 
     def _reload(self) -> None:
         """Rebuild the owned partitions' state from the status topic, as a restart does.
@@ -353,7 +350,9 @@ class CoordinatorService(Stoppable):
             part = self._partitions.get(partition)
             return part.sagas.get(tx_id) if part else None
 
-        def feed(partition: int, tx_id: str, inp: Input, source: Message | None) -> None:
+        def feed(
+            partition: int, tx_id: str, inp: Input, source: Message | None, wait: int | None = None
+        ) -> None:
             before = current(partition, tx_id)
             try:
                 after, outs = decide(before, inp)
@@ -368,12 +367,12 @@ class CoordinatorService(Stoppable):
             if after is None:
                 return
             changed[tx_id] = (partition, after)
-            if (
-                not after.decided
-                and after.request_seen
-                and (before is None or not before.request_seen)
-            ):
-                timers.push(self._partitions[partition], "deadlines", (after.deadline_ms, tx_id))
+            if after.request_seen and (before is None or not before.request_seen):
+                part = self._partitions[partition]
+                if not after.decided:
+                    timers.push(part, "deadlines", (after.deadline_ms, tx_id))
+                if wait is not None:  # a participant not announced yet (coordinator._known)
+                    timers.push(part, "waits", (wait, tx_id))
             for out in outs:
                 if isinstance(out, Ignored):
                     if source is not None and source.topic == self.topics.requests:
@@ -404,6 +403,9 @@ class CoordinatorService(Stoppable):
                 continue
             if inp is None:
                 continue
+            wait = None
+            if isinstance(inp, RequestReceived):
+                inp, wait = self.known.wait_for(inp, now)
             tx_id = tx_of(inp)
             if (
                 isinstance(inp, RequestReceived)
@@ -421,9 +423,14 @@ class CoordinatorService(Stoppable):
                     )
                 )
                 continue
-            feed(m.partition, tx_id, inp, m)
+            feed(m.partition, tx_id, inp, m, wait)
 
         for p, part in self._partitions.items():
+            # First the waits that end: a deadline the same moment says less than they do.
+            for _, tx_id in timers.fire(part, "waits"):
+                saga = current(p, tx_id)
+                if saga is not None and (missing := self.known.missing(saga, now)) is not None:
+                    feed(p, tx_id, missing, None)
             for _, tx_id in timers.fire(part, "deadlines"):
                 saga = current(p, tx_id)
                 if saga is not None and not saga.decided:
@@ -565,7 +572,11 @@ class CoordinatorService(Stoppable):
         except (TransientError, FatalKafkaError) as exc:  # TransactionAborted is transient
             log.warning("the batch's transaction failed: %s", exc)
             self.stats.aborted_transactions += 1
-            self._txns.failed(exc, lambda: self._rewind(messages), committing=committing)
+            self._txns.failed(
+                exc,
+                lambda: rewind(self._consumer, messages, self._partitions),
+                committing=committing,
+            )
             changed.clear()
             return False
         self._txns.committed()
@@ -580,16 +591,3 @@ class CoordinatorService(Stoppable):
             else:
                 self.stats.rollbacks += 1
         return True
-
-    def _rewind(self, messages: Iterable[Message]) -> None:
-        first: dict[tuple[str, int], int] = {}
-        for m in messages:
-            key = (m.topic, m.partition)
-            if key not in first or m.offset < first[key]:
-                first[key] = m.offset
-        try:
-            for (topic, partition), offset in first.items():
-                if partition in self._partitions:
-                    self._consumer.seek(topic, partition, offset)
-        except TransientError as exc:  # a rejoin (streams._rejoin) lost every partition
-            log.warning("rewinding the batch: %s", exc)

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from typing import Final, TypeVar
 
 from saga.streams import FatalKafkaError, SagaError, TransientError
@@ -180,6 +180,41 @@ class Transactions:
                 self._consumer.seek(topic, p, OFFSET_BEGINNING if offset is None else offset)
 
         retrying("reading the committed offsets", seek)
+
+
+def rewind(consumer: LogConsumer, messages: Iterable[Message], owned: Collection[int]) -> None:
+    """Move ``consumer`` back to the first of ``messages`` on each partition still ``owned``
+    (an aborted batch is read again)."""
+    first: dict[tuple[str, int], int] = {}
+    for m in messages:
+        key = (m.topic, m.partition)
+        if key not in first or m.offset < first[key]:
+            first[key] = m.offset
+    try:
+        for (topic, partition), offset in first.items():
+            if partition in owned:
+                consumer.seek(topic, partition, offset)
+    except TransientError as exc:  # a rejoin (streams._rejoin) lost every partition
+        log.warning("rewinding the batch: %s", exc)
+
+
+def await_previous_owner(
+    consumer: LogConsumer, topics: Iterable[str], partitions: Iterable[int]
+) -> None:
+    """Wait until no transaction of a previous owner of ``partitions`` is pending.
+
+    An instance that has not learnt yet that it lost them may still commit a
+    transaction: status records, and the offsets past the inputs they account
+    for. Restored before it commits, the state would lack what those offsets skip
+    (a saga whose request it had read stayed undecided for good; found by the
+    chaos suite). A read_committed consumer reads committed offsets only once no
+    transaction is pending on them, so this waits for it to be resolved.
+    """
+    wanted = [(t, p) for t in topics for p in partitions]
+    try:
+        consumer.committed(wanted, timeout=60)
+    except TransientError as exc:
+        log.warning("could not wait for the partitions' previous owner: %s", exc)
 
 
 def next_offsets(messages: Iterable[Message]) -> dict[tuple[str, int], int]:

@@ -235,9 +235,21 @@ def coordinator() -> None:
     type=click.Choice(["reject", "accept"]),
     default="reject",
     show_default=True,
-    help="Without --participants: reject (roll back at once) a request naming a participant "
-    "that never announced itself on the registry, or accept any name (for deployments "
-    "that start participants after their first requests).",
+    help="Without --participants: reject a request naming a participant that has not "
+    "announced itself on the registry within --participant-grace (roll it back), or "
+    "accept any name (for deployments that start participants after their first requests).",
+)
+@click.option(
+    "--participant-grace",
+    "participant_grace_ms",
+    default="30s",
+    show_default=True,
+    callback=lambda _c, _p, v: (
+        0 if v == "off" else _duration_ms(v, "--participant-grace", 100, 86_400_000)
+    ),
+    help="How long a request naming a participant that has not announced itself yet waits "
+    "for it (never past the saga's deadline) before it rolls back (off: at once); names "
+    "in --participants are known at once.",
 )
 @retention_option("Forget sagas (memory, status topic) finished longer ago than this")
 @click.option(
@@ -274,6 +286,7 @@ def coordinator_run(
     instance_id: str | None,
     participants: str | None,
     unknown_participants: str,
+    participant_grace_ms: int,
     retention_ms: int,
     redrive_after_ms: int,
     redrive_limit: int,
@@ -287,9 +300,10 @@ def coordinator_run(
     Sagas that ended committed or rolled back are forgotten --retention after their
     deadline and last change; a request whose deadline passed longer ago than that
     goes to the DLQ as expired. The decision of a saga that stalls committing or rolling
-    back is sent again (--redrive-after). A request naming a participant that never announced
-    itself on the participant registry rolls back at once (see --unknown-participants);
-    the coordinator reads the registry to its end before it decides anything.
+    back is sent again (--redrive-after). A request naming a participant that has not
+    announced itself on the participant registry waits for it up to --participant-grace,
+    then rolls back (see --unknown-participants); the coordinator reads the registry to
+    its end before it decides anything.
     """
     from saga.coordinator._chores import Redrive
     from saga.coordinator._service import CoordinatorService
@@ -316,6 +330,7 @@ def coordinator_run(
         keys=signing_keys,
         aborters=allowed,
         redrive=Redrive(after_ms=redrive_after_ms, limit=redrive_limit),
+        participant_grace_ms=participant_grace_ms,
     )
     service.install_signal_handlers()
     with observability.serve(service.observer, "coordinator"):

@@ -185,13 +185,15 @@ class SagaSystem:
         faults: str | None = None,
         participants: Sequence[str] | None = None,
         unknown_participants: Literal["accept", "reject"] = "accept",
+        extra: Sequence[str] = (),
     ) -> Proc:
         """Start ``saga coordinator run``; ``participants`` passes ``--participants a,b``,
-        ``unknown_participants`` ``--unknown-participants`` (see the module docstring)."""
+        ``unknown_participants`` ``--unknown-participants`` (see the module docstring);
+        ``extra``: more options (``--participant-grace 2s``, ...)."""
         args = ["coordinator", "run", "--instance-id", instance_id]
         if participants is not None:
             args += ["--participants", ",".join(participants)]
-        args += ["--unknown-participants", unknown_participants]
+        args += ["--unknown-participants", unknown_participants, *extra]
         return self.start(f"coordinator-{instance_id}", args, faults)
 
     def wait_announced(self, *names: str, timeout: float = 60.0) -> None:

@@ -22,6 +22,7 @@ from typing import Any
 import orjson
 import pytest
 
+from saga.coordinator._known import DEFAULT_PARTICIPANT_GRACE_MS
 from saga.coordinator._machine import RequestReceived, decide
 from saga.coordinator._service import CoordinatorService
 from saga.participants import ParticipantRuntime, open_storage
@@ -326,14 +327,17 @@ def decisions(log: InMemoryLog) -> list[Decision]:
     return [d for d in found if isinstance(d, Decision)]
 
 
-def test_a_request_naming_a_participant_that_never_announced_itself_rolls_back_at_once(
+def test_a_request_naming_a_participant_that_never_announced_itself_rolls_back_after_the_grace(
     log: InMemoryLog, clock: ManualClock, coordinators: Coordinators
 ) -> None:
     announce(log, clock, "bank")
-    _, stepper = coordinators.start()
+    _, stepper = coordinators.start()  # the grace: 30 s (DEFAULT_PARTICIPANT_GRACE_MS)
     alone, mixed = key_on(0, PARTITIONS), key_on(1, PARTITIONS)
     submit(log, request(alone, clock, "ledgr"))
     submit(log, request(mixed, clock, "bank", "ledgr"))
+    stepper.step()
+    assert decisions(log) == [] and statuses(log)[alone].state is SagaState.PENDING
+    clock.advance(DEFAULT_PARTICIPANT_GRACE_MS)
     stepper.step()
     assert {d.tx_id: d.outcome for d in decisions(log)} == {
         alone: Outcome.ROLLBACK,
@@ -389,6 +393,8 @@ def test_sequential_the_unknown_step_is_reported_so_the_earlier_one_compensates(
     _, stepper = coordinators.start()
     tx = key_on(0, PARTITIONS)
     submit(log, request(tx, clock, "bank", "ledgr", mode=Mode.SEQUENTIAL))
+    stepper.step()
+    clock.advance(DEFAULT_PARTICIPANT_GRACE_MS)  # "ledgr" never announces itself
     stepper.step()
     assert [d.outcome for d in decisions(log)] == [Outcome.ROLLBACK]
     events = [decode_as(m.value, StepEvent) for m in log.records(TOPICS.events)]
