@@ -131,11 +131,15 @@ def finished_ms(entry: LedgerEntry) -> int | None:
     the deadline (a commit leaves it ``applied``), and the coordinator forgets the
     saga at the same horizon. Waiting steps, steps whose rollback waits for their
     successor and failed compensations (an operator must act) never finish on their
-    own. The entry may be removed ``retention`` after this.
+    own; nor does an ``applied`` step of a ``read_committed`` saga, whose hold or
+    reservation only its decision releases (retention never drops the hold of an
+    open saga). The entry may be removed ``retention`` after this.
     """
     final = entry.status in _FINAL or entry.step < 0
     if not final and entry.status is LedgerStatus.APPLIED:
-        final = not entry.rollback_pending
+        final = not entry.rollback_pending and (
+            isolation_of(entry.before) is not Isolation.READ_COMMITTED
+        )
     return max(entry.deadline_ms, entry.updated_ms) if final else None
 
 

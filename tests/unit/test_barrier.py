@@ -34,9 +34,11 @@ from saga.participants._barrier import (
     SuccessorCompensated,
     conflicting,
     finished_ms,
+    isolation_of,
+    level_marker,
     plan,
 )
-from saga.streams import Mode, Outcome, StepStatus
+from saga.streams import Isolation, Mode, Outcome, StepStatus
 
 pytestmark = pytest.mark.unit
 
@@ -148,12 +150,14 @@ def test_first_request_applies() -> None:
         n_steps=1,
         deadline_ms=DEADLINE,
         effect=True,
-        before=None,
+        before=level_marker(Isolation.READ_COMMITTED),  # the level, until apply replaces it
         reason=None,
         rollback_pending=False,
         successor_compensated=False,
         updated_ms=NOW,
     )
+    none = plan(None, False, replace(requested(now=NOW), isolation=Isolation.NONE))
+    assert none.entry is not None and none.entry.before is None
 
 
 def test_request_exactly_at_the_deadline_still_applies() -> None:
@@ -360,6 +364,16 @@ def test_commit_of_a_step_with_nothing_to_confirm_leaves_it_applied_and_says_not
     assert (again.effect, again.entry, again.emit) == (Effect.NONE, None, StepStatus.APPLIED)
     # ... and finishes at its deadline, so the retention removes it
     assert finished_ms(entry) == max(entry.deadline_ms, entry.updated_ms)
+
+
+def test_an_applied_read_committed_step_waits_for_its_decision_before_retention() -> None:
+    held = replace(entry_in(LedgerStatus.APPLIED), before=level_marker(Isolation.READ_COMMITTED))
+    assert isolation_of(held.before) is Isolation.READ_COMMITTED
+    assert finished_ms(held) is None  # its hold is released by the decision alone
+    done = replace(held, status=LedgerStatus.COMMITTED)
+    assert finished_ms(done) == max(done.deadline_ms, done.updated_ms)
+    assert level_marker(Isolation.NONE) is None
+    assert isolation_of({"balance": 3}) is Isolation.NONE
 
 
 def test_a_repeated_commit_reemits_committed() -> None:
