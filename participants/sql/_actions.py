@@ -245,14 +245,15 @@ def batch_keys(
             table = tables.get(target)
             if table is None or not isinstance(key, str | int) or not isinstance(name, str):
                 continue
+            pk = next(iter(table.primary_key.columns))
             try:
-                coerced = coerce(next(iter(table.primary_key.columns)), key, "key")
+                coerced = coerce(pk, key, "key")
             except BusinessRejection:
                 continue
             if coerced is None:
                 continue
             wanted.rows.setdefault(target, set()).add(coerced)
-            record = (table.name, record_text(coerced))
+            record = (table.name, record_text(pk, coerced))
             wanted.records.add(record)
             if creating:
                 wanted.creating.add(record)

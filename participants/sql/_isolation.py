@@ -27,6 +27,7 @@ both pass a check.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any, Final
 
@@ -41,6 +42,8 @@ from saga.participants.sql._record import RecordBase, counting
 from saga.participants.sql._rows import NOT_CACHED, add, as_stored, subtract
 from saga.participants.sql._values import coerce, column_range, to_json
 from saga.streams import BusinessRejection
+
+log = logging.getLogger("saga.participant")
 
 RETRY: Final = "retry after it"
 NOT_RESTORED: Final = "not restored"
@@ -94,14 +97,15 @@ class IsolatedRecord(RecordBase):
             return  # committed or released already
         self._held = None
         if isinstance(action, Increment):
-            self._add(action)
+            self._add(scope, action)
         elif isinstance(action, Delete):
             self._direct()
             self.session.execute(delete(self.table).where(self._match()))
         elif isinstance(action, Update):
             values = self._values(action.set, "update", key_allowed=False)
             self._direct()
-            self._set(values)  # a row deleted behind the product's back stays deleted
+            if self._set(values) == 0:  # deleted behind the product's back: stays deleted
+                _nothing_to_write(scope, self.where)
         else:
             values = self._values(action.value, _name(action), key_allowed=True)
             row = self._row_or_lock()
@@ -119,21 +123,29 @@ class IsolatedRecord(RecordBase):
         field = self._counter(action.field).name if isinstance(action, Increment) else ""
         return (self.at[0], self.at[1], field, scope.tx_id, scope.step)
 
-    def _add(self, action: Increment) -> None:
+    def _add(self, scope: StepScope, action: Increment) -> None:
         """Commit a reservation: ``field + by``, unbounded (escrow kept the bounds)."""
         column = self._counter(action.field)
         by = coerce(column, action.by, f"the increment of {self.where}")
         rows = self.session.rows
         cached = NOT_CACHED if rows is None else rows.row(self.table, self.key)
         if rows is not None and isinstance(cached, dict):
-            if cached[column.name] is not None:
+            if cached[column.name] is None:
+                _nothing_to_write(scope, self.where)
+            else:
                 rows.set(self.table, self.key, column, add(cached[column.name], by))
             return
         if cached is None:
-            return  # the row is gone: nothing to add to
+            _nothing_to_write(scope, self.where)  # the row is gone: nothing to add to
+            return
         self._direct()
-        statement = update(self.table).where(self._match()).values({column.name: column + by})
-        self.session.execute(statement)
+        statement = (
+            update(self.table)
+            .where(self._match(), column.is_not(None))
+            .values({column.name: column + by})
+        )
+        if self.session.execute(statement).rowcount == 0:
+            _nothing_to_write(scope, self.where)
 
     def _try(self, tx_id: str, action: Held, values: dict[str, Any] | None, row: Any) -> None:
         """Run the write the commit will run, in a savepoint rolled back at once, so that
@@ -247,6 +259,18 @@ class IsolatedRecord(RecordBase):
                 f"{self.where} {column.name} would be {add(after, up)}{counting(up)} "
                 f"after undoing this step, above the maximum {high}{BOUND_TAIL}"
             )
+
+
+def _nothing_to_write(scope: StepScope, where: str) -> None:
+    """A commit whose row changed outside the product (gone, or a ``NULL`` to add to)
+    writes nothing: a commit never fails. Said in the log, for an operator."""
+    log.warning(
+        "commit of saga %s step %d found nothing to write: %s was changed outside the "
+        "product (deleted, or its field set to NULL) while the step held it",
+        scope.tx_id,
+        scope.step,
+        where,
+    )
 
 
 def _name(action: Held | Increment) -> str:

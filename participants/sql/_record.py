@@ -33,7 +33,7 @@ class RecordBase:
         self.pk: Column[Any] = columns[0]
         self.where = f"{action.target}/{action.key}"
         self.key = coerce(self.pk, action.key, f"key of {action.target}")
-        self.at = (table.name, record_text(self.key))
+        self.at = (table.name, record_text(self.pk, self.key))
         self._held: list[Hold] | None = None
 
     # -- the row

@@ -183,10 +183,12 @@ class BatchRows:
     def _found(self, table: Table, keys: list[Any], rows: Iterable[Mapping[Any, Any]]) -> None:
         pk = _pk(table)
         wanted = set(keys)
-        strangers = False
+        # A char(n) key comes back padded: two spellings of one key may be in the batch,
+        # and the row would be found under one only. Such keys are never cached.
+        padded = strangers = isinstance(pk.type, sqltypes.CHAR)
         for found in rows:
             value = found[pk.name]
-            if value in wanted:
+            if value in wanted and not padded:
                 self._rows[(table.name, value)] = dict(found)
             else:
                 strangers = True  # the database's equality is not Python's for this key

@@ -109,8 +109,12 @@ def from_json(column: Column[Any], value: Any) -> Any:
     return value
 
 
-def record_text(key: Any) -> str:
-    """A record's key (as :func:`coerce` made it) as the text the holds table keys it by."""
+def record_text(pk: Column[Any], key: Any) -> str:
+    """A record's key (as :func:`coerce` made it for primary key ``pk``) as the text the
+    holds table keys it by: one text for every spelling the database takes as that key
+    (a ``char(n)`` key with or without its padding)."""
+    if isinstance(key, str) and isinstance(pk.type, sqltypes.CHAR):
+        return key.rstrip(" ")
     return str(to_json(key))
 
 

@@ -425,12 +425,15 @@ def test_holds_survive_a_retried_batch_and_a_restart(
 
 
 def test_pruning_the_ledger_never_drops_a_hold(harness: SqlHarness) -> None:
-    """An applied, undecided step's entry may be pruned after its retention; its hold stays
-    until a decision, which still finds nothing to do without the entry."""
+    """An applied, undecided ``read_committed`` step is not finished: pruning keeps its
+    entry and never touches the holds table; once committed, the entry goes in time."""
     db, storage = harness.db, harness.storage
     storage.execute([requested("T1", "update", setting(5, balance=6))])
-    assert storage.prune(horizon_ms=2**62, limit=100) == 1
+    assert storage.prune(horizon_ms=2**62, limit=100) == 0
     assert holds(db) == [("accounts", "5", "", "T1", 0, "hold")]
+    storage.execute([commit("T1")])
+    assert storage.prune(horizon_ms=2**62, limit=100) == 1
+    assert holds(db) == [] and balance(db, 5) == 6
 
 
 def test_an_older_ledger_gets_its_holds_table(database: Database) -> None:
@@ -560,3 +563,36 @@ def test_sequential_read_committed_saga(harness: SqlHarness) -> None:
     assert (balance(db, 1), balance(db, 3)) == (100, 0)
     storage.execute([commit("T1")])
     assert (balance(db, 1), balance(db, 3)) == (90, 10)
+
+
+def test_a_padded_key_names_one_record(tmp_path: Path) -> None:
+    """``char(4)``: ``"ab"`` and ``"ab  "`` are one row to PostgreSQL, so one record to the
+    holds: an update held under one spelling refuses a step under the other."""
+    with postgres_database() as db:
+        metadata = sa.MetaData(schema=db.schema)
+        codes = sa.Table(
+            "codes",
+            metadata,
+            sa.Column("code", sa.CHAR(4), primary_key=True),
+            sa.Column("n", sa.BigInteger),
+        )
+        metadata.create_all(db.engine)
+        with db.engine.begin() as connection:
+            connection.execute(sa.insert(codes).values(code="ab", n=1))
+        with sql_harness(db) as harness:
+            storage = harness.make(targets=("codes",))
+            more = {"target": "codes", "key": "ab", "field": "n", "by": 2}
+            held = {"target": "codes", "key": "ab  ", "set": {"n": 7}}
+            got = storage.execute(
+                [requested("T1", "increment", more), requested("T2", "update", held)]
+            )
+            assert [(r.status, r.reason) for r in got] == [
+                (APPLIED, None),
+                (
+                    FAILED,
+                    "codes/ab   is held by saga T1 (step 0) until its decision; retry after it",
+                ),
+            ]
+            storage.execute([commit("T1")])
+        with db.engine.connect() as connection:
+            assert connection.execute(sa.select(codes.c.n)).scalar_one() == 3
