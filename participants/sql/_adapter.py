@@ -187,7 +187,9 @@ class SqlStorage(LedgerStorage[SqlSession, SqlBatch]):
     must exist, in ``schema`` when given, with a single-column primary key.
     The ledger lives in ``ledger_table`` in the same schema and is created by
     :meth:`setup` when absent, with the holds table ``<ledger_table>_holds``
-    (:mod:`participants.sql._holds`).
+    (:mod:`participants.sql._holds`). Participants whose steps touch the same tables
+    must share the ledger table (several may): their holds are then one table, and a
+    step of one sees the holds of the other.
 
     ``handlers`` runs custom actions: either the mapping of action name to
     :class:`~participants.Handler` that :func:`~participants.load_handlers`

@@ -151,7 +151,9 @@ class IsolatedRecord(RecordBase):
         """Run the write the commit will run, in a savepoint rolled back at once, so that
         what the database refuses (a NOT NULL, a CHECK, a foreign key, a value out of
         range) fails the step now rather than its commit later. Only where the row in
-        the database is the one the commit will meet (not after this saga's own holds)."""
+        the database is the one the commit will meet (not after this saga's own holds).
+        Triggers run and roll back with it; a sequence a default draws from advances,
+        as after any insert rolled back."""
         if any(h.kind == HOLD and h.tx_id == tx_id for h in self._holds()):
             return
         self._direct()
