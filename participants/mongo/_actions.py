@@ -340,25 +340,14 @@ class _Record(_Document):
         if marker is None:
             return False
 
-        def fits(before: Document) -> bool:
-            value = before.get(name)
-            if Hold.of(before) is not None or not _is_number(value):
-                return False
-            on_field = [r for r in reservations(before) if r.field == name and r.step_id != me]
-            low, high = action.min, action.max
-            try:
-                check_increment(self.where, name, value, action.by, low, high, on_field)
-            except BusinessRejection:
-                return False
-            return True
-
         reservation = Reservation(me, scope.tx_id, name, action.by).to_bson()
+        spec = {**reservation, "min": action.min, "max": action.max}
         self._stage(
             "update",
             expect=marker,
             set={reservation_path(me): reservation},
             ops=bound_ops(name, action.min, action.max),
-            check=fits,
+            reserve=spec,
             optimistic=True,
         )
         return True

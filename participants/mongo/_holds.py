@@ -255,6 +255,22 @@ def check_increment(
     return result
 
 
+def fits_reservation(doc: Mapping[str, Any], spec: Mapping[str, Any]) -> bool:
+    """Whether the reservation ``spec`` (``step``, ``field``, ``by``, ``min``, ``max``)
+    passes what a reservation made after a read checks, on ``doc`` (with or without
+    the reservation itself): no hold, a number in the field, escrow."""
+    name = str(spec["field"])
+    value = doc.get(name)
+    if Hold.of(doc) is not None or not isinstance(value, int | float) or isinstance(value, bool):
+        return False
+    others = [r for r in reservations(doc) if r.field == name and r.step_id != spec["step"]]
+    try:
+        check_increment("", name, value, spec["by"], spec.get("min"), spec.get("max"), others)
+    except BusinessRejection:
+        return False
+    return True
+
+
 def _counting(amount: Number) -> str:
     if not amount:
         return ""

@@ -25,6 +25,7 @@ from saga.participants.mongo._errors import (
     _Refused,
     _Stale,
 )
+from saga.participants.mongo._holds import fits_reservation, reservation_path
 from saga.participants.mongo._ledger import _now_ms, _split_step_id, _TxView
 from saga.participants.mongo._shared import _StepRecord
 from saga.participants.mongo._unitbase import _UnitBase
@@ -184,7 +185,7 @@ class _UnitRecovery(_UnitBase):
                 raise self._in_progress(view, step, staged)
             collection = self.storage.db[staged.target]
             current = collection.find_one({"_id": staged.key}, session=session)
-            if staged.happened(current, marker):
+            if self._happened(staged, current, marker):
                 created = self._created(
                     view, step, {**intent["entry"], **_purge_field(staged, marker)}
                 )
@@ -219,7 +220,7 @@ class _UnitRecovery(_UnitBase):
             collection = self.storage.db[staged.target]
             current = collection.find_one({"_id": staged.key}, session=self.transaction_session())
             rev = int(doc["rev"])
-            if staged.happened(current, marker):
+            if self._happened(staged, current, marker):
                 fields = {**pending["entry"], **_purge_field(staged, marker)}
                 change = {"$set": {**fields, "rev": rev + 1}, "$unset": {"pending": ""}}
                 self._update_step(view, (view.tx_id, step), change)
@@ -235,6 +236,24 @@ class _UnitRecovery(_UnitBase):
             return updated
         finally:
             self.unlock_last()
+
+    def _happened(self, staged: DocumentWrite, current: Document | None, marker: str) -> bool:
+        """Whether the interrupted write ``staged`` took effect and stands. A reservation
+        made without a read whose check failed, when the process died before putting the
+        document back, took effect but does not stand: it is undone here (and its marker
+        fenced), so the step counts as never applied."""
+        if not staged.happened(current, marker):
+            return False
+        spec = staged.reserve
+        if spec is None or current is None or fits_reservation(current, spec):
+            return True
+        undo = {"$unset": {reservation_path(str(spec["step"])): ""}}
+        undo["$set"] = {MARKER_FIELD: marker + FENCED}
+        collection = self.storage.db[staged.target]
+        session = self.transaction_session()
+        self._cas.update(collection, staged.key, {MARKER_FIELD: marker}, undo, session)
+        log.info("undid an unread reservation of %s/%s that did not fit", staged.target, staged.key)
+        return False
 
     def _fence(self, staged: DocumentWrite, current: Document | None, marker: str) -> None:
         """Make a write that did not happen miss for good, should a paused worker still run it."""

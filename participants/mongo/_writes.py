@@ -14,6 +14,7 @@ from pymongo import errors as mongo_errors
 from pymongo.collection import Collection
 
 from saga.participants.mongo._cas import _SERVER_CAS, _Cas
+from saga.participants.mongo._holds import fits_reservation
 from saga.participants.mongo._values import MARKER_FIELD, Document, _from_text, _to_text
 
 log = logging.getLogger("saga.participant.mongo")
@@ -46,9 +47,11 @@ class DocumentWrite:
     update operators (``$inc``, ``$max``, ``$min``: field -> operand). ``optimistic``:
     ``expect`` is what this process last knew of the document, not what the step read;
     a miss means run the step again, reading.
-    ``check``: what the document as it was must pass (client-side compare-and-set only,
-    see :class:`~saga.participants.mongo._cas._Cas`; not kept in an intent, which only
-    needs to know whether the write happened).
+    ``reserve``: the reservation an optimistic write makes (see
+    :func:`~saga.participants.mongo._holds.fits_reservation`), which the document as it
+    was must pass (client-side compare-and-set only, see
+    :class:`~saga.participants.mongo._cas._Cas`); kept in the intent, so that a write
+    found done after a crash is undone instead of recorded when it does not pass.
     """
 
     target: str
@@ -63,7 +66,7 @@ class DocumentWrite:
     idempotent: bool = False
     ops: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     optimistic: bool = False
-    check: Callable[[Document], bool] | None = field(default=None, compare=False)
+    reserve: Mapping[str, Any] | None = None
 
     def run(
         self,
@@ -96,7 +99,12 @@ class DocumentWrite:
                 change["$unset"] = dict.fromkeys(self.unset, "")
             for operator, operands in self.ops.items():
                 change[operator] = dict(operands)
-        return cas.update(collection, self.key, expect, change, session, self.check)
+        return cas.update(collection, self.key, expect, change, session, self.check())
+
+    def check(self) -> Callable[[Document], bool] | None:
+        """What the document as it was must pass (see ``reserve``)."""
+        spec = self.reserve
+        return None if spec is None else lambda doc: fits_reservation(doc, spec)
 
     def happened(self, current: Document | None, marker: str) -> bool:
         """Whether this write (with ``marker``) is what ``current`` shows."""
@@ -114,6 +122,7 @@ class DocumentWrite:
             "guard": _to_text(dict(self.guard)),
             "then_remove": None if self.then_remove is None else dict(self.then_remove),
             "ops": _to_text(dict(self.ops)),
+            "reserve": None if self.reserve is None else dict(self.reserve),
         }
 
     @classmethod
@@ -129,6 +138,7 @@ class DocumentWrite:
             guard=_from_text(doc.get("guard")) or {},
             then_remove=doc.get("then_remove"),
             ops=_from_text(doc.get("ops")) or {},
+            reserve=doc.get("reserve"),
         )
 
 

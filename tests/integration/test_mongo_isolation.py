@@ -467,6 +467,38 @@ def test_none_compensations_refuse_to_overwrite_a_held_or_changed_record(store: 
     assert store.find("orders", "o") == {"_id": "o", "qty": 2}
 
 
+def test_a_crash_inside_an_unread_reservation_that_does_not_fit_undoes_it(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reservation written without a read is checked on the document as it was and put
+    back when it does not fit; a process dying before the put-back leaves the write done,
+    and the next reader undoes it instead of recording it (the bound holds)."""
+    assert status(store.run(inc("t0", "x", 5), commit("t0"))) == [
+        ("t0", 0, APPLIED),
+        ("t0", 0, COMMITTED),
+    ]
+    real = pymongo.collection.Collection.replace_one
+
+    def dies(self: Any, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("the process dies before putting the document back")
+
+    debit = inc("t1", "x", -10, min=0)
+    with monkeypatch.context() as patch:
+        patch.setattr(pymongo.collection.Collection, "replace_one", dies)
+        with pytest.raises(RuntimeError):
+            store.run(debit)
+    assert "t1" in str(store.db["accounts"].find_one({"_id": "x"}).get("_saga_res"))
+    assert pymongo.collection.Collection.replace_one is real
+    restarted = store.make(intent_lease_ms=0, shared=type(store.storage.shared)())
+    got = one(restarted.execute([debit]))
+    assert (got.status, got.reason) == (
+        StepStatus.FAILED,
+        "accounts/x balance would be -5, below the minimum 0",
+    )
+    assert not store.db["accounts"].find_one({"_id": "x"}).get("_saga_res")
+    assert store.balance("x") == 5
+
+
 def test_an_open_hold_is_never_pruned(store: Store) -> None:
     assert one(store.run(update("t1", "k", 7))).status is APPLIED
     assert store.storage.prune(DEADLINE + 10**9, 100) == 0
