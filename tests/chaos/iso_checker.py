@@ -73,6 +73,7 @@ COUNTS = (
     "records_in_dlq",
 )
 EXAMPLES = 5
+DETAILS = 10
 LATE_ABORT = re.compile(r"abort of \S+ ignored")
 NEVER = 2**62
 """``ub`` of a step whose final event is missing: it may become visible at any time."""
@@ -100,6 +101,9 @@ class IsoVerdict:
     reason_examples: dict[str, str]  # one decision reason per kind of rollback
     samples: dict[str, int]  # checked, per target
     money: dict[str, int]
+    details: list[dict[str, Any]] = field(default_factory=list)
+    """Per dirty read (the first few): the samples around it and every step of any saga
+    on the record near that time, to tell a product bug from a checker bug."""
 
     @property
     def violations(self) -> int:
@@ -110,6 +114,12 @@ class _Tally:
     def __init__(self) -> None:
         self.counts: Counter[str] = Counter({name: 0 for name in COUNTS})
         self.examples: dict[str, list[str]] = defaultdict(list)
+        self.dirty: list[tuple[Record, Sample]] = []  # the first dirty reads, to explain
+
+    def dirty_read(self, rec: Record, sample: Sample, example: str) -> None:
+        if len(self.dirty) < DETAILS:
+            self.dirty.append((rec, sample))
+        self.add("dirty_reads", example)
 
     def add(self, name: str, example: str, n: int = 1) -> None:
         self.counts[name] += n
@@ -194,6 +204,7 @@ def check(inp: IsoInput) -> IsoVerdict:
     for letter in letters:
         tally.add("records_in_dlq", f"{letter.source}: {letter.error[:120]}")
     return IsoVerdict(
+        details=[_explain(inp, rec, sample) for rec, sample in tally.dirty],
         counts={name: tally.counts[name] for name in COUNTS},
         examples={k: v for k, v in tally.examples.items() if v},
         outcomes=dict(outcomes),
@@ -314,8 +325,9 @@ def _account_samples(
             if value in flagged:
                 continue
             flagged.add(value)
-            tally.add(
-                "dirty_reads",
+            tally.dirty_read(
+                rec,
+                (before, after, value),
                 f"{_name(rec)} read {value} at [{before}, {after}]: committed sagas give "
                 f"{opening + surely} plus a subset of {len(maybe)} in flight "
                 f"({', '.join(f'{w.tx_id}:{w.by:+d}' for w in maybe[:4])})",
@@ -352,11 +364,39 @@ def _slot_samples(
             continue
         flagged.add(value)
         writer = f"writer {value}" if value is not None else "no record"
-        tally.add(
-            "dirty_reads",
+        tally.dirty_read(
+            rec,
+            (before, after, value),
             f"{_name(rec)} showed {writer} at [{before}, {after}]; committed states then: "
             f"{sorted(str(s) for s in possible)}",
         )
+
+
+def _explain(inp: IsoInput, rec: Record, sample: Sample) -> dict[str, Any]:
+    """The samples of ``rec`` around ``sample`` and every step on ``rec`` that was in
+    flight within 2 s of it, with its times (applied, decided, final) and outcome."""
+    before, after, _ = sample
+    log = inp.log
+    near = [s for s in inp.samples.get(rec, []) if before - 500 <= s[0] <= after + 500]
+    steps = []
+    for saga in inp.sagas:
+        for i, step in enumerate(saga.steps):
+            if record_of_step(step) != rec:
+                continue
+            applied = log.event_ms.get((saga.tx_id, i, "applied"))
+            ends = [log.event_ms.get((saga.tx_id, i, e)) for e in ("committed", "compensated")]
+            end = min((e for e in ends if e is not None), default=NEVER)
+            if applied is None or applied > after + 2000 or end < before - 2000:
+                continue
+            decisions = log.decisions.get(saga.tx_id, [])
+            steps.append({
+                "tx_id": saga.tx_id, "step": i, "kind": saga.kind, "mode": saga.mode,
+                "action": step.action, "by": step.args.get("by"),
+                "outcome": decisions[0].outcome if decisions else None,
+                "applied_ms": applied, "decided_ms": log.decided_ms.get(saga.tx_id),
+                "final_ms": None if end == NEVER else end,
+            })  # fmt: skip
+    return {"record": _name(rec), "sample": list(sample), "samples_near": near, "steps": steps}
 
 
 # ---------------------------------------------------------------- at quiescence
@@ -404,4 +444,5 @@ def summary(verdict: IsoVerdict) -> dict[str, Any]:
         "samples_checked": verdict.samples,
         "money": verdict.money,
         "examples": verdict.examples,
+        "dirty_read_details": verdict.details,
     }

@@ -63,7 +63,8 @@ DEFAULT_REPORT = ROOT / "reports" / "chaos-isolation.json"
 class IsoProfile:
     name: str
     sagas: int  # at least this many in the main system (more while faults still run)
-    rate: float  # sagas submitted per second
+    rate: float  # sagas submitted per second, at most
+    max_in_flight: int  # sagas submitted and not final, at most
     nc_sagas: int
     faults: tuple[tuple[str, str], ...]  # (slot kind, fault point), in this order
     min_sagas: int = 2000
@@ -84,9 +85,17 @@ _FAULTS = (
     ("coordinator", "coordinator.after_read"),
 )
 ISO_PROFILES = {
-    "short": IsoProfile("short", sagas=2100, rate=30, nc_sagas=600, faults=_FAULTS),
+    "short": IsoProfile(
+        "short", sagas=2100, rate=30, max_in_flight=40, nc_sagas=600, faults=_FAULTS
+    ),
     "long": IsoProfile(
-        "long", sagas=12_000, rate=30, nc_sagas=1500, faults=_FAULTS * 4, min_sagas=10_000
+        "long",
+        sagas=12_000,
+        rate=30,
+        max_in_flight=40,
+        nc_sagas=1500,
+        faults=_FAULTS * 4,
+        min_sagas=10_000,
     ),
 }
 
@@ -163,10 +172,13 @@ def pace(
     rate: float,
     *,
     minimum: int,
+    max_in_flight: int,
     until: threading.Event | None = None,
 ) -> int:
-    """Submit at ``rate`` until ``minimum`` were sent and ``until`` is set; each planned
-    abort goes out its delay after its request."""
+    """Submit at ``rate`` until ``minimum`` were sent and ``until`` is set, never with more
+    than ``max_in_flight`` sagas not final (a slow machine sets the pace, not a backlog
+    whose holds and reservations would reject nearly everything); each planned abort goes
+    out its delay after its request."""
     interval = 1.0 / rate
     next_at = time.monotonic()
     aborts: list[tuple[float, str]] = []
@@ -178,6 +190,9 @@ def pace(
         pause = min(next_at, aborts[0][0] if aborts else next_at) - now
         if pause > 0:
             time.sleep(pause)
+            continue
+        if len(system.order) - system.status.final_count() >= max_in_flight:
+            time.sleep(0.02)
             continue
         next_at = max(next_at + interval, now - 1)
         saga = planner.next()
@@ -211,6 +226,7 @@ class IsoRunner:
         self.keep = keep
         self.rnd = random.Random(f"{seed}:iso")
         self.book = F.FaultBook(time.monotonic())
+        self.t0_ms = int(time.time() * 1000)  # the book's clock start, wall clock (samples')
         self.systems: list[IsoSystem] = []
 
     def log(self, text: str) -> None:
@@ -252,7 +268,14 @@ class IsoRunner:
         counted: list[int] = []
         load = threading.Thread(
             target=lambda: counted.append(
-                pace(system, planner, p.rate, minimum=target, until=faults_done)
+                pace(
+                    system,
+                    planner,
+                    p.rate,
+                    minimum=target,
+                    until=faults_done,
+                    max_in_flight=p.max_in_flight,
+                )
             ),
             daemon=True,
         )
@@ -290,9 +313,13 @@ class IsoRunner:
             "faults": dict(book.faults),
             "kills": dict(book.kills),
             "fault_log": [
-                {"kind": r.kind, "target": r.target, "at_s": r.started_s, "note": r.note}
+                {
+                    "kind": r.kind, "target": r.target, "at_s": r.started_s, "note": r.note,
+                    "at_ms": self.t0_ms + int(r.started_s * 1000),
+                    "recovered_ms": self.t0_ms + int(r.recovered_s * 1000),
+                }
                 for r in book.records
-            ],
+            ],  # fmt: skip
             "unexpected_exits": system.cluster.unexpected_exits(),
             **summary(verdict),
         }

@@ -288,6 +288,10 @@ class StatusTail:
         with self._lock:
             return dict(self.final_at)
 
+    def final_count(self) -> int:
+        with self._lock:
+            return len(self.final_at)
+
     def states(self) -> dict[str, str]:
         with self._lock:
             return dict(self.state)
