@@ -314,12 +314,15 @@ class IsoRunner:
             "kills": dict(book.kills),
             "fault_log": [
                 {
-                    "kind": r.kind, "target": r.target, "at_s": r.started_s, "note": r.note,
+                    "kind": r.kind,
+                    "target": r.target,
+                    "at_s": r.started_s,
+                    "note": r.note,
                     "at_ms": self.t0_ms + int(r.started_s * 1000),
                     "recovered_ms": self.t0_ms + int(r.recovered_s * 1000),
                 }
                 for r in book.records
-            ],  # fmt: skip
+            ],
             "unexpected_exits": system.cluster.unexpected_exits(),
             **summary(verdict),
         }
