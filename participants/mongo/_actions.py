@@ -257,6 +257,7 @@ class _Record(_Document):
                 expect=doc.get(MARKER_FIELD),
                 set={HOLD_FIELD: held.to_bson()},
                 unset=[RESERVATIONS_FIELD] if folded else [],
+                drops=tuple(r.step_id for r in folded),
             )
             return
         shadow = self._shadow(scope.tx_id)
@@ -318,6 +319,7 @@ class _Record(_Document):
             return
         own = self._free(doc, scope.tx_id, escrow=True)
         change: Document = {}
+        reserves = None
         if own is not None:  # its own saga holds the record: the increment joins the hold
             change[HOLD_FIELD] = self._chain(own, me, action, name, own.bounds).to_bson()
         else:
@@ -325,8 +327,10 @@ class _Record(_Document):
             on_field = [r for r in reservations(doc) if r.field == name and r.step_id != me]
             check_increment(self.where, name, current, action.by, action.min, action.max, on_field)
             change[reservation_path(me)] = Reservation(me, scope.tx_id, name, action.by).to_bson()
+            reserves = me
         ops = bound_ops(name, action.min, action.max)
-        self._stage("update", expect=doc.get(MARKER_FIELD), set=change, ops=ops)
+        marker = doc.get(MARKER_FIELD)
+        self._stage("update", expect=marker, set=change, ops=ops, reserves=reserves)
 
     def _reserve_unread(self, scope: StepScope, action: Increment, name: str, me: str) -> bool:
         """Record the reservation in one update, without reading the document first, when
@@ -348,6 +352,7 @@ class _Record(_Document):
             set={reservation_path(me): reservation},
             ops=bound_ops(name, action.min, action.max),
             reserve=spec,
+            reserves=me,
             optimistic=True,
         )
         return True
@@ -386,7 +391,9 @@ class _Record(_Document):
                 if _is_number(value):
                     change[mine[0].field] = _add(value, mine[0].by, self.where)
                 unset = self._dropping(doc, me)
-                self._stage("update", expect=marker, set=change, unset=unset, idempotent=True)
+                self._stage(
+                    "update", expect=marker, set=change, unset=unset, idempotent=True, drops=(me,)
+                )
                 return
         shadow = self.session.read_shadow(self.target, self.key)
         hold = Hold.of(shadow)
@@ -417,7 +424,7 @@ class _Record(_Document):
                 return
             if any(r.step_id == me for r in reservations(doc)):
                 unset = self._dropping(doc, me)
-                self._stage("update", expect=marker, unset=unset, idempotent=True)
+                self._stage("update", expect=marker, unset=unset, idempotent=True, drops=(me,))
                 return
         shadow = self.session.read_shadow(self.target, self.key)
         hold = Hold.of(shadow)
@@ -426,12 +433,17 @@ class _Record(_Document):
 
     def _settle_reservation(self, action: BuiltinAction, me: str, *, commit: bool) -> bool:
         """Commit (add the amount) or release ``me``'s reservation in one update, without
-        reading the document, when this process knows the marker it last recorded for it
-        and the amount is an integer (``$inc`` is exact on integers only; fractions are
-        added in decimal, after a read). The update applies only if the document still
-        carries that marker and the reservation, and the field holds an integer; else the
-        step runs again, reading (see :mod:`~saga.participants.mongo._holds`)."""
+        reading the document, when this process wrote the reservation and has not removed
+        it since (``SharedState.reserved``: so it is there, and a process dying before it
+        could put back a write that missed leaves nothing wrong), knows the marker it last
+        recorded for the document, and the amount is an integer (``$inc`` is exact on
+        integers only; fractions are added in decimal, after a read). The update applies
+        only if the document still carries that marker and the reservation, and the field
+        holds an integer; else the step runs again, reading (see
+        :mod:`~saga.participants.mongo._holds`)."""
         if not isinstance(action, Increment) or isinstance(action.by, float):
+            return False
+        if not self.session.reservation_sure(me):
             return False
         marker = self.session.known_marker(self.target, self.key)
         if marker is None:
@@ -451,5 +463,6 @@ class _Record(_Document):
             ops=ops,
             idempotent=True,
             optimistic=True,
+            drops=(me,),
         )
         return True

@@ -57,6 +57,8 @@ class _UnitRecovery(_UnitBase):
 
     def _run_staged(self, staged: DocumentWrite, marker: str) -> None:
         collection = self.storage.db[staged.target]
+        for step_id in staged.drops:  # before the write: after it, they may be gone
+            self._shared.reserved.pop(step_id)
         try:
             done = staged.run(collection, marker, self.transaction_session(), self._cas)
         except mongo_errors.DocumentTooLarge as exc:
@@ -75,6 +77,8 @@ class _UnitRecovery(_UnitBase):
                 f"participant {self.storage.name!r}: {staged.target}/{staged.key} changed while "
                 "a step was writing it; the batch will be retried"
             )
+        if staged.reserves is not None:
+            self._shared.reserved.put(staged.reserves, True)
 
     def _recorded(self, view: _TxView, step: int, staged: DocumentWrite, marker: str) -> None:
         """Step ``step`` records the write with ``marker``: remember that; after a delete

@@ -118,6 +118,10 @@ class MongoSession:
         self._unit.lock(target, key)
         return self._unit.known_marker(target, key)
 
+    def reservation_sure(self, step_id: str) -> bool:
+        """Whether this process wrote ``step_id``'s reservation and has not removed it."""
+        return self._unit.storage.shared.reserved.get(step_id) is not None
+
     def hold_open(self, step_ids: list[str]) -> bool:
         """Whether a step among a hold's holders is still undecided (see
         :meth:`~saga.participants.mongo._recovery._UnitRecovery.hold_open`)."""

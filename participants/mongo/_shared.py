@@ -139,7 +139,12 @@ class SharedState:
     (see *Concurrency* in :mod:`saga.participants.mongo`). ``settled``: document lock
     name -> a marker it carried whose write is known to be recorded in the ledger
     (it spares a ledger read). ``unrecorded``: the step documents created by a
-    write and not inserted yet (:class:`_Unrecorded`).
+    write and not inserted yet (:class:`_Unrecorded`). ``reserved``: the steps whose
+    reservation this process wrote and has not removed since (by a commit, a release or
+    a hold of its saga that took it in): only those are committed without a read (see
+    :mod:`saga.participants.mongo._holds`), since only for them is the reservation sure
+    to be there, which the write relies on should the process die before it could put
+    back a write that did not fit.
 
     Every :class:`~saga.participants.mongo.MongoStorage` uses :data:`PROCESS` unless
     given another: storages that may write the same documents must share one, or
@@ -151,6 +156,7 @@ class SharedState:
         self.locks = _DocumentLocks()
         self.settled = _Lru[tuple[str, str, str], str](SETTLED_CACHE_SIZE)
         self.unrecorded = _Unrecorded()
+        self.reserved = _Lru[str, bool](SETTLED_CACHE_SIZE)
 
     def insert_records(self, ledger: Collection[Document], records: Sequence[_StepRecord]) -> None:
         """Insert deferred step documents (one already there was recorded by someone else)."""

@@ -52,6 +52,8 @@ class DocumentWrite:
     was must pass (client-side compare-and-set only, see
     :class:`~saga.participants.mongo._cas._Cas`); kept in the intent, so that a write
     found done after a crash is undone instead of recorded when it does not pass.
+    ``reserves``: the step whose reservation the write makes; ``drops``: the steps whose
+    reservations it removes (see ``SharedState.reserved``).
     """
 
     target: str
@@ -67,6 +69,8 @@ class DocumentWrite:
     ops: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     optimistic: bool = False
     reserve: Mapping[str, Any] | None = None
+    reserves: str | None = None
+    drops: tuple[str, ...] = ()
 
     def run(
         self,
