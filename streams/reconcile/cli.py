@@ -132,7 +132,7 @@ Exit status: 0 clean; 1 violations, early effects, stuck sagas or a failed check
     "ledgers",
     multiple=True,
     metavar="SPEC",
-    help="A ledger (KIND:URL#options) to cross-check (I4).",
+    help="A ledger (KIND:URL#options) to cross-check (I4, I7).",
 )
 @click.option(
     "--table",
