@@ -95,11 +95,7 @@ class Chores:
     @staticmethod
     def due(partitions: Iterable[PartitionState], now: int) -> bool:
         """Whether a timer of ``partitions`` is due at ``now`` (a batch should run)."""
-        return any(
-            heap and heap[0][0] <= now
-            for part in partitions
-            for heap in (part.deadlines, part.waits, part.redrive, part.forget)
-        )
+        return any(part.due(now) for part in partitions)
 
     def restored(self, part: PartitionState, saga: Saga) -> None:
         """Schedule a saga just rebuilt from the status topic (``part.forget`` is heapified
@@ -115,7 +111,7 @@ class Chores:
         """Schedule a saga whose change a committed batch merged into memory."""
         forget_at = self.forget_at(after)
         if forget_at is not None and (before is None or self.forget_at(before) != forget_at):
-            heapq.heappush(part.forget, (forget_at, tx_id))
+            part.forget_later(forget_at, tx_id)  # (a finished saga's time is on disk)
         if after.state not in STALLED:
             part.redriven.pop(tx_id, None)
         elif self.redrive.on and (

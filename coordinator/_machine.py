@@ -38,6 +38,7 @@ Nothing is decided on an early event: only the request tells whether it is valid
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from saga.coordinator._machine_io import (
     AbortRequested,
@@ -158,6 +159,15 @@ class Saga:
     def confirm_of(self, step: int) -> bool:
         """Whether ``step``'s ``applied`` event said it has something to confirm."""
         return step < len(self.confirms) and self.confirms[step]
+
+    @classmethod
+    def ended(cls, **fields: Any) -> Saga:
+        """What :meth:`from_status` rebuilds from a final status whose request was seen, made
+        from plain fields (all but ``request_seen``, ``outcome`` and ``early``): restores and
+        the store of finished sagas (coordinator._finished) read millions this way."""
+        outcome = Outcome.COMMIT if fields["state"] is SagaState.COMMITTED else Outcome.ROLLBACK
+        made = cls(request_seen=True, outcome=outcome, **fields)
+        return _committed_if_nothing_to_confirm(made, made.updated_ms)
 
     @classmethod
     def from_status(cls, status: SagaStatus) -> Saga:

@@ -173,8 +173,10 @@ class CoordinatorObserver(LoopObserver):
     def sample_state(self) -> None:
         states = dict.fromkeys(_STATES, 0)
         for part in list(self._service._partitions.values()):
-            for saga in part.sagas.values():
+            for saga in part.sagas.live.values():
                 states["placeholder" if not saga.request_seen else saga.state.value] += 1
+            for state, count in part.sagas.finished.counts.items():  # those on disk
+                states[state] += count
         self.states = states
 
     def enable_metrics(self, registry: CollectorRegistry) -> None:

@@ -24,6 +24,7 @@ from typing import Literal
 
 from saga.coordinator import _route
 from saga.coordinator._chores import DEFAULT_REDRIVE, Chores, Redrive
+from saga.coordinator._finished import FinishedStore
 from saga.coordinator._known import DEFAULT_PARTICIPANT_GRACE_MS, KnownParticipants
 from saga.coordinator._machine import (
     Ignored,
@@ -37,7 +38,7 @@ from saga.coordinator._machine import (
 )
 from saga.coordinator._observe import CoordinatorObserver
 from saga.coordinator._restore import restore
-from saga.coordinator._retention import PartitionState, due_to_forget, due_to_refresh
+from saga.coordinator._retention import PartitionState, Sagas, due_to_forget, due_to_refresh, settle
 from saga.coordinator._timers import TimerBatch
 from saga.coordinator._txn import Transactions, await_previous_owner, next_offsets, rewind
 from saga.streams import (
@@ -109,11 +110,12 @@ class CoordinatorService(Stoppable):
     past its deadline) before it rolls back; else (``"accept"``, the default here) any
     name.
 
-    Retention (``retention_ms``): a saga that ended ``committed`` or
-    ``rolled_back`` is forgotten once ``retention_ms`` have passed since both its
-    deadline and its last change: it leaves memory and gets a tombstone on the
-    status topic, so memory, the status topic and every restore stay bounded by
-    the sagas of the last retention period. A placeholder (events, or an abort,
+    Retention (``retention_ms``): a saga that ended ``committed`` or ``rolled_back``
+    leaves memory for a table on local disk (:mod:`coordinator._finished`), and is
+    forgotten once ``retention_ms`` have passed since both its deadline and its last
+    change: its row goes and it gets a tombstone on the status topic, so memory holds
+    the sagas in flight only, and disk, the status topic and every restore the sagas
+    of the last retention period. A placeholder (events, or an abort,
     whose request never came) is forgotten ``retention_ms`` after its last change.
     Sagas still pending, being confirmed or compensated, or ``failed`` (an
     operator must act) are kept, and their status is published again every half
@@ -191,6 +193,7 @@ class CoordinatorService(Stoppable):
         self.stats = CoordinatorStats()
         super().__init__()
         self._partitions: dict[int, PartitionState] = {}
+        self._finished = FinishedStore()  # finished sagas, on disk (coordinator._finished)
         self._partition_count = 0  # of every saga topic; read at start
         self._next_refresh_ms = 0  # when to look for kept sagas to publish again
         self._consumer = self._log.consumer(
@@ -263,6 +266,7 @@ class CoordinatorService(Stoppable):
             self.known.close()
             self._consumer.close()
             self._producer.close()
+            self._finished.close()
 
     # ------------------------------------------------------------ rebalance
 
@@ -279,12 +283,9 @@ class CoordinatorService(Stoppable):
         )
         if self._consumer.rejoins != rejoins:
             return  # fenced meanwhile (in a reset): the rejoined consumer's assignment restores
-        restored = self._restore(new)
-        for p in new:
-            part = PartitionState()
+        for p, part in self._restore(new).items():
             now = self.clock()
-            for saga in restored.get(p, ()):
-                part.sagas[saga.tx_id] = saga
+            for saga in part.sagas.live.values():  # finished ones have no timer but on disk
                 self.chores.restored(part, saga)
                 if (ends := self.known.restored_wait(saga, now)) is not None:
                     heapq.heappush(part.waits, (ends, saga.tx_id))
@@ -300,16 +301,18 @@ class CoordinatorService(Stoppable):
         then moves the consumer to the committed offsets).
         """
         owned = sorted(self._partitions)
+        for part in self._partitions.values():
+            part.close()
         self._partitions.clear()
         self._on_assign([(self.topics.requests, p) for p in owned])
 
     def _on_revoke(self, partitions: list[tuple[str, int]]) -> None:
         for t, p in partitions:
-            if t == self.topics.requests:
-                self._partitions.pop(p, None)
+            if t == self.topics.requests and (part := self._partitions.pop(p, None)) is not None:
+                part.close()
 
-    def _restore(self, partitions: list[int]) -> dict[int, list[Saga]]:
-        """The owned sagas of ``partitions``, from the status topic (see coordinator._restore)."""
+    def _restore(self, partitions: list[int]) -> dict[int, PartitionState]:
+        """The state of ``partitions``, from the status topic (see coordinator._restore)."""
 
         def forged(m: Message, reason: str) -> None:
             self.stats.forged_status += 1
@@ -322,21 +325,29 @@ class CoordinatorService(Stoppable):
                 reason,
             )
 
-        return restore(
+        parts = {p: PartitionState(Sagas(self._finished.table(p))) for p in partitions}
+        restore(
             self._log,
             self.topics.status,
-            partitions,
+            parts,
             client_id=f"{self.topics.prefix}.coordinator.{self.instance_id}.restore",
             keys=self._keys,
             on_forged=forged,
+            forget_at=self.chores.forget_at,
         )
+        return parts
 
     # ------------------------------------------------------------ processing
 
     @property
-    def sagas_in_memory(self) -> int:
-        """How many sagas (and placeholders) the owned partitions hold."""
+    def sagas_held(self) -> int:
+        """How many sagas (and placeholders) the owned partitions hold, finished ones too."""
         return sum(len(part.sagas) for part in self._partitions.values())
+
+    @property
+    def sagas_in_memory(self) -> int:
+        """How many of them are in memory: those in flight (finished ones are on disk)."""
+        return sum(len(part.sagas.live) for part in self._partitions.values())
 
     def _process(self, messages: list[Message], now: int) -> None:
         changed: dict[str, tuple[int, Saga]] = {}
@@ -366,7 +377,8 @@ class CoordinatorService(Stoppable):
                 return
             if after is None:
                 return
-            changed[tx_id] = (partition, after)
+            if after is not before:  # unchanged (a repeat, a late event): nothing to merge
+                changed[tx_id] = (partition, after)
             if after.request_seen and (before is None or not before.request_seen):
                 part = self._partitions[partition]
                 if not after.decided:
@@ -454,21 +466,13 @@ class CoordinatorService(Stoppable):
         if not self._commit_batch(messages, changed, outputs, rejected, forgotten, redriven):
             for p, at, tx_id in forgotten:  # still due: the next batch tries again
                 if (owner := self._partitions.get(p)) is not None and owner is owners[p]:
-                    heapq.heappush(owner.forget, (at, tx_id))
+                    owner.forget_later(at, tx_id)  # (one on disk is found there again)
             return
         self._next_refresh_ms = timers.commit() or self._next_refresh_ms
         self.stats.refreshed += timers.refreshes
         self.observer.committed(messages, changed, outputs, rejected)
-        for p, _, tx_id in forgotten:
-            if (owner := self._partitions.get(p)) is not None:
-                owner.sagas.pop(tx_id, None)
-                owner.refreshed.pop(tx_id, None)
-                owner.redriven.pop(tx_id, None)
+        settle(self._partitions, forgotten, changed, self.chores.forget_at, self.chores.merged)
         self.stats.forgotten += len(forgotten)
-        for tx_id, (p, saga) in changed.items():
-            if (owner := self._partitions.get(p)) is not None:
-                self.chores.merged(owner, tx_id, owner.sagas.get(tx_id), saga)
-                owner.sagas[tx_id] = saga
 
     def _forged_status(self, m: Message, rejected: list[tuple[Message, str]]) -> bool:
         """Whether the status record ``m`` is not the coordinator's; if so, it goes to the DLQ.

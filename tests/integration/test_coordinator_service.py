@@ -103,7 +103,7 @@ def test_records_of_a_lost_partition_are_neither_processed_nor_committed(
         service._partitions = {0: PartitionState()}  # partition 1 was revoked during the poll
         service._partition_count = PARTITIONS
         service._process(batch, int(time.time() * 1000))
-        assert set(service._partitions[0].sagas) == {owned_tx}
+        assert set(service._partitions[0].sagas.live) == {owned_tx}
     finally:
         service._consumer.close()
         service._producer.close()
@@ -179,15 +179,15 @@ def test_a_finished_saga_is_forgotten_after_the_retention_and_stays_forgotten(
         service = driven.service
         assert service._partitions[0].sagas[tx].state is SagaState.COMMITTED
         assert stray in service._partitions[1].sagas
-        assert service.sagas_in_memory == 2
+        assert service.sagas_held == 2
 
         # Not yet: 10 s after the last change, and after the deadline (t0 + 5 s).
         driven.step(t0 + 10_099, expected=0)
-        assert service.sagas_in_memory == 2
+        assert service.sagas_held == 2
         driven.step(t0 + 10_100, expected=0)  # the placeholder: 10 s after its last change
-        assert service.sagas_in_memory == 1 and stray not in service._partitions[1].sagas
+        assert service.sagas_held == 1 and stray not in service._partitions[1].sagas
         driven.step(t0 + 15_000, expected=0)  # the saga: 10 s after its deadline
-        assert service.sagas_in_memory == 0
+        assert service.sagas_held == 0
         assert service.stats.forgotten == 2
 
         # The status topic holds a tombstone last, for both; a restart restores nothing.
@@ -197,7 +197,7 @@ def test_a_finished_saga_is_forgotten_after_the_retention_and_stays_forgotten(
         assert last == {tx: None, stray: None}
         fresh = CoordinatorService(settings, instance_id=f"t{uuid.uuid4().hex[:6]}")
         try:
-            assert fresh._restore([0, 1]) == {0: [], 1: []}
+            assert {p: len(s.sagas) for p, s in fresh._restore([0, 1]).items()} == {0: 0, 1: 0}
         finally:
             fresh._consumer.close()
             fresh._producer.close()
@@ -206,7 +206,7 @@ def test_a_finished_saga_is_forgotten_after_the_retention_and_stays_forgotten(
         # be a forgotten saga's, so it is rejected as expired, never decided.
         driven.send(topics.requests, tx, encode(request))
         driven.step(t0 + 15_001, expected=1)
-        assert service.sagas_in_memory == 0 and service.stats.expired_requests == 1
+        assert service.sagas_held == 0 and service.stats.expired_requests == 1
         (letter,) = _read_all(settings, topics.dlq, 1)
         assert (letter.header("saga.error") or b"").startswith(b"request expired")
     finally:

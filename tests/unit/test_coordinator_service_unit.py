@@ -303,7 +303,7 @@ def test_a_rebalance_between_read_and_commit_aborts_the_batch_and_nothing_is_los
         stepper_a.step()
         stepper_b.step()
     assert sorted(decisions(log)) == sorted((tx, Outcome.COMMIT) for tx in txs)
-    assert a.stats.commits == 3 and a.sagas_in_memory == 3  # partition 0
+    assert a.stats.commits == 3 and a.sagas_held == 3  # partition 0
     assert all(state(log, tx) is SagaState.COMMITTED for tx in txs)
 
 
