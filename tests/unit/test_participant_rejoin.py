@@ -47,8 +47,8 @@ def test_a_worker_fenced_by_its_own_id_rejoins_and_applies_each_step_once(
     consumer.replaced = True  # ...and fenced its id, with no other process holding it
     second = tx_on(1)
     submit(log, clock, second, [move(), shop_step()], Mode.PARALLEL)
-    # a rollback, not a commit: a built-in step has nothing to confirm, so only a
-    # rollback shows the decision read after the rejoin acted on, once
+    # a rollback, not a commit: a built-in step at `none` (submit's default) has nothing
+    # to confirm, so only a rollback shows the decision read after the rejoin acted on, once
     decide(log, clock, first, Outcome.ROLLBACK)
     stepper.step(4)
     assert stepper.running, "the worker exited"

@@ -9,8 +9,10 @@ the events ``bank`` reports. Covered: the request/decision path, the trailing
 offsets of the events and decisions topics, the defect of e9eee71 (a sequential
 step compensated on its successor's event, whose report a kill lost, reported
 again when its decision is read again after the restart), pause on a storage
-outage, poison records and items, sequential neighbours, and routing headers
-(records meant for others skipped undecoded, headerless ones decoded as before).
+outage, poison records and items, and sequential neighbours (routing headers: in
+``test_participant_routing_unit``). The sagas run at isolation ``none`` unless a test
+says otherwise, so a built-in step writes at apply and the tests can read the store
+before any decision; the first two tests cover ``read_committed``'s confirm too.
 """
 
 from __future__ import annotations
@@ -35,10 +37,10 @@ from saga.participants import (
 from saga.streams import (
     Decision,
     InvalidRecord,
+    Isolation,
     KafkaSettings,
     Mode,
     Outcome,
-    SagaAbort,
     SagaRequest,
     Step,
     StepEvent,
@@ -48,7 +50,7 @@ from saga.streams import (
     encode,
 )
 from saga.streams._faults import NO_FAULTS, Faults
-from saga.streams._routing import FOR, PARTS, request_headers, type_headers
+from saga.streams._routing import decision_headers
 from saga.streams.testing import InMemoryLog, KillAt, ManualClock, Stepper, key_on
 from tests._helpers import memory_log
 
@@ -156,14 +158,17 @@ def shop_step() -> Step:
 
 
 def submit(
-    log: InMemoryLog, clock: ManualClock, tx: str, steps: Sequence[Step], mode: Mode
+    log: InMemoryLog,
+    clock: ManualClock,
+    tx: str,
+    steps: Sequence[Step],
+    mode: Mode,
+    isolation: Isolation = Isolation.NONE,
 ) -> None:
-    send(
-        log,
-        TOPICS.requests,
-        tx,
-        encode(SagaRequest(tx, "transfer", mode, tuple(steps), clock() + 60_000, clock())),
-    )
+    """A request for ``tx``; at ``none`` by default, so its built-in steps write at apply."""
+    deadline = clock() + 60_000
+    request = SagaRequest(tx, "transfer", mode, tuple(steps), deadline, clock(), None, isolation)
+    send(log, TOPICS.requests, tx, encode(request))
 
 
 def send(
@@ -245,14 +250,21 @@ def test_a_step_is_applied_then_left_alone_on_commit_and_requests_offsets_commit
     assert balance(database) == 105
     assert committed(log, TOPICS.requests, 1) == 1
     assert len(opened) == 1
-    decide(log, clock, tx, Outcome.COMMIT)
+    commit = Decision(tx, Outcome.COMMIT, "test", clock())
+    with log.producer() as producer:  # as the coordinator writes it: nobody confirms
+        producer.produce(TOPICS.decisions, tx, encode(commit), decision_headers(commit, ()))
     stepper.step(2)  # its own `applied` event, then the decision
-    # A built-in step has nothing to confirm: its `applied` event said so, and the commit
-    # leaves it alone: no event, no ledger change, not even a batch of the storage.
+    # A built-in step at `none` has nothing to confirm: its `applied` event said so, and the
+    # commit leaves it alone: no event, no ledger change, not even a batch of the storage.
     assert reported(log, tx) == [(0, StepStatus.APPLIED)]
     assert not applied_events(log, tx)[0].confirm
     assert [e.status for e in storage.ledger(tx)] == [LedgerStatus.APPLIED]
     assert len(opened) == 1
+    # Without the headers the storage must read the step's level: one batch, no change.
+    decide(log, clock, tx, Outcome.COMMIT)
+    stepper.step()
+    assert len(opened) == 2 and reported(log, tx) == [(0, StepStatus.APPLIED)]
+    assert [e.status for e in storage.ledger(tx)] == [LedgerStatus.APPLIED]
     assert balance(database) == 105
     assert touched == []
 
@@ -260,6 +272,7 @@ def test_a_step_is_applied_then_left_alone_on_commit_and_requests_offsets_commit
 def test_a_step_with_a_confirm_says_so_and_is_confirmed_and_reported_on_commit(
     log: InMemoryLog, clock: ManualClock, runtimes: Runtimes, database: str
 ) -> None:
+    """At ``read_committed`` a built-in step confirms too: it holds at apply, writes on commit."""
     storage = open_storage(
         "sql", name="bank", url=database, targets=["accounts"], handlers="tests.confirm_handlers"
     )
@@ -270,23 +283,28 @@ def test_a_step_with_a_confirm_says_so_and_is_confirmed_and_reported_on_commit(
     tx = tx_on(0)
     credit = {"key": "alice", "by": 1}
     steps = [Step("bank", "credit", credit), Step("bank", "credit_confirmed", credit), move()]
-    submit(log, clock, tx, steps, Mode.PARALLEL)
+    submit(log, clock, tx, steps, Mode.PARALLEL, Isolation.READ_COMMITTED)
     stepper.step()
-    assert balance(database) == 107
-    flags = [(0, False), (1, True), (2, False)]
+    assert balance(database) == 102  # the handlers wrote; the increment is reserved
+    assert storage.ledger(tx)[2].before == {"saga.isolation": "read_committed"}
+    flags = [(0, False), (1, True), (2, True)]
     assert [(e.step, e.confirm) for e in applied_events(log, tx)] == flags
     # a repeated request reports the same `applied` events, the flag included
     send(log, TOPICS.requests, tx, log.records(TOPICS.requests)[0].value)
     stepper.step()
     assert [(e.step, e.confirm) for e in applied_events(log, tx)] == flags * 2
-    assert balance(database) == 107
+    assert balance(database) == 102
     decide(log, clock, tx, Outcome.COMMIT)
     stepper.step(3)
-    # only the step with a confirm is confirmed (its bonus) and reported committed
-    assert reported(log, tx)[6:] == [(1, StepStatus.COMMITTED)]
+    # only the steps with a confirm are confirmed (the bonus, the increment) and reported
+    assert sorted(reported(log, tx)[6:]) == [(1, StepStatus.COMMITTED), (2, StepStatus.COMMITTED)]
     assert balance(database) == 1107
     ledger = {e.step: e.status for e in storage.ledger(tx)}
-    assert ledger == {0: LedgerStatus.APPLIED, 1: LedgerStatus.COMMITTED, 2: LedgerStatus.APPLIED}
+    assert ledger == {
+        0: LedgerStatus.APPLIED,
+        1: LedgerStatus.COMMITTED,
+        2: LedgerStatus.COMMITTED,
+    }
 
 
 # ---------------------------------------------------------------- trailing offsets
@@ -507,94 +525,3 @@ def test_a_worker_that_takes_over_finds_the_waiting_step_of_the_one_that_left(
     first.step(2)
     assert reported(log, tx) == [(1, StepStatus.APPLIED)]
     assert balance(database) == 105
-
-
-# ---------------------------------------------------------------- routing headers
-
-JUNK = b"\xff not json"  # a body no reader can parse: a skipped record was never parsed
-
-
-def routed_request(
-    tx: str, clock: ManualClock, steps: Sequence[Step], mode: Mode = Mode.PARALLEL
-) -> SagaRequest:
-    return SagaRequest(tx, "transfer", mode, tuple(steps), clock() + 60_000, clock())
-
-
-def send_with(
-    log: InMemoryLog, topic: str, key: str, value: bytes, headers: list[tuple[str, bytes]] | None
-) -> None:
-    with log.producer() as producer:
-        producer.produce(topic, key, value, headers)
-
-
-def headers_of(log: InMemoryLog, participant: str) -> list[dict[str, bytes]]:
-    """The headers of ``participant``'s step events."""
-    needle = f'"participant":"{participant}"'.encode()
-    return [dict(m.headers) for m in log.records(TOPICS.events) if needle in (m.value or b"")]
-
-
-def test_records_for_others_are_skipped_undecoded_and_offsets_still_move(
-    log: InMemoryLog, clock: ManualClock, runtimes: Runtimes, database: str
-) -> None:
-    runtime, stepper = runtimes.start(sqlite_storage(database))
-    stepper.step()
-    tx = tx_on(0)
-    shop_only = routed_request(tx, clock, [shop_step()], Mode.PARALLEL)
-    send_with(log, TOPICS.events, tx, JUNK, [(FOR, b"shop")])
-    send_with(log, TOPICS.decisions, tx, JUNK, [(PARTS, b"shop")])
-    send_with(log, TOPICS.requests, tx, JUNK, type_headers(SagaAbort(tx, "r", 0)))
-    send_with(
-        log, TOPICS.requests, tx, JUNK, request_headers(shop_only)
-    )  # its fields, not its body
-    stepper.step()
-    assert runtime.stats.routed == 4
-    assert runtime.stats.skipped_invalid == 0  # nothing was parsed
-    assert runtime.observer.not_mine == 1  # the seen marker of the request
-    assert log.committed_offset(
-        f"{TOPICS.prefix}.participant.bank", TOPICS.requests, 0
-    ) == log.end_offset(TOPICS.requests, 0)
-    # One payload per transaction: the marker came from the headers alone, and a
-    # conflicting resubmission with a step here is refused as before.
-    other = routed_request(tx, clock, [move(), shop_step()], Mode.PARALLEL)
-    send_with(log, TOPICS.requests, tx, encode(other), None)
-    stepper.step()
-    assert reported(log, tx) == [] and balance(database) == 100
-
-
-def test_headerless_records_and_records_naming_this_participant_are_decoded(
-    log: InMemoryLog, clock: ManualClock, runtimes: Runtimes, database: str
-) -> None:
-    runtime, stepper = runtimes.start(sqlite_storage(database))
-    old, new = tx_on(0, 0), tx_on(1, 1)
-    send_with(
-        log, TOPICS.requests, old, encode(routed_request(old, clock, [move()], Mode.PARALLEL)), None
-    )
-    routed = routed_request(new, clock, [move(), shop_step()], Mode.PARALLEL)
-    send_with(log, TOPICS.requests, new, encode(routed), request_headers(routed))
-    stepper.step()
-    assert reported(log, old) == [(0, StepStatus.APPLIED)] == reported(log, new)
-    assert balance(database) == 110
-    rollback = Decision(old, Outcome.ROLLBACK, "d", clock())
-    send_with(log, TOPICS.decisions, old, encode(rollback), None)
-    send_with(log, TOPICS.decisions, new, JUNK, [(PARTS, b"shop,bank")])
-    stepper.step()
-    assert reported(log, old)[-1] == (0, StepStatus.COMPENSATED)
-    assert balance(database) == 105
-    assert runtime.stats.skipped_invalid == 1  # it was read, not skipped by its headers
-    # The participant's own events say who reads them: nobody but the coordinator here.
-    assert [h[FOR] for h in headers_of(log, "bank")] == [b"", b"", b""]
-
-
-def test_a_sequential_neighbours_events_reach_it_through_the_headers(
-    log: InMemoryLog, clock: ManualClock, runtimes: Runtimes, database: str
-) -> None:
-    _, stepper = runtimes.start(sqlite_storage(database))
-    tx = tx_on(1)
-    steps = [shop_step(), move(), shop_step()]
-    seq = routed_request(tx, clock, steps, Mode.SEQUENTIAL)
-    send_with(log, TOPICS.requests, tx, encode(seq), request_headers(seq))
-    applied = StepEvent(tx, 0, "shop", StepStatus.APPLIED, clock())
-    send_with(log, TOPICS.events, tx, encode(applied), [(FOR, b"bank")])
-    stepper.step(2)
-    assert reported(log, tx) == [(1, StepStatus.APPLIED)] and balance(database) == 105
-    assert headers_of(log, "bank")[-1][FOR] == b"shop"  # step 2's participant

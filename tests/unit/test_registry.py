@@ -29,6 +29,7 @@ from saga.participants import ParticipantRuntime, open_storage
 from saga.streams import (
     Decision,
     InvalidRecord,
+    Isolation,
     KafkaSettings,
     Mode,
     Outcome,
@@ -487,7 +488,9 @@ def test_the_coordinators_report_of_an_unknown_step_lets_the_earlier_step_compen
     stepper = Stepper(log, runtime.run, stop=runtime.stop).start()
     tx = key_on(0, PARTITIONS)
     try:
+        # at `none` the increment is in the store once applied, so the balance shows it
         req = request(tx, clock, "bank", "ledgr", mode=Mode.SEQUENTIAL)
+        req = dataclasses.replace(req, isolation=Isolation.NONE)
         with as_("client") as producer:
             producer.produce(TOPICS.requests, tx, encode(req))
         stepper.step()
