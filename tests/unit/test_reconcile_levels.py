@@ -37,4 +37,3 @@ def test_the_copies_match_the_participants() -> None:
 )
 def test_level_of_reads_a_before_as_the_participants_do(before: Any) -> None:
     assert _isolation.level_of(before) == str(isolation_of(before))
-
