@@ -12,6 +12,7 @@ Rules (docs/architecture.md §2, §6):
   a decision -> ``rollback``; a step reported ``compensated`` before any
   decision also forces ``rollback`` (a commit could no longer hold);
 * at most one decision per transaction, ever: later inputs never change it;
+* a repeated request (same payload) changes nothing; its status is published again;
 * after ``commit`` the saga is ``committed`` once every step is ``committed``. A step
   whose ``applied`` event did not say ``confirm`` has nothing to confirm: its
   participant does nothing on commit and sends no ``committed`` event, so the
@@ -162,9 +163,8 @@ class Saga:
 
     @classmethod
     def ended(cls, **fields: Any) -> Saga:
-        """What :meth:`from_status` rebuilds from a final status whose request was seen, made
-        from plain fields (all but ``request_seen``, ``outcome`` and ``early``): restores and
-        the store of finished sagas (coordinator._finished) read millions this way."""
+        """What :meth:`from_status` rebuilds from a final status whose request was seen, from
+        plain fields (not ``request_seen``, ``outcome``, ``early``; coordinator._finished)."""
         outcome = Outcome.COMMIT if fields["state"] is SagaState.COMMITTED else Outcome.ROLLBACK
         made = cls(request_seen=True, outcome=outcome, **fields)
         return _committed_if_nothing_to_confirm(made, made.updated_ms)
@@ -250,15 +250,15 @@ def _placeholder(tx_id: str, at_ms: int) -> Saga:
 def decide(saga: Saga | None, inp: Input) -> tuple[Saga | None, list[Output]]:
     """Apply one input to one transaction's state.
 
-    Returns the new state and what to publish: at most one ``Decision`` (only
-    when the transaction is decided by this very input), a ``SagaStatus`` when
-    the state changed, and ``Ignored`` notes for inputs that change nothing and
-    are worth reporting. ``saga`` is ``None`` for a transaction not seen before.
+    Returns the new state and what to publish: at most one ``Decision`` (only when
+    the transaction is decided by this very input), a ``SagaStatus`` when the state
+    changed (or for a repeated request), and ``Ignored`` notes for inputs that change
+    nothing worth reporting. ``saga`` is ``None`` for a transaction not seen before.
     """
     if isinstance(inp, RequestReceived):
         if saga is not None and saga.request_seen:
             if saga.fingerprint == inp.request.fingerprint():
-                return saga, []  # a repeated request: same payload, nothing changes
+                return saga, [saga.status()]  # a repeat: nothing changes, the sender learns
             return saga, [
                 Ignored(
                     inp.request.tx_id,

@@ -94,11 +94,12 @@ def test_a_finished_saga_is_on_disk_and_what_comes_for_it_later_changes_nothing(
     assert (service.sagas_in_memory, service.sagas_held) == (0, 1)
     written = status_records(log, tx)
 
-    send(log, TOPICS.requests, sent)  # the same request again: recognised, nothing new
-    report(log, clock, tx, StepStatus.COMMITTED, 0, 1)  # late events
+    final = statuses(log)[tx]
+    send(log, TOPICS.requests, sent)  # the same request again: recognised, re-announced
+    report(log, clock, tx, StepStatus.COMMITTED, 0, 1)  # late events: nothing
     stepper.step()
-    assert status_records(log, tx) == written and dead_letters(log) == []
-    assert decisions(log) == [(tx, svc.Outcome.COMMIT)]
+    assert status_records(log, tx) == written + 1 and statuses(log)[tx] == final
+    assert dead_letters(log) == [] and decisions(log) == [(tx, svc.Outcome.COMMIT)]
 
     send(log, TOPICS.requests, other_steps(tx, clock))  # another payload under its id
     send(log, TOPICS.requests, SagaAbort(tx, "too late", clock()))
@@ -107,7 +108,7 @@ def test_a_finished_saga_is_on_disk_and_what_comes_for_it_later_changes_nothing(
     assert len(errors) == 2
     assert "already submitted with a different payload" in errors[0]
     assert "already decided" in errors[1]
-    assert state(log, tx) is SagaState.COMMITTED and status_records(log, tx) == written
+    assert state(log, tx) is SagaState.COMMITTED and status_records(log, tx) == written + 1
     assert (service.sagas_in_memory, service.sagas_held) == (0, 1)
 
 

@@ -213,7 +213,7 @@ def test_duplicate_request_with_the_same_payload_changes_nothing() -> None:
     req = request(2)
     saga = live(decide(None, received(req))[0])
     again, out = decide(saga, received(req, at=CREATED + 500))
-    assert out == []
+    assert out == [saga.status()]  # published again: its sender learns the state
     assert again == saga
     # timing fields are not part of the payload: a resend is the same request
     resent = SagaRequest(
@@ -221,7 +221,7 @@ def test_duplicate_request_with_the_same_payload_changes_nothing() -> None:
     )
     assert resent.fingerprint() == req.fingerprint()
     again, out = decide(saga, received(resent))
-    assert out == []
+    assert out == [saga.status()]
     assert again == saga
 
 
@@ -230,7 +230,7 @@ def test_duplicate_request_after_the_decision_changes_nothing() -> None:
     saga, _ = feed(None, received(req), ev(0, StepStatus.APPLIED, confirm=True))
     assert live(saga).state is SagaState.COMMITTING
     again, out = decide(saga, received(req, at=DEADLINE * 2))
-    assert out == []
+    assert out == [saga.status()]
     assert again == saga
 
 
@@ -261,7 +261,7 @@ def test_a_resend_that_differs_only_in_meta_follows_the_fingerprint() -> None:
     again, out = decide(saga, received(other))
     assert again == saga
     if other.fingerprint() == live(saga).fingerprint:
-        assert out == []  # meta is per-send data, not part of the payload
+        assert out == [live(saga).status()]  # meta is per-send data, not part of the payload
     else:
         assert len(ignored(out)) == 1
 
@@ -394,7 +394,8 @@ def test_nothing_happens_after_committed() -> None:
         received(request(1), at=DEADLINE * 10),
     ):
         again, out = decide(saga, inp)
-        assert out == []
+        # a repeated request has its (unchanged) status published again for its sender
+        assert out == ([live(saga).status()] if isinstance(inp, RequestReceived) else [])
         assert again == saga
 
 
