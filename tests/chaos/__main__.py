@@ -1,5 +1,5 @@
-"""``python -m tests.chaos [--profile short|long|hostile|isolation] [--seed N] [--report PATH]
-[--keep]``.
+"""``python -m tests.chaos [--profile short|long|hostile|isolation|isolation-long] [--seed N]
+[--report PATH] [--keep]``.
 
 Runs a chaos profile against the services ``infra/services.sh`` started (their
 addresses from the ``SAGA_*`` variables, else from ``infra/services.sh env``),
@@ -23,7 +23,8 @@ from tests.chaos.runner import DEFAULT_REPORT, PROFILES, run_profile
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.chaos", description=__doc__)
-    parser.add_argument("--profile", choices=[*sorted(PROFILES), "isolation"], default="short")
+    isolation = {f"isolation-{n}" if n != "short" else "isolation": n for n in ISO_PROFILES}
+    parser.add_argument("--profile", choices=[*sorted(PROFILES), *isolation], default="short")
     parser.add_argument("--seed", type=int, default=None, help="default: a random one")
     parser.add_argument("--report", type=Path, default=DEFAULT_REPORT)
     parser.add_argument("--keep", action="store_true", help="keep the topics and store data")
@@ -37,10 +38,10 @@ def main(argv: list[str] | None = None) -> int:
     if down:
         print(f"chaos: {unreachable_message(down, 'local')}", file=sys.stderr)
         return 2
-    if args.profile == "isolation":
+    if args.profile in isolation:
         path = args.report if args.report != DEFAULT_REPORT else None
         report = run_isolation(
-            services, ISO_PROFILES["short"], seed=args.seed, keep=args.keep,
+            services, ISO_PROFILES[isolation[args.profile]], seed=args.seed, keep=args.keep,
             **({"report_path": path} if path else {}),
         )  # fmt: skip
         return 0 if report["passed"] else 1
