@@ -337,7 +337,7 @@ class SagaClient:
         fingerprint = request.fingerprint()
         with self._lock:
             known = self._submitted.get(request.tx_id)
-            status = view.get(request.tx_id) if view is not None else None
+            status = view.follow(request.tx_id) if view is not None else None  # reads nothing
             if status is not None and status.fingerprint is not None:
                 known = status.fingerprint
             if known is not None and known != fingerprint:

@@ -186,7 +186,8 @@ class AsyncSagaClient:
         await asyncio.to_thread(lambda: self._client._view)  # started, off the event loop
         fut: asyncio.Future[SagaStatus] = self._loop.create_future()
         self._waiters.setdefault(tx_id, []).append(fut)
-        current = self._client.status(tx_id)  # final before we started waiting?
+        # Final before we started waiting? (A transaction not followed yet is read: a thread.)
+        current = await asyncio.to_thread(self._client.status, tx_id)
         if current is not None and current.state.final:
             self._resolve(current)
         self._reject(tx_id)  # or rejected before we started waiting?

@@ -1,12 +1,14 @@
-"""Reading parts of topics to the ends noted at the start, for the admin commands."""
+"""Reading parts of topics to the ends noted at the start: for the admin commands, and for
+the status view's reads of the status topic on demand (:func:`read_range`)."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Mapping
 
+from saga.streams import TransientError
 from saga.streams.kafka import Message
-from saga.streams.log import LogConsumer
+from saga.streams.log import Log, LogConsumer
 
 Partition = tuple[str, int]
 
@@ -33,3 +35,43 @@ def read_to(
             if pos is not None and pos >= ends[where]:
                 todo.discard(where)
     return found
+
+
+def read_range(
+    log: Log,
+    topic: str,
+    ranges: Mapping[int, tuple[int, int | None]],
+    *,
+    timeout: float,
+    client_id: str,
+    key: bytes | None = None,
+) -> tuple[list[Message], dict[int, int]]:
+    """The records keyed ``key`` (all when ``None``) of ``topic``'s partitions from
+    ``ranges[p][0]`` up to ``ranges[p][1]`` (excluded; ``None``: the partition's end now),
+    as read, and the end of each range: a read of the topic on demand, with a consumer of
+    its own.
+
+    Raises :class:`~streams.TransientError` when the ranges are not read to their end
+    within ``timeout`` seconds (a partial answer could miss the newest record).
+    """
+    reader = log.consumer(None, client_id=client_id)
+    try:
+        upto = {
+            p: end if end is not None else reader.watermarks(topic, p, timeout)[1]
+            for p, (_, end) in ranges.items()
+        }
+        starts = {p: start for p, (start, _) in ranges.items() if upto[p] > start}
+        if not starts:
+            return [], upto
+        reader.assign([(topic, p, start) for p, start in starts.items()])
+        ends = {(topic, p): upto[p] for p in starts}
+        found = [m for m in read_to(reader, ends, timeout, key) if m.offset < ends[m.partition_key]]
+        reached = reader.position(list(ends))
+    finally:
+        reader.close()
+    if any(pos is None or pos < ends[where] for where, pos in reached.items()):
+        raise TransientError(
+            f"could not read {topic} to its end within {timeout:g} s; try again (a read of "
+            "the status topic on demand takes longer as the topic grows)"
+        )
+    return found, upto

@@ -41,7 +41,7 @@ from saga.streams._signing import COORDINATOR, Keyring
 from saga.streams.kafka import Message
 from saga.streams.log import Log, LogConsumer
 
-__all__ = ["restore", "standing_status"]
+__all__ = ["restore", "standing_record", "standing_status"]
 
 log = logging.getLogger("saga.coordinator")
 
@@ -235,6 +235,17 @@ def standing_status(
     first other one stands: ``(True, status)``, or ``(True, None)`` for a tombstone.
     ``(False, None)`` when none does.
     """
+    stood = standing_record(records, keys, on_forged)
+    return (False, None) if stood is None else (True, stood[1])
+
+
+def standing_record(
+    records: Sequence[Message],
+    keys: Keyring | None,
+    on_forged: OnForged,
+) -> tuple[Message, SagaStatus | None] | None:
+    """As :func:`standing_status`, with the record that stands: ``(record, status)``
+    (``status`` None for a tombstone), or None when none does."""
     for m in reversed(records):
         status: SagaStatus | None = None
         if m.value is not None:
@@ -249,8 +260,8 @@ def standing_status(
             if reason is not None:
                 on_forged(m, reason)
                 continue
-        return True, status
-    return False, None
+        return m, status
+    return None
 
 
 def _read(

@@ -1,10 +1,21 @@
 """The status view: one background reader of the status topic for a whole client.
 
-:class:`StatusView` follows the compacted status topic (and the DLQ, for this
-client's rejected requests) from the start, keeps the latest status per
-transaction, and wakes whoever waits for one. With keys it believes a record only
-when the coordinator signed it, checked lazily: newest first, and only for the
-transactions someone asks about or waits for. Used by :class:`~coordinator.SagaClient`
+:class:`StatusView` remembers the transactions its client sent (:meth:`StatusView.follow`)
+and those it is asked about, not the whole status topic: a client that runs for a week
+beside millions of sagas holds a bounded number of them. Its reader starts at the end of
+the status topic (and of the DLQ, for this client's rejected requests) and believes, as
+they come, the records of the transactions it follows, waking whoever waits for one.
+A transaction asked about for the first time is looked up in the topic on demand: its
+partition is read up to where the reader stands (a read that takes longer as the topic
+grows: a few seconds per million records), and it is followed from then on.
+
+A transaction sent by the client needs no such read: the coordinator answers every
+request it reads with a status record, a repeated one too (or a dead letter), so what
+the reader sees from the send on is all there is to know.
+
+With keys it believes a record only when the coordinator signed it: a record that does
+not decode or was forged is passed over (logged), and the latest one that stands wins,
+as a reader looking newest first would find. Used by :class:`~coordinator.SagaClient`
 and :class:`~coordinator.AsyncSagaClient`.
 """
 
@@ -13,10 +24,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
+from typing import Final, TypeVar
 
-from saga.coordinator._restore import standing_status
+from saga.coordinator._reading import read_range
+from saga.coordinator._restore import standing_record, standing_status
 from saga.streams import (
     ConfigurationError,
     ConflictingRequest,
@@ -26,31 +39,40 @@ from saga.streams import (
     decode_as,
 )
 from saga.streams._signing import COORDINATOR, Keyring
-from saga.streams.kafka import KafkaLog, KafkaSettings, Message
+from saga.streams.kafka import KafkaLog, KafkaSettings, Message, partition_for
 from saga.streams.log import Log
 
 log = logging.getLogger("saga.client")
 
 _COORDINATOR_ONLY = frozenset({COORDINATOR})
 _CANDIDATES_KEPT = 64
-"""How many unverified status records a view keeps per transaction (the latest)."""
+"""How many dead letters a view keeps per transaction (the latest)."""
+FOLLOWED_KEPT: Final = 100_000
+"""How many transactions a view follows (the latest sent or asked about): about 200 bytes
+each. One it stopped following is looked up in the topic again when asked about."""
+STATUSES_KEPT: Final = 10_000
+"""How many statuses a view keeps decoded (the latest; others are read again by offset)."""
+_READ_ON_DEMAND_S: Final = 120.0
+"""How long a look-up in the status topic may take before it fails (TransientError)."""
+
+_V = TypeVar("_V")
+
+_NONE: Final = -1
+"""A followed transaction with no standing record (none yet, or none since it was sent)."""
 
 
 class StatusView:
-    """Follows the status topic in a background thread; the latest record per transaction.
+    """Follows the transactions its client sends or asks about (see the module docstring).
 
-    ``from_beginning`` reads the whole (compacted) topic first, so ``get`` knows
-    transactions submitted by anyone before the view started; otherwise only
-    what is published from now on is seen.
+    ``from_beginning`` (default): a transaction asked about is looked up in the whole
+    (compacted) topic, so :meth:`get` knows transactions submitted by anyone before the
+    view started; otherwise only what is published from the view's start on is seen.
 
     With ``keys``, only status records, tombstones and dead letters the coordinator
-    signed are believed: the records of a transaction are kept as read and verified,
-    newest first, when the transaction is asked about (:meth:`get`,
-    :meth:`wait_final`, :meth:`snapshot`, a listener that wants it); a forged one is
-    logged and dropped. ``log`` makes the consumer (default: a
-    :class:`~streams.kafka.KafkaLog` of ``settings``). Making a view asks Kafka for
-    the topics' partitions and ends, each question for up to ``timeout`` seconds
-    (:class:`~streams.TransientError` when it gets no answer).
+    signed are believed; a forged one is logged and passed over. ``log`` makes the
+    consumers (default: a :class:`~streams.kafka.KafkaLog` of ``settings``). Making a
+    view asks Kafka for the topics' partitions and ends, each question for up to
+    ``timeout`` seconds (:class:`~streams.TransientError` when it gets no answer).
     """
 
     def __init__(
@@ -65,47 +87,47 @@ class StatusView:
         self._settings = settings
         self._keys = keys
         self._topic = settings.topics.status
-        self._latest: dict[str, SagaStatus] = {}
-        # With keys: records read but not verified yet, per tx_id (oldest first), newer
-        # than what _latest holds for it.
-        self._unverified: dict[str, list[Message]] = {}
+        self._source: Log = log if log is not None else KafkaLog(settings)
+        self._from_beginning = from_beginning
+        self._timeout = timeout
+        # Followed transactions -> offset of their standing record (or _NONE), latest last;
+        # and the statuses of some of them, decoded (None: a tombstone stands).
+        self._known: OrderedDict[str, int] = OrderedDict()
+        self._statuses: OrderedDict[str, SagaStatus | None] = OrderedDict()
+        self._pinned: Counter[str] = Counter()  # waited on or being looked up: kept
         self._cond = threading.Condition()
         self._stop = threading.Event()
-        self._caught_up = threading.Event()
         self._error: BaseException | None = None
         self._listeners: list[
             tuple[Callable[[SagaStatus], None], Callable[[str], bool] | None]
         ] = []
         self._rejection_listeners: list[Callable[[str], None]] = []
-        source: Log = log if log is not None else KafkaLog(settings)
-        self._consumer = source.consumer(None, client_id="saga.client.status")
+        self._consumer = self._source.consumer(None, client_id="saga.client.status")
         # Requests the coordinator rejected (dead letters from now on), by tx_id: a
         # conflicting or expired request is answered by nothing on the status topic.
         self._dlq = settings.topics.dlq
         self._requests = settings.topics.requests
         self._rejected: OrderedDict[str, list[tuple[str, bytes | None, Message]]] = OrderedDict()
-        self._ends: dict[int, int] = {}
+        # Per status partition: where a look-up starts, and the offset after the last record
+        # the reader handled (a transaction followed from now has its later records read).
+        self._origin: dict[int, int] = {}
+        self._done: dict[int, int] = {}
         try:
-            self._consumer.assign(self._start(from_beginning, timeout))
+            self._consumer.assign(self._start(timeout))
         except BaseException:
             self._consumer.close()
             raise
-        if not self._ends:
-            self._caught_up.set()
         self._thread = threading.Thread(target=self._run, name="saga-status", daemon=True)
         self._thread.start()
 
-    def _start(self, from_beginning: bool, timeout: float) -> list[tuple[str, int, int]]:
-        """Where to read from: the status topic (and its ends, ``from_beginning``), the DLQ."""
+    def _start(self, timeout: float) -> list[tuple[str, int, int]]:
+        """Where to read from: the ends of the status topic and of the DLQ."""
         start: list[tuple[str, int, int]] = []
         for p in range(self._consumer.list_partitions(self._topic, timeout)):
             low, high = self._consumer.watermarks(self._topic, p, timeout)
-            if from_beginning:
-                start.append((self._topic, p, low))
-                if high > low:
-                    self._ends[p] = high
-            else:
-                start.append((self._topic, p, high))
+            self._origin[p] = low if self._from_beginning else high
+            self._done[p] = high
+            start.append((self._topic, p, high))
         try:
             for p in range(self._consumer.list_partitions(self._dlq, timeout)):
                 start.append((self._dlq, p, self._consumer.watermarks(self._dlq, p, timeout)[1]))
@@ -115,19 +137,16 @@ class StatusView:
             )
         return start
 
+    # ------------------------------------------------------------ the reader thread
+
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
                 batch = self._consumer.poll_batch(2000, 0.1)
                 if batch:
                     with self._cond:
-                        if self._keys is None:
-                            self._take(batch)
-                        else:
-                            self._keep(batch)
+                        self._take(batch)
                         self._cond.notify_all()
-                if not self._caught_up.is_set():
-                    self._check_caught_up()
         except BaseException as exc:  # surfaced to callers; the thread must not die silently
             self._error = exc
             with self._cond:
@@ -136,72 +155,105 @@ class StatusView:
             self._consumer.close()
 
     def _take(self, batch: list[Message]) -> None:
-        """Believe ``batch`` as it is (no keys); with the lock held."""
+        """Believe what ``batch`` says of the followed transactions; with the lock held."""
         for m in batch:
             if m.topic == self._dlq:
                 self._note_rejection(m)
                 continue
-            if m.value is None:
-                # A tombstone: the coordinator forgot the saga (retention).
-                if m.key is not None:
-                    self._latest.pop(m.key.decode("utf-8", "replace"), None)
-                continue
-            try:
-                status = decode_as(m.value, SagaStatus)
-            except InvalidRecord:
-                continue
-            assert isinstance(status, SagaStatus)
-            self._latest[status.tx_id] = status
-            for listener, wants in self._listeners:
-                if wants is None or wants(status.tx_id):
-                    listener(status)
-
-    def _keep(self, batch: list[Message]) -> None:
-        """Keep ``batch`` to verify when asked (keys); with the lock held."""
-        touched: dict[str, None] = {}
-        for m in batch:
-            if m.topic == self._dlq:
-                self._note_rejection(m)
-                continue
+            self._done[m.partition] = m.offset + 1
             if m.key is None:
                 continue
             tx_id = m.key.decode("utf-8", "replace")
-            kept = self._unverified.setdefault(tx_id, [])
-            kept.append(m)
-            if len(kept) > _CANDIDATES_KEPT:
-                del kept[0]
-            touched[tx_id] = None
-        if not self._listeners:
-            return
-        for tx_id in touched:
             wanted = [f for f, wants in self._listeners if wants is None or wants(tx_id)]
-            if wanted and tx_id in self._unverified:
-                status = self._resolve(tx_id)
-                if status is not None:
-                    for listener in wanted:
-                        listener(status)
+            if tx_id not in self._known and not wanted:
+                continue  # not followed: not even decoded
+            found, status = standing_status([m], self._keys, _forged_note(tx_id))
+            if not found:
+                continue  # does not decode, or forged: what stood before still stands
+            if tx_id in self._known:
+                self._set(tx_id, m.offset, status)
+            if status is not None:
+                for listener in wanted:
+                    listener(status)
 
-    def _resolve(self, tx_id: str) -> SagaStatus | None:
-        """Verify ``tx_id``'s unverified records, newest first; with the lock held."""
-        kept = self._unverified.pop(tx_id, None)
-        if kept and self._keys is not None:
+    def _set(self, tx_id: str, offset: int, status: SagaStatus | None) -> None:
+        """Note the standing record of a followed transaction; with the lock held."""
+        self._known[tx_id] = offset
+        self._known.move_to_end(tx_id)
+        self._statuses[tx_id] = status
+        self._statuses.move_to_end(tx_id)
+        _trim(self._statuses, STATUSES_KEPT, self._pinned)
+        for gone in _trim(self._known, FOLLOWED_KEPT, self._pinned):
+            self._statuses.pop(gone, None)
 
-            def forged(m: Message, reason: str) -> None:
-                log.warning(
-                    "not believing the status record of %s at %s/%d@%d: %s",
-                    tx_id,
-                    m.topic,
-                    m.partition,
-                    m.offset,
-                    reason,
-                )
+    # ------------------------------------------------------------ following and looking up
 
-            found, status = standing_status(kept, self._keys, forged)
-            if found and status is None:  # a tombstone: the coordinator forgot the saga
-                self._latest.pop(tx_id, None)
-            elif status is not None:
-                self._latest[tx_id] = status
-        return self._latest.get(tx_id)
+    def follow(self, tx_id: str) -> SagaStatus | None:
+        """Follow ``tx_id`` from now on: its request is about to be sent, and the coordinator
+        answers it with a status record (or a dead letter). Returns its status if the view
+        holds it already (nothing is read)."""
+        with self._cond:
+            if tx_id not in self._known:
+                self._known[tx_id] = _NONE
+                for gone in _trim(self._known, FOLLOWED_KEPT, self._pinned):
+                    self._statuses.pop(gone, None)
+                return None
+            self._known.move_to_end(tx_id)
+            return self._statuses.get(tx_id)
+
+    def _lookup(self, tx_id: str) -> SagaStatus | None:
+        """The standing status of ``tx_id``: held, read again by offset, or looked up in
+        the topic (then followed). Called without the lock: reads take time."""
+        with self._cond:
+            held, status = self._held(tx_id)
+            if held or not self._done:
+                if tx_id in self._known:
+                    self._known.move_to_end(tx_id)
+                return status
+            p = partition_for(tx_id.encode(), len(self._done))
+            offset = self._known.get(tx_id)
+            span: tuple[int, int | None]
+            if offset is not None:  # known, no longer decoded: that one record again
+                span = (offset, offset + 1)
+            else:  # not followed: its partition, to its end now (the reader takes the rest)
+                span = (self._origin[p], None)
+                self._known[tx_id] = _NONE
+            self._pinned[tx_id] += 1
+        try:
+            records, upto = read_range(
+                self._source,
+                self._topic,
+                {p: span},
+                timeout=max(self._timeout, _READ_ON_DEMAND_S),
+                client_id="saga.client.lookup",
+                key=tx_id.encode(),
+            )
+            stood = standing_record(records, self._keys, _forged_note(tx_id))
+            with self._cond:
+                if self._known.get(tx_id, _NONE) >= upto[p]:
+                    return self._held(tx_id)[1]  # the reader took a newer record meanwhile
+                if stood is None:  # none stands (or it is gone: forgotten long ago)
+                    self._known[tx_id] = _NONE
+                    self._statuses.pop(tx_id, None)
+                    return None
+                self._set(tx_id, stood[0].offset, stood[1])
+                return stood[1]
+        finally:
+            with self._cond:
+                self._unpin(tx_id)
+
+    def _unpin(self, tx_id: str) -> None:
+        self._pinned[tx_id] -= 1
+        if self._pinned[tx_id] <= 0:
+            del self._pinned[tx_id]
+
+    def _held(self, tx_id: str) -> tuple[bool, SagaStatus | None]:
+        """What the view holds of ``tx_id`` without reading; with the lock held."""
+        if tx_id in self._statuses:
+            return True, self._statuses[tx_id]
+        return self._known.get(tx_id) == _NONE, None
+
+    # ------------------------------------------------------------ rejections
 
     def _note_rejection(self, m: Message) -> None:
         if m.header("saga.source.topic") != self._requests.encode() or m.key is None:
@@ -244,13 +296,13 @@ class StatusView:
                     continue
             _raise_rejected(tx_id, reason)
 
-    def _check_caught_up(self) -> None:
-        positions = self._consumer.position([(self._topic, p) for p in self._ends])
-        if all(pos is not None and pos >= self._ends[p] for (_, p), pos in positions.items()):
-            self._caught_up.set()
+    # ------------------------------------------------------------ the API
 
     def wait_caught_up(self, timeout: float) -> bool:
-        return self._caught_up.wait(timeout)
+        """True: the view reads history on demand (:meth:`get`), it has nothing to catch up."""
+        if self._error is not None:
+            raise self._error
+        return True
 
     def listen(
         self,
@@ -260,7 +312,7 @@ class StatusView:
         """Call ``listener`` (in the reader thread, quickly) with every new status.
 
         ``wants(tx_id)``, when given, says which transactions the listener cares
-        about: with keys, only their records are verified for it.
+        about: only their records are decoded (and, with keys, verified) for it.
         """
         with self._cond:
             self._listeners.append((listener, wants))
@@ -278,15 +330,34 @@ class StatusView:
             self._raise_if_rejected(tx_id, fingerprint)
 
     def get(self, tx_id: str) -> SagaStatus | None:
-        with self._cond:
-            return self._resolve(tx_id)
+        """The latest standing status of ``tx_id`` (``None``: none, or forgotten). One the
+        view does not follow yet is looked up in the topic (see the module docstring)."""
+        if self._error is not None:
+            raise self._error
+        return self._lookup(tx_id)
 
     def snapshot(self) -> dict[str, SagaStatus]:
-        """Every transaction's latest status (with keys, every one is verified now)."""
-        with self._cond:
-            for tx_id in list(self._unverified):
-                self._resolve(tx_id)
-            return dict(self._latest)
+        """Every transaction's latest standing status: the whole topic, read now (its size
+        in memory, and its time: for a look at everything, not for a loop)."""
+        ranges: dict[int, tuple[int, int | None]] = {p: (o, None) for p, o in self._origin.items()}
+        records, _ = read_range(
+            self._source,
+            self._topic,
+            ranges,
+            timeout=max(self._timeout, _READ_ON_DEMAND_S),
+            client_id="saga.client.snapshot",
+        )
+        by_key: dict[bytes, list[Message]] = {}
+        for m in records:
+            if m.key is not None:
+                by_key.setdefault(m.key, []).append(m)
+        found: dict[str, SagaStatus] = {}
+        for key, kept in by_key.items():
+            tx_id = key.decode("utf-8", "replace")
+            _, status = standing_status(kept, self._keys, _forged_note(tx_id))
+            if status is not None:
+                found[tx_id] = status
+        return found
 
     def wait_final(
         self, tx_id: str, timeout: float, fingerprint: str | None = None
@@ -300,18 +371,29 @@ class StatusView:
         """
         deadline = time.monotonic() + timeout
         with self._cond:
-            while True:
-                if self._error is not None:
-                    raise self._error
-                status = self._resolve(tx_id)
-                if status is not None and status.state.final:
-                    return status
-                if fingerprint is not None:
-                    self._raise_if_rejected(tx_id, fingerprint)
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return None
-                self._cond.wait(left)
+            self._pinned[tx_id] += 1  # followed, and its status kept, while waited on
+        try:
+            status = self.get(tx_id)
+            with self._cond:
+                while True:
+                    if self._error is not None:
+                        raise self._error
+                    held, status = self._held(tx_id)
+                    if not held:
+                        break  # no longer decoded (cannot be while pinned): read below
+                    if status is not None and status.state.final:
+                        return status
+                    if fingerprint is not None:
+                        self._raise_if_rejected(tx_id, fingerprint)
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return None
+                    self._cond.wait(left)
+            status = self.get(tx_id)
+            return status if status is not None and status.state.final else None
+        finally:
+            with self._cond:
+                self._unpin(tx_id)
 
     def close(self) -> None:
         self._stop.set()
@@ -320,6 +402,33 @@ class StatusView:
 
 _REJECTIONS_KEPT = 10_000
 """How many rejected requests a status view remembers (the latest)."""
+
+
+def _trim(kept: OrderedDict[str, _V], limit: int, pinned: Counter[str]) -> list[str]:
+    """Drop the oldest entries of ``kept`` beyond ``limit`` (never a pinned one); returns
+    the keys dropped."""
+    dropped: list[str] = []
+    for _ in range(len(kept) - limit):
+        tx_id, value = kept.popitem(last=False)
+        if tx_id in pinned:
+            kept[tx_id] = value  # waited on: kept, at the young end
+        else:
+            dropped.append(tx_id)
+    return dropped
+
+
+def _forged_note(tx_id: str) -> Callable[[Message, str], None]:
+    def forged(m: Message, reason: str) -> None:
+        log.warning(
+            "not believing the status record of %s at %s/%d@%d: %s",
+            tx_id,
+            m.topic,
+            m.partition,
+            m.offset,
+            reason,
+        )
+
+    return forged
 
 
 def _is_ours(fingerprint: str, value: bytes | None) -> bool:
