@@ -3,14 +3,15 @@
 #   docker run --rm saga-olep:local --help
 
 # ---------------------------------------------------------------- Spark jars
-# The jars `saga reconcile` adds to pyspark (the Kafka source and the PostgreSQL
-# JDBC driver), fetched from Maven Central exactly as infra/services.sh does for the
+# The jars `saga reconcile` adds to pyspark (the Kafka source and the PostgreSQL and
+# MariaDB JDBC drivers), fetched from Maven Central exactly as infra/services.sh does for the
 # local setup: the same pom, the same settings, the same versions (infra/config.env).
 FROM maven:3.9-eclipse-temurin-17 AS spark-jars
 ARG SPARK_VERSION=4.0.0
 ARG KAFKA_CLIENTS_FOR_SPARK=3.9.0
 ARG COMMONS_POOL2_VERSION=2.12.0
 ARG POSTGRES_JDBC_VERSION=42.7.14
+ARG MARIADB_JDBC_VERSION=3.5.7
 WORKDIR /build
 COPY infra/spark/pom.xml infra/spark/pom.xml
 COPY infra/maven-settings.xml infra/maven-settings.xml
@@ -20,6 +21,7 @@ RUN mvn -s infra/maven-settings.xml -B -q -f infra/spark/pom.xml dependency:copy
         -Dkafka.clients.version="$KAFKA_CLIENTS_FOR_SPARK" \
         -Dcommons.pool2.version="$COMMONS_POOL2_VERSION" \
         -Dpostgres.jdbc.version="$POSTGRES_JDBC_VERSION" \
+        -Dmariadb.jdbc.version="$MARIADB_JDBC_VERSION" \
     && ls /spark-jars/spark-sql-kafka-0-10_2.13-*.jar
 
 # ---------------------------------------------------------------- the application

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Local services for saga, as plain processes on loopback (no Docker engine):
-# Apache Kafka (KRaft, one node), PostgreSQL, Redis (AOF on) and FerretDB
-# (MongoDB wire protocol, SQLite backend), plus the Spark connector jars.
+# Apache Kafka (KRaft, one node), PostgreSQL, Redis (AOF on), FerretDB
+# (MongoDB wire protocol, SQLite backend) and MariaDB, plus the Spark connector jars.
 #
-# Credentials, as in production: PostgreSQL asks TCP clients for a password
-# (SCRAM-SHA-256), Redis for its password (requirepass), and Kafka has a second
+# Credentials, as in production: PostgreSQL and MariaDB ask TCP clients for a
+# password (SCRAM-SHA-256; a password user), Redis for its password (requirepass),
+# and Kafka has a second
 # listener, SASL_SSL with SCRAM-SHA-512 users and ACLs (KAFKA_SASL in config.env),
 # next to the PLAINTEXT one everything else uses. Generated secrets live under
 # <infra dir>/secrets, readable by the owner only. FerretDB runs without
@@ -34,7 +35,7 @@ PIDS=$D/pids
 SECRETS=$D/secrets
 KAFKA_SECRETS=$SECRETS/kafka
 TLS=$SECRETS/tls
-SERVICES=(kafka postgres redis mongo)
+SERVICES=(kafka postgres redis mongo mariadb)
 READY_TIMEOUT=${SAGA_READY_TIMEOUT:-90}
 
 say() { printf 'saga infra: %s\n' "$*" >&2; }
@@ -154,10 +155,19 @@ pg_bindir() {
   return 1
 }
 
+mariadbd_bin() {
+  local b
+  for b in "$(command -v mariadbd 2>/dev/null)" /usr/sbin/mariadbd; do
+    [ -n "$b" ] && [ -x "$b" ] && { echo "$b"; return 0; }
+  done
+  return 1
+}
+
 provision_debian() {
   local missing=()
   pg_bindir >/dev/null || missing+=(postgresql)
   command -v redis-server >/dev/null || missing+=(redis-server)
+  mariadbd_bin >/dev/null || missing+=(mariadb-server)
   [ ${#missing[@]} -eq 0 ] && return 0
   need_root_for "${missing[*]}" "${missing[*]}"
   say "installing ${missing[*]} from Debian packages"
@@ -237,10 +247,10 @@ provision() {
   maven_fetch infra/kafka "$D/kafka-libs" "kafka $KAFKA_VERSION slf4j2" -DincludeScope=runtime \
     -Dkafka.version="$KAFKA_VERSION"
   maven_fetch infra/spark "$D/spark-jars" \
-    "spark $SPARK_VERSION kafka-clients $KAFKA_CLIENTS_FOR_SPARK pool2 $COMMONS_POOL2_VERSION jdbc $POSTGRES_JDBC_VERSION" \
+    "spark $SPARK_VERSION kafka-clients $KAFKA_CLIENTS_FOR_SPARK pool2 $COMMONS_POOL2_VERSION jdbc $POSTGRES_JDBC_VERSION mariadb-jdbc $MARIADB_JDBC_VERSION" \
     -DexcludeTransitive=true -Dspark.version="$SPARK_VERSION" \
     -Dkafka.clients.version="$KAFKA_CLIENTS_FOR_SPARK" -Dcommons.pool2.version="$COMMONS_POOL2_VERSION" \
-    -Dpostgres.jdbc.version="$POSTGRES_JDBC_VERSION"
+    -Dpostgres.jdbc.version="$POSTGRES_JDBC_VERSION" -Dmariadb.jdbc.version="$MARIADB_JDBC_VERSION"
   provision_ferretdb
 }
 
@@ -347,6 +357,76 @@ secure_postgres() {
     psql_admin -tAc "SELECT pg_reload_conf()" >/dev/null
     say "postgres: TCP connections need a password now (pg_hba.conf rewritten and reloaded)"
   fi
+}
+
+# MariaDB, like PostgreSQL, runs as its own user (mysql) when this script runs as
+# root, in a data folder that user can reach: under the infra folder when it can,
+# else in /var/tmp (a checkout whose folders are closed to other users).
+maria_root() { [ "$(id -u)" -eq 0 ]; }
+
+mariadb_data() {
+  local want=$D/mariadb
+  mkdir -p "$want"
+  if maria_root; then
+    chown mysql:mysql "$want"
+    if ! runuser -u mysql -- test -w "$want"; then
+      want=/var/tmp/saga-infra-mariadb-$MARIADB_PORT
+      mkdir -p "$want"; chown mysql:mysql "$want"
+    fi
+  fi
+  chmod 700 "$want"
+  echo "$want"
+}
+
+# The script's own account: the OS user that runs it, over the server's socket (in the
+# data folder), authenticated by the socket itself (unix_socket), never over TCP.
+mariadb_admin() { # data-folder mariadb-args...
+  local data=$1; shift
+  mariadb --no-defaults --socket="$data/mariadb.sock" --user="$(id -un)" --batch --skip-column-names "$@"
+}
+mariadb_answers() { mariadb_admin "$1" -e "SELECT 1" >/dev/null 2>&1; }
+
+start_mariadb() {
+  local bin data; bin=$(mariadbd_bin) || die "MariaDB is not installed; run 'make infra-up' as root to install it."
+  data=$(mariadb_data)
+  # As root the server runs as mysql; otherwise as this user, who also gets an account
+  # of its own name for mariadb_admin.
+  local as_user=(--user=mysql); maria_root || as_user=(--auth-root-socket-user="$(id -un)")
+  if [ ! -d "$data/mysql" ]; then
+    (cd / && mariadb-install-db --no-defaults --datadir="$data" "${as_user[@]}" \
+      --auth-root-authentication-method=socket --skip-test-db) \
+      >"$LOGS/mariadb-install.log" 2>&1 || die "MariaDB's mariadb-install-db failed; see $LOGS/mariadb-install.log"
+  fi
+  # --no-defaults: the host's /etc/mysql settings (socket, port, data folder) are not ours.
+  # Its compiled-in character set is latin1; utf8mb4 as Debian's own configuration has.
+  local run_as=(); maria_root && run_as=(--user=mysql)
+  (cd / && exec "$bin" --no-defaults --datadir="$data" "${run_as[@]}" --port="$MARIADB_PORT" \
+    --bind-address="$SAGA_HOST" --socket="$data/mariadb.sock" --pid-file="$data/mariadb.pid" \
+    --skip-name-resolve --max-connections=300 --innodb-buffer-pool-size=256M \
+    --character-set-server=utf8mb4 --collation-server=utf8mb4_general_ci) \
+    </dev/null >"$LOGS/mariadb.log" 2>&1 &
+  echo $! >"$PIDS/mariadb.pid"
+  echo "$data" >"$PIDS/mariadb.data"
+  wait_ready mariadb mariadb_answers "$data"
+  wait_ready mariadb port_open "$MARIADB_PORT"
+}
+
+# The user and database of config.env, and the user's password (set on every `up`, so
+# a changed MARIADB_PASSWORD applies). The user may use MARIADB_DB and every database
+# whose name starts with it (the tests make one per test).
+secure_mariadb() {
+  local data; data=$(cat "$PIDS/mariadb.data" 2>/dev/null || mariadb_data)
+  local user=${MARIADB_USER//\\/\\\\} password=${MARIADB_PASSWORD//\\/\\\\}
+  user=${user//\'/\'\'}; password=${password//\'/\'\'}
+  local db=${MARIADB_DB//\`/\`\`}
+  # On standard input, not the command line: no password in the process list.
+  printf "%s\n" \
+    "CREATE USER IF NOT EXISTS '$user'@'%' IDENTIFIED BY '$password';" \
+    "ALTER USER '$user'@'%' IDENTIFIED BY '$password';" \
+    "CREATE DATABASE IF NOT EXISTS \`$db\`;" \
+    "GRANT ALL PRIVILEGES ON \`$db%\`.* TO '$user'@'%';" |
+    mariadb_admin "$data" >/dev/null 2>"$LOGS/mariadb-admin.log" ||
+    die "could not set up the MariaDB user $MARIADB_USER; see $LOGS/mariadb-admin.log"
 }
 
 # The settings live in a file (0600) rather than on the command line, which every
@@ -568,7 +648,9 @@ up() {
       say "starting $s"
       "start_$s"
     fi
-    case "$s" in kafka) secure_kafka ;; postgres) secure_postgres ;; redis) secure_redis ;; esac
+    case "$s" in
+      kafka) secure_kafka ;; postgres) secure_postgres ;; redis) secure_redis ;; mariadb) secure_mariadb ;;
+    esac
   done
   say "all services are up (addresses: 'make infra-status')"
 }
@@ -598,15 +680,18 @@ down() {
 # The SASL listener's variables are not SAGA_KAFKA_*: every SAGA_KAFKA_<NAME> variable
 # is a librdkafka setting for saga's own clients (streams/kafka/_settings.py).
 exports() {
-  local pg_user pg_password redis
+  local pg_user pg_password redis maria_user maria_password
   pg_user=$(url_encode "$POSTGRES_USER")
   pg_password=$(url_encode "$POSTGRES_PASSWORD")
+  maria_user=$(url_encode "$MARIADB_USER")
+  maria_password=$(url_encode "$MARIADB_PASSWORD")
   redis=$(url_encode "$(redis_password)")
   cat <<EOF
 export SAGA_KAFKA_BOOTSTRAP=$SAGA_HOST:$KAFKA_PORT
 export SAGA_POSTGRES_URL=postgresql://$pg_user:$pg_password@$SAGA_HOST:$POSTGRES_PORT/$POSTGRES_DB
 export SAGA_MONGO_URL=mongodb://$SAGA_HOST:$MONGO_PORT/
 export SAGA_REDIS_URL=redis://:$redis@$SAGA_HOST:$REDIS_PORT/0
+export SAGA_MARIADB_URL=mariadb://$maria_user:$maria_password@$SAGA_HOST:$MARIADB_PORT/$MARIADB_DB
 export SAGA_SPARK_JARS=$D/spark-jars
 EOF
   if sasl_on; then

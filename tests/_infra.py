@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 import pytest
 
@@ -42,6 +42,7 @@ ENV_VARS = {
     "mongo_url": "SAGA_MONGO_URL",
     "redis_url": "SAGA_REDIS_URL",
     "spark_jars_dir": "SAGA_SPARK_JARS",
+    "mariadb_url": "SAGA_MARIADB_URL",
 }
 
 # KafkaSasl field -> environment variable: the SASL_SSL listener of the local services
@@ -113,6 +114,7 @@ class Services:
     redis_url: str  # redis://[:password@]host:port/db
     spark_jars_dir: Path  # folder with spark-sql-kafka and its dependencies
     kafka_sasl: KafkaSasl | None = None  # None: no SASL listener configured
+    mariadb_url: str = ""  # mariadb://user:password@host:port/db; "" in containers mode
 
     @property
     def spark_jars(self) -> list[Path]:
@@ -194,6 +196,7 @@ def _from_values(values: Mapping[str, str]) -> Services:
         redis_url=values["SAGA_REDIS_URL"],
         spark_jars_dir=Path(values["SAGA_SPARK_JARS"]).resolve(),
         kafka_sasl=_sasl_from(values),
+        mariadb_url=values["SAGA_MARIADB_URL"],
     )
 
 
@@ -336,6 +339,20 @@ def _probe_postgres(url: str) -> None:
         conn.execute("SELECT 1")
 
 
+def _probe_mariadb(url: str) -> None:
+    import pymysql
+
+    parts = urlsplit(url)
+    pymysql.connect(
+        host=parts.hostname,
+        port=parts.port or 3306,
+        user=unquote(parts.username or ""),
+        password=unquote(parts.password or ""),
+        database=parts.path.lstrip("/") or None,
+        connect_timeout=PROBE_TIMEOUT,
+    ).close()
+
+
 def _probe_mongo(url: str) -> None:
     import pymongo
 
@@ -370,6 +387,8 @@ def unreachable(services: Services) -> list[str]:
         ("MongoDB", _probe_mongo, services.mongo_url),
         ("Redis", _probe_redis, services.redis_url),
     ]
+    if services.mariadb_url:
+        probes.append(("MariaDB", _probe_mariadb, services.mariadb_url))
 
     def answers(probe: Callable[[str], None], address: str) -> bool:
         try:

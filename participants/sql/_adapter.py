@@ -112,6 +112,7 @@ from saga.participants._actions import check_identifier
 from saga.participants._barrier import LedgerEntry, LedgerStatus
 from saga.participants._handlers import Handler, combine
 from saga.participants._storage import Actions, LedgerStorage, Unit, WorkItem
+from saga.participants.sql import _mysql as mysql
 from saga.participants.sql._actions import (
     BatchKeys,
     DriverErrors,
@@ -241,13 +242,18 @@ class SqlStorage(LedgerStorage[SqlSession, SqlBatch]):
         if schema is not None:
             check_identifier(schema, "schema")
         self.schema = schema
-        self.url = sqlalchemy_url(url)
-        self.database = describe(self.url)
+        self.url = mysql.driver_url(sqlalchemy_url(url))
+        on_mysql = mysql.is_mysql_url(self.url)
+        self.database = mysql.describe(self.url) if on_mysql else describe(self.url)
         self.where = self.database
-        self._engine = make_engine(self.url)
+        self._engine = mysql.make_engine(self.url) if on_mysql else make_engine(self.url)
         self._metadata = MetaData(schema=schema)
         self.ledger_table = define_ledger(self._metadata, ledger_table)
         self.holds_table = define_holds(self._metadata, ledger_table)
+        # MySQL and MariaDB: the batch's locks are rows of <ledger>_locks (participants.sql._mysql).
+        self.locks_table = (
+            mysql.define_locks(self._metadata, ledger_table, self.targets) if on_mysql else None
+        )
         self._tables: dict[str, Table] = {}
         self._lock_transactions = self._engine.dialect.name == "postgresql"
         self._pipeline = can_pipeline(self._engine)
@@ -315,9 +321,11 @@ class SqlStorage(LedgerStorage[SqlSession, SqlBatch]):
             else:
                 if self._lock_transactions and tx_ids:
                     connection.execute(tx_locks(self.name, tx_ids))
+                elif self.locks_table is not None and tx_ids:
+                    connection.execute(mysql.tx_locks(self.locks_table, self.name, tx_ids))
                 ledger.load(tx_ids)
             pg = self._lock_transactions
-            locks = RecordLocks(connection, self.holds_table, postgresql=pg)
+            locks = RecordLocks(connection, self.holds_table, postgresql=pg, rows=self.locks_table)
             keys = batch_keys(items, ledger.entries, self._tables)
             rows = holds = None
             if careful:
@@ -421,6 +429,8 @@ class SqlStorage(LedgerStorage[SqlSession, SqlBatch]):
         statement = delete(self.ledger_table).where(
             due, tuple_(c.tx_id, c.step).in_(select(chosen.c.tx_id, chosen.c.step))
         )
+        if self.locks_table is not None:  # MySQL: no LIMIT in a subquery of IN, but on DELETE
+            statement = mysql.limited(delete(self.ledger_table).where(due), limit)
         with self.boundary("prune its ledger"), self._engine.begin() as connection:
             return int(connection.execute(statement).rowcount)
 
@@ -439,14 +449,19 @@ class SqlStorage(LedgerStorage[SqlSession, SqlBatch]):
         """Create the ledger and its holds table when absent (a ledger of a version before
         isolation gets its holds table here), and upgrade an older ledger in place."""
         created = [self.ledger_table, self.holds_table]
+        if self.locks_table is not None:
+            created.append(self.locks_table)
         try:
             self._metadata.create_all(self._engine, tables=created, checkfirst=True)
-        except (sa_exc.IntegrityError, sa_exc.ProgrammingError):
+        except (sa_exc.IntegrityError, sa_exc.ProgrammingError, sa_exc.OperationalError):
             # Two participants starting together both saw no ledger and raced to
             # create it; the loser finds it there now.
             inspector = inspect(self._engine)
             if not all(inspector.has_table(t.name, schema=self.schema) for t in created):
                 raise
+        if self.locks_table is not None:
+            with self._engine.begin() as connection:
+                mysql.fill_locks(connection, self.locks_table, self.name)
         with self._engine.connect() as connection:
             inspector = inspect(connection)
             names = {

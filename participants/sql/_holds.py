@@ -65,6 +65,7 @@ from sqlalchemy import (
     text,
 )
 
+from saga.participants.sql._mysql import TABLE_OPTIONS, record_locks
 from saga.participants.sql._rows import bulk_rows, bulk_statement, one_of
 
 if TYPE_CHECKING:  # psycopg is PostgreSQL's driver: SQLite runs without it
@@ -98,6 +99,7 @@ def define_holds(metadata: MetaData, ledger: str) -> Table:
         Column("kind", String(16), nullable=False),
         Column("action", String(16)),
         Column("value", JSON(none_as_null=True)),
+        **TABLE_OPTIONS,
     )
 
 
@@ -155,14 +157,18 @@ def bounds_key(target: str, record: str, field: str) -> HoldKey:
 
 
 class RecordLocks:
-    """The record locks of one batch's transaction (PostgreSQL advisory locks; nothing
-    on SQLite, which lets one writer at a time). Keyed by the holds table and the
-    record; held until the transaction ends. ``taken``: the locks taken at the batch's
-    top level (never inside a savepoint, which would release them on a rollback)."""
+    """The record locks of one batch's transaction (PostgreSQL advisory locks; on MySQL
+    and MariaDB the lock rows ``rows``, :mod:`participants.sql._mysql`; nothing on SQLite,
+    which lets one writer at a time). Keyed by the holds table and the record; held
+    until the transaction ends. ``taken``: the locks taken at the batch's top level
+    (never inside a savepoint, which would release them on a rollback)."""
 
-    def __init__(self, connection: Connection, table: Table, *, postgresql: bool) -> None:
+    def __init__(
+        self, connection: Connection, table: Table, *, postgresql: bool, rows: Table | None = None
+    ) -> None:
         self._connection = connection
         self.postgresql = postgresql
+        self._rows = rows
         name = connection.dialect.identifier_preparer.format_table(table)
         self._owner = _int32(zlib.crc32(f"saga holds {name}".encode()))
         self.taken: set[int] = set()
@@ -173,26 +179,31 @@ class RecordLocks:
     def take(self, records: Iterable[Record]) -> None:
         """Lock ``records`` at the batch's top level: one statement, in ascending order,
         so two batches taking theirs this way never deadlock."""
-        if not self.postgresql:
+        if not self.postgresql and self._rows is None:
             return
         keys = sorted({self._key(r) for r in records} - self.taken)
         if keys:
-            self._connection.execute(_lock_statement(self._owner, keys))
+            self._connection.execute(self._statement(keys))
             self.taken.update(keys)
 
     def take_one(self, record: Record, execute: Execute, *, top_level: bool) -> bool:
         """Lock one record through ``execute``; ``True`` when it was not locked before
         (the caller reads the record again: another batch may have changed it while
         this one waited). ``top_level``: not inside a savepoint, so it is remembered."""
-        if not self.postgresql:
+        if not self.postgresql and self._rows is None:
             return False
         key = self._key(record)
         if key in self.taken:
             return False
-        execute(_lock_statement(self._owner, [key]))
+        execute(self._statement([key]))
         if top_level:
             self.taken.add(key)
         return True
+
+    def _statement(self, keys: list[int]) -> Executable:
+        if self._rows is not None:
+            return record_locks(self._rows, keys)
+        return _lock_statement(self._owner, keys)
 
 
 def _lock_statement(owner: int, keys: list[int]) -> Executable:

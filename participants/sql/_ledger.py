@@ -40,6 +40,7 @@ from saga.participants._ledger import ENTRY_FIELDS, MARKER_STEP, entry_fields, e
 from saga.participants._storage import Unit
 from saga.participants.sql._actions import NeedsSavepoints
 from saga.participants.sql._errors import detail
+from saga.participants.sql._mysql import TABLE_OPTIONS, is_mysql, upsert
 from saga.participants.sql._rows import bulk_rows, bulk_statement, one_of
 from saga.participants.sql._session import SqlSession, close_savepoint
 from saga.streams import BusinessRejection, TransientError
@@ -108,6 +109,7 @@ def define_ledger(metadata: MetaData, name: str = "saga_ledger") -> Table:
         Column("finished_ms", BigInteger),
         Index(f"{name}_by_status", "participant", "status"),
         Index(f"{name}_by_finish", "participant", "finished_ms"),
+        **TABLE_OPTIONS,
     )
 
 
@@ -277,7 +279,12 @@ class BatchLedger:
         if inserts:
             with self._collision():
                 self._connection.execute(insert(self._table), inserts)
-        if updates:
+        if updates and is_mysql(self._connection.dialect):
+            # One statement: every entry here exists and is locked (participants.sql._mysql).
+            rows = [row_of(name, e) for key, e in self._dirty.items() if self._existed.get(key)]
+            written = (*LEDGER_COLUMNS[3:], *ADDED_COLUMNS)
+            self._connection.execute(upsert(self._table, written), rows)
+        elif updates:
             c = self._table.c
             statement = (
                 update(self._table)

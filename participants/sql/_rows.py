@@ -32,8 +32,9 @@ Why this is safe:
   every statement that bypasses the cache does the same.
 
 On PostgreSQL the write is one statement per table whatever the batch size (its
-text does not change, so psycopg prepares it once); elsewhere (SQLite) it is one
-``executemany``.
+text does not change, so psycopg prepares it once); on MySQL and MariaDB one ``UPDATE
+... CASE`` per table and 500 rows (:mod:`participants.sql._mysql`); elsewhere (SQLite)
+one ``executemany``.
 """
 
 from __future__ import annotations
@@ -62,6 +63,8 @@ from sqlalchemy import (
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.sql import sqltypes
+
+from saga.participants.sql._mysql import case_updates, is_mysql
 
 if TYPE_CHECKING:  # psycopg is PostgreSQL's driver: SQLite runs without it
     import psycopg
@@ -240,6 +243,14 @@ class BatchRows:
                     for key in changed
                 ]
                 self._connection.execute(statement, bulk_rows(values, (pk,)))
+            elif is_mysql(self._connection.dialect):
+                key = _pk(table)
+                values = [
+                    {key.name: k, **{column: self._value(name, k, column) for column in columns}}
+                    for k in changed
+                ]
+                for each in case_updates(table, key, columns, values):
+                    self._connection.execute(each)
             else:
                 many, rows = _many_update(table, columns)
                 self._connection.execute(

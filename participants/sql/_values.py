@@ -123,13 +123,18 @@ def column_range(column: Column[Any], dialect: str) -> tuple[Any, Any] | None:
     limit known here), so that an increment is refused when it is reserved rather than
     when its commit writes it."""
     kind = column.type
+    mysql = dialect in ("mysql", "mariadb")
     if isinstance(kind, sqltypes.Integer):
         bits = 64
-        if dialect == "postgresql" and not isinstance(kind, sqltypes.BigInteger):
+        if (dialect == "postgresql" or mysql) and not isinstance(kind, sqltypes.BigInteger):
             bits = 16 if isinstance(kind, sqltypes.SmallInteger) else 32
+            # MySQL's TINYINT and MEDIUMINT (reflected as themselves, not as SMALLINT)
+            bits = {"TINYINT": 8, "MEDIUMINT": 24}.get(type(kind).__name__, bits)
+        if mysql and getattr(kind, "unsigned", False):
+            return 0, 2**bits - 1
         return -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
     if (
-        dialect == "postgresql"
+        (dialect == "postgresql" or mysql)
         and isinstance(kind, sqltypes.Numeric)
         and kind.asdecimal
         and kind.precision is not None

@@ -26,7 +26,7 @@ from tests._infra import (
 
 pytestmark = pytest.mark.integration
 
-SERVICE_NAMES = ("kafka", "postgres", "redis", "mongo")
+SERVICE_NAMES = ("kafka", "postgres", "redis", "mongo", "mariadb")
 STACK_TRACE = re.compile(
     r"Traceback \(most recent call last\)|^\s+at [\w$.]+\(|^Caused by: |Exception in thread", re.M
 )
@@ -40,7 +40,7 @@ def only_local(infra_mode: str) -> None:
 
 
 def test_status_lists_every_service_up_and_the_exports(infra_mode: str) -> None:
-    """`status` exits 0, says "up" for each of the four services, and prints the export line
+    """`status` exits 0, says "up" for each of the five services, and prints the export line
     of each address (and of the Spark jars folder), plus all or none of Kafka's SASL
     listener's."""
     only_local(infra_mode)

@@ -1,4 +1,4 @@
-"""Isolation on the SQL storage (PostgreSQL and SQLite), through its real API.
+"""Isolation on the SQL storage (PostgreSQL, SQLite and MariaDB), through its real API.
 
 ``read_committed`` (docs/architecture.md, Isolation): a business row changes only when
 its saga's commit is applied; a plain ``SELECT`` outside the product sees committed
@@ -28,6 +28,7 @@ from saga.participants._storage import Storage, WorkItem
 from saga.participants.sql._adapter import SqlStorage
 from saga.participants.sql._ledger import BatchLedger
 from saga.streams import Isolation, Mode, StepStatus, TransientError
+from tests.integration._mariadb import mariadb_database
 from tests.integration.test_sql_storage import (
     Database,
     SqlHarness,
@@ -48,9 +49,12 @@ COMMITTED, COMPENSATED = StepStatus.COMMITTED, StepStatus.COMPENSATED
 COMPENSATION_FAILED = StepStatus.COMPENSATION_FAILED
 
 
-@pytest.fixture(params=["postgresql", "sqlite"])
+@pytest.fixture(params=["postgresql", "sqlite", "mariadb"])
 def database(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Database]:
-    made = postgres_database() if request.param == "postgresql" else sqlite_database(tmp_path)
+    if request.param == "mariadb":
+        made = mariadb_database()
+    else:
+        made = postgres_database() if request.param == "postgresql" else sqlite_database(tmp_path)
     with made as db:
         yield db
 

@@ -8,9 +8,9 @@ Built-in actions: docs/architecture.md §3; the barrier: §4.
 ``TestStorageContract`` talks to a storage only through :class:`participants.Storage`
 and a backend-neutral :class:`Harness` (seed, record, snapshot, remove, a custom
 handler, an unreachable twin); the ``storage`` fixture is parametrised indirectly over
-``sql`` (PostgreSQL), ``sql-sqlite``, ``mongo`` (the MongoDB wire server: FerretDB
-locally) and ``redis``. Each test gets a fresh PostgreSQL schema, SQLite file, Mongo
-database or Redis key prefix, removed afterwards.
+``sql`` (PostgreSQL), ``sql-sqlite``, ``sql-mariadb``, ``mongo`` (the MongoDB wire
+server: FerretDB locally) and ``redis``. Each test gets a fresh PostgreSQL schema, SQLite
+file, MariaDB database, Mongo database or Redis key prefix, removed afterwards.
 
 Storages differ in how they *represent* a record (SQL columns with types and
 defaults, BSON fields, Redis hash text), so :meth:`Harness.record` compares in one
@@ -38,6 +38,7 @@ import pymongo.monitoring
 import pytest
 import redis
 import sqlalchemy as sa
+from _mariadb import UNREACHABLE_URL, mariadb_database
 from test_sql_storage import (
     DEADLINE,
     NOW,
@@ -233,6 +234,8 @@ class SqlContractHarness(Harness):
     def unreachable(self) -> Storage:
         if self.kind == "sql-sqlite":
             url = f"sqlite:///{self.folder / 'no' / 'such' / 'folder.db'}"
+        elif self.kind == "sql-mariadb":
+            url = UNREACHABLE_URL
         else:
             url = "postgresql://saga:saga@127.0.0.1:1/saga"
         return SqlStorage("bank", url, ["accounts"])
@@ -407,8 +410,11 @@ def redis_harness(url: str, prefix: str) -> Iterator[RedisHarness]:
 
 @contextmanager
 def harness_of(kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Harness]:
-    if kind in ("sql", "sql-sqlite"):
-        database = postgres_database() if kind == "sql" else sqlite_database(tmp_path)
+    if kind in ("sql", "sql-sqlite", "sql-mariadb"):
+        if kind == "sql-mariadb":
+            database = mariadb_database()
+        else:
+            database = postgres_database() if kind == "sql" else sqlite_database(tmp_path)
         with database as db, sql_harness(db) as inner:
             yield SqlContractHarness(inner, kind)
     elif kind == "mongo":
@@ -423,7 +429,7 @@ def harness_of(kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> Ite
         raise ValueError(f"no storage kind {kind!r}")
 
 
-STORAGES = ["sql", "sql-sqlite", "mongo", "redis"]
+STORAGES = ["sql", "sql-sqlite", "sql-mariadb", "mongo", "redis"]
 
 
 @pytest.fixture
