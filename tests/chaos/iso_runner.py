@@ -30,6 +30,7 @@ import json
 import random
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -70,7 +71,7 @@ class IsoProfile:
     min_sagas: int = 2000
     min_rollback_share: float = 0.30
     recovery_window_s: float = 240.0
-    nc_recovery_window_s: float = 60.0
+    nc_recovery_window_s: float = 30.0
     """The negative control may leave sagas stuck (a refused compensation in a sequential
     saga): it waits less for them."""
     partitions: int = 4
@@ -305,6 +306,8 @@ class IsoRunner:
             "load_s": round(load_s, 1),
             "offered_rate": p.rate,
             "aborts_sent": system.aborts,
+            "modes": dict(Counter(s.mode for s in system.sagas.values())),
+            "kinds": dict(Counter(s.kind for s in system.sagas.values())),
             "rollback_share": round(outcomes.get("rollback", 0) / max(1, decided), 3),
             "quiescent": waited is not None,
             "reads": dict(sampler.reads),
@@ -395,6 +398,10 @@ def render(console: Console, report: dict[str, Any], path: Path) -> None:
     for cause in causes:
         both(f"    {cause}", lambda r, c=cause: r["rollback_reasons"].get(c, 0))
     both("aborts sent", lambda r: r["aborts_sent"])
+    both(
+        "parallel / sequential",
+        lambda r: f"{r['modes'].get('parallel', 0)} / {r['modes'].get('sequential', 0)}",
+    )
     both(
         "samples (reads per store)",
         lambda r: f"{r['samples']:,} ({', '.join(f'{k} {v}' for k, v in r['reads'].items())})",
