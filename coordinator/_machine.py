@@ -19,8 +19,9 @@ Rules (docs/architecture.md §2, §6):
   machine marks it ``committed`` itself when it decides. A commit in which no step
   said ``confirm`` is therefore ``committed`` at once: the decision and the final
   status leave in the same Kafka transaction (no ``committing`` record);
-  after ``rollback`` it is ``rolled_back`` once every step is ``compensated``,
-  or ``failed`` when a compensation could not be completed;
+  after ``rollback`` it is ``rolled_back`` once every step is ``compensated``, or
+  ``failed`` when a compensation could not be completed (in a sequential saga, also
+  when the steps left wait behind one: ``_sequential``);
 * a step naming a participant that does not exist counts as compensated, and its saga
   rolls back: when the request comes (the names known at once), or when the wait for
   its participants ends (``ParticipantsMissing``, for a step still pending);
@@ -29,11 +30,10 @@ Rules (docs/architecture.md §2, §6):
   the saga is ``rolled_back``, its reason naming who resolved it. A resolve of
   anything else changes nothing and is reported (``Ignored``: the DLQ).
 
-A step event may arrive before its request (topics are read concurrently). The
-machine then keeps a *placeholder* saga (``request_seen`` false) that records
-the events, publishes it (so a restarted coordinator rebuilds it from the status
-topic) and, when the request arrives, counts them with the request's checks.
-Nothing is decided on an early event: only the request tells whether it is valid.
+A step event may arrive before its request (topics are read concurrently): the
+machine keeps a published *placeholder* saga (``request_seen`` false) recording the
+events, and counts them with the request's checks when it comes; nothing is decided
+on an early event.
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ from saga.coordinator._machine_io import (
     input_of,
     tx_of,
 )
+from saga.coordinator._sequential import blocked_by_failure
 from saga.streams import (
     MAX_REASON_CHARS,
     Decision,
@@ -456,12 +457,8 @@ def _on_step(saga: Saga | None, inp: StepReported) -> Saga | Ignored:
 
 
 def _remember_early(saga: Saga, event: StepEvent, at_ms: int) -> Saga:
-    """Keep an event that came before its request; decide nothing on it yet.
-
-    Whether the event is valid (the step exists, the participant is the one
-    named) is only known with the request. The published placeholder shows the
-    latest report per step, so a restarted coordinator knows it too.
-    """
+    """Keep an event that came before its request (whose checks it awaits); decide nothing.
+    The published placeholder shows the latest report per step, for a restarted coordinator."""
     if any(
         e.step == event.step and e.participant == event.participant and e.status == event.status
         for e in saga.early
@@ -491,12 +488,8 @@ def _remember_early(saga: Saga, event: StepEvent, at_ms: int) -> Saga:
 
 
 def _with_confirm(saga: Saga, event: StepEvent) -> tuple[bool, ...]:
-    """``saga.confirms`` after ``event`` moved its step: the flag is the moving event's.
-
-    Only an ``applied`` event says ``confirm``, so the flag is set while the step is
-    applied and cleared when it moves on; a restore, which sees only each step's
-    latest state, rebuilds the same flags.
-    """
+    """``saga.confirms`` after ``event`` moved its step: the flag is the moving event's
+    (only ``applied`` says ``confirm``), so a restore from latest states rebuilds them."""
     confirms = [saga.confirm_of(i) for i in range(len(saga.steps))]
     confirms[event.step] = event.confirm
     return tuple(confirms)
@@ -549,9 +542,13 @@ def _settle(saga: Saga, at_ms: int) -> Saga:
     state = saga.state
     if saga.outcome is Outcome.COMMIT:
         return _committed_if_nothing_to_confirm(saga, at_ms)
+    stuck = blocked_by_failure(saga.steps) if saga.mode is Mode.SEQUENTIAL else frozenset()
     if all(s in _CLOSED_BY_ROLLBACK for s in saga.steps):
         state = SagaState.ROLLED_BACK
-    elif all(s in (*_CLOSED_BY_ROLLBACK, StepStatus.COMPENSATION_FAILED) for s in saga.steps):
+    elif all(
+        s in (*_CLOSED_BY_ROLLBACK, StepStatus.COMPENSATION_FAILED) or i in stuck
+        for i, s in enumerate(saga.steps)
+    ):
         state = SagaState.FAILED
     else:
         state = SagaState.ROLLING_BACK
