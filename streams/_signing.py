@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import itertools
 import json
 import os
 import threading
@@ -89,6 +90,10 @@ _SIGNATURE_HEADERS: Final = frozenset({HEADER_KEY_ID, HEADER_SIGNATURE, HEADER_P
 UNSIGNED_HEADER_PREFIX: Final = "saga.replayed."
 _DOMAIN: Final = b"saga-record-signature-v1\x00"
 _ABSENT: Final = b"\xff\xff\xff\xff"  # never the length of real bytes
+NODES_KEPT: Final = 16_384
+"""Inner nodes of batch trees a keyring keeps (about 3 MB, some 500 batches of 32): a
+record's path mostly meets those of its batch's records read before it, so it costs
+about one hash, not five."""
 VERDICTS_KEPT: Final = 4096
 """Batch signatures a keyring remembers having verified (each vouches for one root, of up
 to a batch of records): tens of seconds of a busy process's reading, about 1 MB."""
@@ -215,6 +220,8 @@ class Keyring:
         self._own_limit = 0
         # Batch signatures verified here: signature -> (key id, signed message).
         self._verdicts: dict[bytes, tuple[bytes, bytes]] = {}
+        # Inner nodes of batch trees folded here lately (see streams._merkle.root_of).
+        self._nodes: dict[bytes, bytes] = {}
         self._lock = threading.Lock()
 
     @classmethod
@@ -353,10 +360,15 @@ class Keyring:
             raise ValueError(f"record is signed with an unknown key {kid[:80]!r}")
         message = signed_bytes(topic, key, value, headers)
         if proof is not None:
+            nodes = self._nodes
             try:
-                message = batch_message(*root_of(leaf_hash(message), proof))
+                message = batch_message(*root_of(leaf_hash(message), proof, nodes))
             except ValueError:
                 raise ValueError(f"record's signature by {public.principal} is not valid") from None
+            if len(nodes) > NODES_KEPT:
+                with self._lock:  # the oldest half goes
+                    for stale in list(itertools.islice(nodes, len(nodes) - NODES_KEPT // 2)):
+                        nodes.pop(stale, None)
             if self._verdicts.get(signature) == (kid, message):
                 # This batch's signature of this very root was verified here: the verdict
                 # is the one a verification would give (Ed25519 is deterministic).
