@@ -95,6 +95,24 @@ def test_every_leaf_of_every_shape_folds_up_to_the_root(n: int) -> None:
         assert root_of(other, proof)[1] != root  # a proof places one leaf only
 
 
+def test_the_node_memo_changes_no_result() -> None:
+    """Folding with the memo a keyring keeps gives what folding without it gives, for
+    genuine and for altered proofs alike (the memo maps hash inputs to their hashes)."""
+    leaves = [leaf_hash(f"record {i}".encode()) for i in range(BATCH_RECORDS)]
+    _, proofs = tree(leaves)
+    memo: dict[bytes, bytes] = {}
+    for leaf, proof in zip(leaves, proofs, strict=True):
+        altered = [
+            proof,
+            proof[:-1] + bytes([proof[-1] ^ 1]),
+            proof[:4] + proof[36:68] + proof[4:36] + proof[68:],  # two siblings swapped
+            struct.pack(">HH", struct.unpack_from(">H", proof)[0] ^ 1, BATCH_RECORDS) + proof[4:],
+        ]
+        for candidate in altered:
+            assert root_of(leaf, candidate, memo) == root_of(leaf, candidate)
+    assert len(memo) >= BATCH_RECORDS - 1  # every inner node of the tree, at least
+
+
 def test_malformed_proofs_fail_with_a_sentence() -> None:
     leaves = [leaf_hash(bytes([i])) for i in range(5)]
     _root, proofs = tree(leaves)
