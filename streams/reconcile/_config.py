@@ -68,7 +68,7 @@ IDENTIFIER: Final = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
 _NAME: Final = re.compile(r"[A-Za-z0-9._-]{1,64}")
 _REDIS_PREFIX: Final = re.compile(r"[^\s*?\[\]\\:\x00-\x1f]{1,64}")
 _SCHEMES: Final[dict[str, tuple[str, ...]]] = {
-    "sql": ("postgresql", "postgres"),
+    "sql": ("postgresql", "postgres", "mariadb", "mysql"),
     "mongo": ("mongodb", "mongodb+srv"),
     "redis": ("redis", "rediss", "unix"),
 }

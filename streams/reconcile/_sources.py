@@ -1,7 +1,8 @@
 """The participants' stores as Spark DataFrames: their ledgers (for I4) and tables (for I5).
 
 * PostgreSQL through Spark's JDBC source (the PostgreSQL driver jar is in the
-  jars folder): the read runs on the executors, filters pushed down.
+  jars folder): the read runs on the executors, filters pushed down; MySQL and
+  MariaDB the same way with MariaDB Connector/J (:mod:`streams.reconcile._mysql`).
 * MongoDB and Redis through a partition reader written here, run by Spark as
   a Python task (``parallelize`` + ``flatMap``) that yields plain tuples, so
   the job needs no extra Python dependency (a Python ``DataSource`` would need
@@ -53,6 +54,7 @@ from pathlib import Path
 from typing import Any, Final
 from urllib.parse import unquote, urlsplit
 
+from saga.streams.reconcile import _mysql as mysql
 from saga.streams.reconcile._config import LedgerSource, StoreSpec, TableSource
 from saga.streams.reconcile._isolation import LEVEL_KEY, level_of
 from saga.streams.reconcile._spark import ReconcileError
@@ -93,7 +95,10 @@ memory whatever the ledger's size."""
 
 
 def jdbc_address(url: str) -> tuple[str, dict[str, str]]:
-    """``postgresql://user:pw@host:port/db?opts`` as a JDBC URL and its user/password."""
+    """``postgresql://user:pw@host:port/db?opts`` as a JDBC URL and its user/password
+    (``mariadb://`` and ``mysql://``: :func:`streams.reconcile._mysql.jdbc_address`)."""
+    if mysql.is_mysql(url):
+        return mysql.jdbc_address(url)
     parts = urlsplit(url)
     if not parts.hostname:
         raise ReconcileError(
@@ -130,7 +135,8 @@ def _jdbc(spark: Any, store: StoreSpec, table: str) -> Any:
     reader = spark.read.format("jdbc").option("url", jdbc).option("fetchsize", "10000")
     for key, value in props.items():
         reader = reader.option(key, value)
-    return reader.option("dbtable", _qualified(store.options.get("schema"), table)).load()
+    quote = mysql.qualified if mysql.is_mysql(store.url) else _qualified
+    return reader.option("dbtable", quote(store.options.get("schema"), table)).load()
 
 
 def _sql_ledger_rows(url: str, name: str, label: str) -> Iterator[tuple[Any, ...]]:
@@ -397,7 +403,10 @@ def _rows_here(source: LedgerSource, counts: Counter[str]) -> Iterator[tuple[Any
     store = source.store
     label = source.label
     wanted = set(source.participants) if source.participants is not None else None
-    if store.kind == "sql":
+    if store.kind == "sql" and mysql.is_mysql(store.url):
+        name = mysql.qualified(store.options.get("schema"), store.option("table", "saga_ledger"))
+        rows = mysql.ledger_rows(store.url, name, label)
+    elif store.kind == "sql":
         name = _qualified(store.options.get("schema"), store.option("table", "saga_ledger"))
         rows = _sql_ledger_rows(store.url, name, label)
     elif store.kind == "mongo":
@@ -514,7 +523,9 @@ def ping(store: StoreSpec, ledger_table: str | None = None) -> None:
         ReconcileError: one sentence naming the store and the problem.
     """
     try:
-        if store.kind == "sql":
+        if store.kind == "sql" and mysql.is_mysql(store.url):
+            mysql.ping(store, ledger_table)
+        elif store.kind == "sql":
             _ping_postgres(store, ledger_table)
         elif store.kind == "mongo":
             client = _mongo_client(store.url)
