@@ -297,7 +297,7 @@ def demo(
     multiple=True,
     metavar="NAME=PID",
     help="The pid of a service not started by infra/services.sh, for its CPU figures "
-    "(NAME: kafka, postgres, redis or ferretdb); repeatable.",
+    "(NAME: kafka, postgres, redis, ferretdb or mariadb); repeatable.",
 )
 @click.option(
     "--layout",
@@ -305,8 +305,9 @@ def demo(
     multiple=True,
     metavar="LAYOUT",
     help="Which store each participant runs on: default (bank=postgres,wallet=ferretdb,"
-    "rewards=redis), pg-wallet (the wallet on PostgreSQL too), or bank=STORE,wallet=STORE,"
-    "rewards=STORE (STORE: postgres, ferretdb, redis). Repeat it to run every phase on "
+    "rewards=redis), pg-wallet (the wallet on PostgreSQL too), mariadb-bank (the bank on "
+    "MariaDB, --mariadb-url), or bank=STORE,wallet=STORE,rewards=STORE (STORE: postgres, "
+    "ferretdb, redis, mariadb). Repeat it to run every phase on "
     "each layout in turn and compare them side by side [default: default].",
 )
 @click.option(
@@ -336,6 +337,13 @@ def demo(
     envvar="SAGA_REDIS_URL",
     required=True,
     help="Redis for the participants the layout puts there [env SAGA_REDIS_URL].",
+)
+@click.option(
+    "--mariadb-url",
+    envvar="SAGA_MARIADB_URL",
+    default="",
+    help="MariaDB or MySQL for the participants the layout puts there (mariadb-bank) "
+    "[env SAGA_MARIADB_URL].",
 )
 def bench(
     bootstrap: str | None,
@@ -371,6 +379,7 @@ def bench(
     postgres_url: str,
     mongo_url: str,
     redis_url: str,
+    mariadb_url: str,
 ) -> None:
     """Measure sustained sagas/s and latencies against baselines measured in the same run.
 
@@ -432,5 +441,6 @@ def bench(
         service_pids=pids,
         layouts=tuple(parse_layout(t) for t in layouts) or (DEFAULT_LAYOUT,),
         profile=None if profile_dir is None else Path(profile_dir),
+        mariadb_url=mariadb_url,
     )
     sys.exit(run_bench(cfg, Console()))

@@ -85,9 +85,9 @@ def _direct_writer(
     """One batch of ``participant``'s increments (the bank's are debits) as one write."""
     sign = -1 if participant == "bank" else 1
     field = FIELD_OF[participant]
-    if store == "postgres":
+    if store in ("postgres", "mariadb"):
         engine = sa.create_engine(sa_url(url))
-        table = target_table(schema, participant)
+        table = target_table(schema, participant, store)
         column = table.c[field]
         where = table.c.id == sa.bindparam("k")
         if sign < 0:
@@ -151,7 +151,12 @@ def run_direct(
     ctx = multiprocessing.get_context("spawn")
     go = ctx.Event()
     out = ctx.Queue()
-    urls = {"postgres": cfg.postgres_url, "ferretdb": cfg.mongo_url, "redis": cfg.redis_url}
+    urls = {
+        "postgres": cfg.postgres_url,
+        "ferretdb": cfg.mongo_url,
+        "redis": cfg.redis_url,
+        "mariadb": cfg.mariadb_url,
+    }
     workers = [
         ctx.Process(
             target=_direct_worker,

@@ -24,21 +24,22 @@ HOT_RECORDS: Final = 10
 PARTICIPANTS: Final = ("bank", "wallet", "rewards")
 TARGET_OF: Final = {"bank": "accounts", "wallet": "wallets", "rewards": "points"}
 FIELD_OF: Final = {"bank": "balance", "wallet": "balance", "rewards": "points"}
-STORES: Final = ("postgres", "ferretdb", "redis")
+STORES: Final = ("postgres", "ferretdb", "redis", "mariadb")
 """Where a participant's data can live (``ferretdb``: the MongoDB-wire server)."""
-KIND_OF: Final = {"postgres": "sql", "ferretdb": "mongo", "redis": "redis"}
+KIND_OF: Final = {"postgres": "sql", "ferretdb": "mongo", "redis": "redis", "mariadb": "sql"}
 """The ``participant run --storage`` kind of each store."""
 _STORE_ALIASES: Final = {
     "postgres": "postgres", "postgresql": "postgres", "pg": "postgres", "sql": "postgres",
     "ferretdb": "ferretdb", "mongo": "ferretdb", "mongodb": "ferretdb",
     "redis": "redis",
+    "mariadb": "mariadb", "mysql": "mariadb",
 }  # fmt: skip
 OPENING_BALANCE: Final = 10**12  # debits never reach the minimum: only designed failures fail
 MAX_AMOUNT: Final = 100
 SIGNING: Final = ("off", "on", "both")
 SIGNED_MAIN: Final = "main-signed"
 """The main phase run again with signed records (``--signing both``)."""
-SERVICES: Final = ("kafka", "postgres", "redis", "ferretdb")
+SERVICES: Final = ("kafka", "postgres", "redis", "ferretdb", "mariadb")
 CLIENT: Final = "client (bench)"
 
 
@@ -70,9 +71,13 @@ LAYOUTS: Final = {
     "pg-wallet": Layout(
         "pg-wallet", {"bank": "postgres", "wallet": "postgres", "rewards": "redis"}
     ),
+    "mariadb-bank": Layout(
+        "mariadb-bank", {"bank": "mariadb", "wallet": "ferretdb", "rewards": "redis"}
+    ),
 }
-"""The named layouts: the issue's default (wallet on FerretDB) and the wallet on PostgreSQL."""
-_SHORT: Final = {"postgres": "pg", "ferretdb": "ferret", "redis": "redis"}
+"""The named layouts: the issue's default (wallet on FerretDB), the wallet on PostgreSQL,
+and the default with the bank on MariaDB (or MySQL: ``--mariadb-url``)."""
+_SHORT: Final = {"postgres": "pg", "ferretdb": "ferret", "redis": "redis", "mariadb": "maria"}
 
 
 def parse_layout(text: str) -> Layout:
@@ -84,7 +89,7 @@ def parse_layout(text: str) -> Layout:
     if "=" not in text:
         raise ConfigurationError(
             f"--layout {text!r}: name one of {', '.join(LAYOUTS)} or give "
-            "bank=STORE,wallet=STORE,rewards=STORE (STORE: postgres, ferretdb or redis)"
+            "bank=STORE,wallet=STORE,rewards=STORE (STORE: postgres, ferretdb, redis or mariadb)"
         )
     stores = dict(DEFAULT_LAYOUT.stores)
     for part in (p.strip() for p in text.split(",") if p.strip()):
@@ -139,6 +144,8 @@ class BenchConfig:
     layouts: tuple[Layout, ...] = (DEFAULT_LAYOUT,)
     profile: Path | None = None
     """A folder for py-spy's recording of every product process during each main phase."""
+    mariadb_url: str = ""
+    """MariaDB or MySQL, for a layout that puts a participant there (``mariadb-bank``)."""
 
     def __post_init__(self) -> None:
         unknown = [p for p in self.phases if p not in PHASES]
@@ -173,6 +180,11 @@ class BenchConfig:
             raise ConfigurationError("give each --layout once (at least one)")
         if self.profile is not None and "main" not in self.phases:
             raise ConfigurationError("--profile records the main phase: keep main in --phases")
+        if not self.mariadb_url and any("mariadb" in x.stores.values() for x in self.layouts):
+            raise ConfigurationError(
+                "a --layout puts a participant on MariaDB: give --mariadb-url or set "
+                "SAGA_MARIADB_URL (infra/services.sh env prints the local one)"
+            )
         unknown = [n for n in self.service_pids if n not in SERVICES]
         if unknown:
             raise ConfigurationError(

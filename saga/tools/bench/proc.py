@@ -16,7 +16,13 @@ from urllib.parse import urlsplit
 
 from saga.tools.bench.config import SERVICES, BenchConfig
 
-_PID_FILE: Final = {"kafka": "kafka", "postgres": "postgres", "redis": "redis", "ferretdb": "mongo"}
+_PID_FILE: Final = {
+    "kafka": "kafka",
+    "postgres": "postgres",
+    "redis": "redis",
+    "ferretdb": "mongo",
+    "mariadb": "mariadb",
+}
 _CLK_TCK: Final = os.sysconf("SC_CLK_TCK")
 
 
@@ -114,6 +120,7 @@ def service_pids(cfg: BenchConfig) -> dict[str, int | None]:
         "postgres": _port_of(cfg.postgres_url, 5432),
         "redis": _port_of(cfg.redis_url, 6379),
         "ferretdb": _port_of(cfg.mongo_url, 27017),
+        "mariadb": _port_of(cfg.mariadb_url, 3306),
     }
     pids: dict[str, int | None] = {}
     for name in SERVICES:

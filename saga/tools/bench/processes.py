@@ -36,7 +36,12 @@ def saga_processes(
     if keys_dir is not None:
         env["SAGA_KEYS_DIR"] = str(keys_dir)
     common = ["--bootstrap", settings.bootstrap, "--prefix", settings.prefix]
-    urls = {"sql": cfg.postgres_url, "mongo": cfg.mongo_url, "redis": cfg.redis_url}
+    urls = {
+        "postgres": cfg.postgres_url,
+        "ferretdb": cfg.mongo_url,
+        "redis": cfg.redis_url,
+        "mariadb": cfg.mariadb_url,
+    }
     storage_urls: dict[str, str] = {}  # SAGA_STORAGE_URL: ps would show a password
     commands: dict[str, list[str]] = {
         "coordinator": [
@@ -52,7 +57,7 @@ def saga_processes(
                 *("participant", "run", *common, "--name", name, "--storage", storage),
                 *("--schema", cfg.schema, "--targets", TARGET_OF[name]),
             ]
-            storage_urls[label] = urls[storage]
+            storage_urls[label] = urls[layout.stores[name]]
     procs: dict[str, subprocess.Popen[bytes]] = {}
     try:
         for name, args in commands.items():

@@ -1,7 +1,8 @@
-"""The bench's data in the three stores: checks, preparation, totals and clean-up.
+"""The bench's data in the stores: checks, preparation, totals and clean-up.
 
 Each participant's records live in the store the layout gives it: a table
-``<schema>.<target>`` (``id``, the field) in PostgreSQL, a collection ``<target>``
+``<schema>.<target>`` (``id``, the field) in PostgreSQL (in MariaDB: the database
+``<schema>``, touched only when a layout puts a participant there), a collection ``<target>``
 of database ``<schema>`` in the MongoDB-wire server, hashes
 ``<schema>:<target>:<account>`` in Redis; targets are ``accounts`` (bank),
 ``wallets`` (wallet) and ``points`` (rewards).
@@ -32,6 +33,9 @@ from saga.tools.bench.config import (
 def sa_url(url: str) -> str:
     if url.startswith("postgresql://"):
         return "postgresql+psycopg://" + url.removeprefix("postgresql://")
+    for scheme in ("mariadb://", "mysql://"):
+        if url.startswith(scheme):
+            return url.replace("://", "+pymysql://", 1)
     return url
 
 
@@ -66,6 +70,10 @@ def check_services(cfg: BenchConfig, console: Console) -> None:
         ) from exc
     finally:
         client.close()
+    if cfg.mariadb_url and any("mariadb" in x.stores.values() for x in cfg.layouts):
+        with _store(cfg, "mariadb") as engine, engine.connect() as conn:
+            version = conn.execute(sa.text("SELECT VERSION()")).scalar()
+        console.print(f"  mariadb    {version}  [green]answers[/]")
 
 
 @contextmanager
@@ -75,11 +83,13 @@ def _store(cfg: BenchConfig, which: str) -> Iterator[Any]:
     import redis
 
     urls = {"postgres": cfg.postgres_url, "mongo": cfg.mongo_url, "redis": cfg.redis_url}
+    urls["mariadb"] = cfg.mariadb_url
     names = {"postgres": "PostgreSQL", "mongo": "the MongoDB-wire server", "redis": "Redis"}
+    names["mariadb"] = "MariaDB"
     handle: Any = None
     try:
-        if which == "postgres":
-            handle = sa.create_engine(sa_url(cfg.postgres_url))
+        if which in ("postgres", "mariadb"):
+            handle = sa.create_engine(sa_url(urls[which]))
         elif which == "mongo":
             handle = mongo_client(cfg.mongo_url)
         else:
@@ -90,7 +100,7 @@ def _store(cfg: BenchConfig, which: str) -> Iterator[Any]:
         raise TransientError(f"{names[which]} at {urls[which]} failed: {detail}") from exc
     finally:
         if handle is not None:
-            handle.dispose() if which == "postgres" else handle.close()
+            handle.dispose() if which in ("postgres", "mariadb") else handle.close()
 
 
 def opening(participant: str) -> int:
@@ -122,6 +132,8 @@ def prepare_data(cfg: BenchConfig, layout: Layout) -> None:
             for participant in on["postgres"]:
                 table = target_table(cfg.schema, participant)
                 conn.execute(sa.text(f'VACUUM (ANALYZE) "{cfg.schema}"."{table.name}"'))
+    if on["mariadb"]:
+        _prepare_mariadb(cfg, on["mariadb"])
     with _store(cfg, "mongo") as mongo:
         mongo.drop_database(cfg.schema)
         for participant in on["ferretdb"]:
@@ -140,10 +152,28 @@ def prepare_data(cfg: BenchConfig, layout: Layout) -> None:
             pipe.execute()
 
 
+def _prepare_mariadb(cfg: BenchConfig, participants: list[str]) -> None:
+    """The database ``<schema>`` afresh, with the tables of ``participants``."""
+    with _store(cfg, "mariadb") as engine, engine.begin() as conn:
+        conn.execute(sa.text(f"DROP DATABASE IF EXISTS `{cfg.schema}`"))
+        conn.execute(sa.text(f"CREATE DATABASE `{cfg.schema}`"))
+        for participant in participants:
+            table = target_table(cfg.schema, participant, "mariadb")
+            table.create(conn)
+            value, field = opening(participant), FIELD_OF[participant]
+            for start in range(0, cfg.accounts, 5000):
+                end = min(cfg.accounts, start + 5000)
+                rows = [{"id": account(i), field: value} for i in range(start, end)]
+                conn.execute(table.insert(), rows)
+
+
 def drop_data(cfg: BenchConfig) -> None:
     """Remove what :func:`prepare_data` and the participants created."""
     with _store(cfg, "postgres") as engine, engine.begin() as conn:
         conn.execute(sa.schema.DropSchema(cfg.schema, cascade=True, if_exists=True))
+    if cfg.mariadb_url:
+        with _store(cfg, "mariadb") as engine, engine.begin() as conn:
+            conn.execute(sa.text(f"DROP DATABASE IF EXISTS `{cfg.schema}`"))
     with _store(cfg, "mongo") as mongo:
         mongo.drop_database(cfg.schema)
     with _store(cfg, "redis") as r:
@@ -166,12 +196,14 @@ def _drop_redis(r: Any, prefix: str) -> None:
         r.unlink(*batch)
 
 
-def target_table(schema: str, participant: str) -> sa.Table:
-    """``participant``'s table on PostgreSQL: ``id`` and its one numeric field."""
+def target_table(schema: str, participant: str, store: str = "postgres") -> sa.Table:
+    """``participant``'s table on PostgreSQL (or MariaDB, whose keys need a length, and
+    binary: ``a000001`` is one account only): ``id`` and its one numeric field."""
+    key: Any = sa.Text if store == "postgres" else sa.String(16, collation="utf8mb4_bin")
     return sa.Table(
         TARGET_OF[participant],
         sa.MetaData(schema=schema),
-        sa.Column("id", sa.Text, primary_key=True),
+        sa.Column("id", key, primary_key=True),
         sa.Column(FIELD_OF[participant], sa.BigInteger, nullable=False),
     )
 
@@ -181,9 +213,9 @@ def store_totals(cfg: BenchConfig, layout: Layout) -> dict[str, int]:
     totals: dict[str, int] = {}
     for participant in PARTICIPANTS:
         store, field = layout.stores[participant], FIELD_OF[participant]
-        if store == "postgres":
-            table = target_table(cfg.schema, participant)
-            with _store(cfg, "postgres") as engine, engine.connect() as conn:
+        if store in ("postgres", "mariadb"):
+            table = target_table(cfg.schema, participant, store)
+            with _store(cfg, store) as engine, engine.connect() as conn:
                 total = int(conn.execute(sa.select(sa.func.sum(table.c[field]))).scalar() or 0)
         elif store == "ferretdb":
             with _store(cfg, "mongo") as mongo:
