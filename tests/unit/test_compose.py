@@ -522,6 +522,7 @@ def test_header_comment_gives_the_same_addresses_as_the_local_setup(
         "SAGA_POSTGRES_URL": f"postgresql://{user}:{password}@localhost:{config['POSTGRES_PORT']}/{db}",
         "SAGA_MONGO_URL": f"mongodb://localhost:{config['MONGO_PORT']}/",
         "SAGA_REDIS_URL": f"redis://:{redis_password}@localhost:{config['REDIS_PORT']}/0",
+        "SAGA_MARIADB_URL": f"mariadb://saga:saga@localhost:{config['MARIADB_PORT']}/saga",
     }
     for var, value in expected.items():
         assert re.search(rf"{var}='?{re.escape(value)}", header), (
