@@ -122,8 +122,10 @@ Two modes (``transactions=None`` detects at :meth:`MongoStorage.setup`)
   transaction document, see *Batched intents*, and its step document); a decision
   on a step this storage recorded costs one update of its step document (see
   *Cache*). Under ``read_committed`` (see *Isolation*) an ``increment`` on a document
-  this process wrote before costs one update to reserve (no read) and one to commit,
-  and a batch's commits share one update of the ledger.
+  this process wrote before costs one update to reserve (no read) and a read and an
+  update to commit (one update on MongoDB, whose compare-and-set is the server's), and
+  a batch's commits share one ``update`` command of the ledger (a statement per step
+  document, each by ``_id``).
 
 Batched intents. On a batch's first attempt without transactions, the transaction
 documents of the new transactions whose step writes (not a delete) are not inserted
@@ -239,7 +241,10 @@ needs no intent (running it again finds nothing to do), and its ledger record jo
 batch's others in one update. Where this process knows the marker it last recorded
 for a document, a reservation and its commit are written without reading the document
 first: the write is compare-and-set on that marker and checked on the document as it
-was, and a miss is put back and the step run again, reading. Under ``none`` apply
+was, and a miss is put back and the step run again, reading. A write checked after it
+is made (FerretDB) is made so only when it changes reserved fields alone (a
+reservation, a release): a commit changes business fields, which a reader must never
+see changed by a write that is then put back, so there a commit reads first. Under ``none`` apply
 writes at once, and a compensation first checks that it overwrites no one's work and
 breaks no recorded bound. Participants that write the same documents must share the
 ledger collection (as for markers).

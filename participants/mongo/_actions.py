@@ -440,8 +440,17 @@ class _Record(_Document):
         integers only; fractions are added in decimal, after a read). The update applies
         only if the document still carries that marker and the reservation, and the field
         holds an integer; else the step runs again, reading (see
-        :mod:`~saga.participants.mongo._holds`)."""
+        :mod:`~saga.participants.mongo._holds`). A commit is made so only where the
+        conditions are checked by the server (MongoDB): a client-side check (FerretDB)
+        comes after the write, and readers must never see a business field written by a
+        write that is then put back."""
         if not isinstance(action, Increment) or isinstance(action.by, float):
+            return False
+        if commit and self.session.checked_writes:
+            # A client-side compare-and-set writes first and checks after: a commit that
+            # missed would show its amount to readers until put back (added twice, when the
+            # reservation was committed already). A commit changes business fields, so
+            # there it reads first; a release changes reserved fields only.
             return False
         if not self.session.reservation_sure(me):
             return False

@@ -10,12 +10,12 @@ look past it.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from pymongo import UpdateOne
 from pymongo import errors as mongo_errors
 from pymongo.collection import Collection
 
@@ -206,24 +206,22 @@ class BatchWrites:
         For a decision whose write is idempotent (see :mod:`saga.participants.mongo._holds`):
         until the update is made, its step reads as still applied in the store, and the
         decision, should it come again after a crash, finds nothing left to write and
-        records itself. The updates of a batch that change the same fields to the same
-        values go in one ``update_many`` (``rev`` by ``$inc``, ``finished_ms`` by ``$max``
-        of the decision's time: a step document carries when it would finish if decided
-        at once), so a batch of commits costs one or a few updates, not one per step.
+        records itself. The updates of a batch go in one ``update`` command (a bulk
+        write), so a batch of commits costs one round trip, not one per step.
         """
         self._updates[step_id] = (tx_id, change)
 
     def flush_updates(self) -> None:
         updates, self._updates = self._updates, {}
-        groups: dict[str, list[str]] = {}
-        changes: dict[str, Document] = {}
-        for step_id, (_, change) in updates.items():
-            key = json.dumps(change, sort_keys=True, default=str)
-            groups.setdefault(key, []).append(step_id)
-            changes[key] = change
+        if not updates:
+            return
+        # One statement per step document, each addressed by its _id alone: FerretDB
+        # hands SQLite only a filter that is exactly {"_id": <string>}, so one
+        # update_many({"_id": {"$in": ids}}) would decode the whole ledger collection,
+        # a cost growing with every saga the ledger keeps.
+        requests = [UpdateOne({"_id": step_id}, change) for step_id, (_, change) in updates.items()]
         try:
-            for key, ids in groups.items():
-                self.ledger_collection.update_many({"_id": {"$in": ids}}, changes[key])
+            self.ledger_collection.bulk_write(requests, ordered=False)
         except BaseException:
             self._forget(tx_id for tx_id, _ in updates.values())
             raise

@@ -21,9 +21,11 @@ with :data:`RESERVED_PROJECTION`):
   ``$unset``, compare-and-set on the marker this process last recorded for the document
   and on the reservation being there (a miss, such as a document changed by another
   process, makes the step run again, reading). It is done so only for a reservation this
-  process wrote and has not removed since, which is sure to be there: on FerretDB the
-  compare-and-set is checked on the document as it was and a miss put back, and a
-  process dying in between must not leave an amount added twice. A reservation itself
+  process wrote and has not removed since, which is sure to be there, and only where the
+  server checks the compare-and-set (MongoDB): on FerretDB it is checked on the document
+  as it was, after the write, and a miss put back, so a reader could see the amount
+  added (twice, if the reservation was committed already) until then; there a commit
+  reads the document first. A reservation itself
   is made without a read the same way; what it must pass is kept in its intent, so one
   found done after such a death is undone, not recorded, when it does not pass.
 * ``_saga_bounds``: per field, the tightest ``min``/``max`` a bounded increment (at
