@@ -18,6 +18,9 @@ labelled ``participant``:
 ``saga_participant_batches_total``                     counter  batches run
 ``saga_participant_storage_retries_total``             counter  storage retries (transient)
 ``saga_participant_poisoned_total``                    counter  items the storage failed on
+``saga_participant_decisions_parked_total``            counter  decisions the store refused
+                                                                after its retries (reported
+                                                                ``compensation_failed``)
 ``saga_participant_pruned_total``                      counter  ledger entries pruned
 ``saga_participant_storage_seconds``                   hist.    one storage round trip
                                                                 (a batch's attempt)
@@ -75,6 +78,7 @@ class ParticipantObserver(LoopObserver):
         self.description = description
         self.steps: Counter[str] = Counter()  # step status -> events emitted
         self.not_mine = 0
+        self.parked = 0  # decisions the store refused, reported for an operator
         self._batch_started_ns = time.time_ns()
         self._storage_seconds: Histogram | None = None
 
@@ -124,6 +128,7 @@ class ParticipantObserver(LoopObserver):
         """A batch is done: its events are in the log."""
         self.steps.update(r.status.value for r in reports)
         self.not_mine += sum(1 for item in items if isinstance(item, RequestSeen))
+        self.parked += sum(1 for r in reports if r.parked)
 
     # ------------------------------------------------------------ metrics
 
@@ -169,6 +174,7 @@ class ParticipantObserver(LoopObserver):
             ("saga_participant_batches", "Batches run.", stats.batches),
             ("saga_participant_storage_retries", "Storage retries (transient).", stats.retries),
             ("saga_participant_poisoned", "Items the storage failed on.", stats.poisoned),
+            ("saga_participant_decisions_parked", "Decisions the store refused.", self.parked),
             ("saga_participant_pruned", "Ledger entries pruned.", stats.pruned),
         ):
             yield counter(metric, doc, ["participant"], [((name,), value)])

@@ -43,8 +43,8 @@ import logging
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
-from dataclasses import dataclass, replace
-from typing import Any, ClassVar, Generic, NoReturn
+from dataclasses import replace
+from typing import Any, ClassVar, Generic, NoReturn, cast
 
 from typing_extensions import TypeVar
 
@@ -53,15 +53,19 @@ from saga.participants._barrier import (
     Effect,
     LedgerEntry,
     LedgerStatus,
-    PredecessorApplied,
     Requested,
     Signal,
-    SuccessorCompensated,
     isolation_of,
     plan,
 )
 from saga.participants._ledger import rolled_back_marker, seen_marker
-from saga.streams import BusinessRejection, Isolation, Outcome, StepStatus, TransientError
+from saga.participants._refusals import StoreRefused, run_again_after
+from saga.participants._work import DecisionArrived as DecisionArrived  # noqa: PLC0414 - re-exported
+from saga.participants._work import Report as Report  # noqa: PLC0414 - re-exported
+from saga.participants._work import RequestSeen as RequestSeen  # noqa: PLC0414 - re-exported
+from saga.participants._work import StepScope as StepScope  # noqa: PLC0414 - re-exported
+from saga.participants._work import WorkItem as WorkItem  # noqa: PLC0414 - re-exported
+from saga.streams import BusinessRejection, Outcome, StepStatus, TransientError
 from saga.streams._faults import NO_FAULTS, Faults
 
 log = logging.getLogger("saga.participant")
@@ -70,58 +74,6 @@ NativeT = TypeVar("NativeT", default=Any)
 """The native session an adapter hands to actions and custom handlers."""
 BatchT = TypeVar("BatchT", default=None)
 """What an adapter keeps for one batch (its connection, its view of the ledger)."""
-
-
-@dataclass(frozen=True, slots=True)
-class DecisionArrived:
-    """A decision for a transaction; the storage finds this participant's steps in its ledger."""
-
-    tx_id: str
-    outcome: Outcome
-    now_ms: int
-
-
-@dataclass(frozen=True, slots=True)
-class RequestSeen:
-    """A request in which this participant has no step: remember its fingerprint.
-
-    The storage records the transaction-level *seen* marker unless the
-    transaction is known here already, so that a later request of the same
-    ``tx_id`` with another payload is recognised (and applies nothing).
-    """
-
-    tx_id: str
-    fingerprint: str
-    deadline_ms: int
-    now_ms: int
-
-
-@dataclass(frozen=True, slots=True)
-class StepScope:
-    """The step an action runs for: its level, and the holder of what it holds."""
-
-    tx_id: str
-    step: int
-    isolation: Isolation
-    deadline_ms: int = 0
-
-
-WorkItem = Requested | PredecessorApplied | SuccessorCompensated | DecisionArrived | RequestSeen
-
-
-@dataclass(frozen=True, slots=True)
-class Report:
-    """A step event to emit once the batch is committed.
-
-    ``confirm`` (with ``applied`` only): the step's action has something to confirm,
-    so a commit decision will be answered by ``committed`` (the event says so).
-    """
-
-    tx_id: str
-    step: int
-    status: StepStatus
-    reason: str | None = None
-    confirm: bool = False
 
 
 class Actions(ABC, Generic[NativeT]):
@@ -294,6 +246,11 @@ class LedgerStorage(Storage, Generic[NativeT, BatchT]):
       step), runs of :class:`RequestSeen` handed to :meth:`mark_seen` together;
     * re-running an item whose unit lost a race (:meth:`run_again`), at most
       :attr:`max_attempts` times, then a :class:`~streams.TransientError`;
+    * the store's refusals (:mod:`participants._refusals`): a step the store refuses
+      fails; one that timed out, or a decision the store refuses, is run again
+      :attr:`refusal_attempts` times with a doubling backoff, then the refusal is
+      recorded on that item alone (the step fails, or the decision is parked and
+      reported ``compensation_failed``) and the batch goes on;
     * re-running a whole batch when the adapter raises :class:`RunBatchAgain`;
     * the confirm policy: a custom confirmation that raises
       :class:`~streams.BusinessRejection` leaves its step applied, reports
@@ -319,6 +276,10 @@ class LedgerStorage(Storage, Generic[NativeT, BatchT]):
     """Whether a batch is one local atomic unit (else every item is one on its own)."""
     max_attempts: int = 25
     """How often one item is run again after losing a race."""
+    refusal_attempts: int = 3
+    """How often a step that timed out, or a decision the store refuses, is run."""
+    refusal_backoff_s: float = 0.2
+    """The wait before the second of those runs; it doubles before each next one."""
 
     def __init__(self, *, faults: Faults = NO_FAULTS) -> None:
         self.faults = faults
@@ -422,12 +383,21 @@ class LedgerStorage(Storage, Generic[NativeT, BatchT]):
         return reports
 
     def run_one(self, batch: BatchT, item: WorkItem) -> list[Report]:
-        """Run one item in a unit of its own, again while it loses races."""
+        """Run one item in a unit of its own, again while it loses races or the store
+        refuses it for a while (see the class doc)."""
         previous: Unit[NativeT] | None = None
+        refusals, spent = 0, cast(StoreRefused | None, None)
         for _ in range(self.max_attempts):
             unit = self.open_unit(batch, item, previous)
             try:
-                reports = run_item(unit, self.actions, item, self.faults)
+                reports = run_item(unit, self.actions, item, self.faults, spent)
+            except StoreRefused as exc:  # let through by run_item: another run may pass
+                unit.finish(exc)
+                refusals += 1
+                if not run_again_after(self.name, item.tx_id, exc, refusals, self):
+                    spent = exc  # recorded on the next run
+                previous = unit
+                continue
             except BusinessRejection as exc:
                 # run_item turns rejections of apply and compensate into events; only a
                 # custom confirm gets here. The step stays applied, nothing is reported,
@@ -474,9 +444,13 @@ def run_item(
     actions: Actions[NativeT],
     item: WorkItem,
     faults: Faults = NO_FAULTS,
+    spent: StoreRefused | None = None,
 ) -> list[Report]:
     """Drive one work item through the barrier inside ``unit``; return what to report.
 
+    A :class:`StoreRefused` from a step's effect that another run may pass (a timeout; a
+    decision's) is raised, naming its step, for the caller to run the item again; given
+    back as ``spent``, it is recorded on that step instead of running the effect.
     ``faults.unsafe("barrier-off")`` (a test's negative control only) makes requests
     ignore the ledger.
     """
@@ -495,14 +469,24 @@ def run_item(
             view = actions.scoped(scope_of(known))
             confirm = known.action is not None and view.has_confirm(known.action)
             signal = Decided(item.tx_id, known.step, item.outcome, item.now_ms, confirm)
-            reports.extend(_run_signal(unit, view, known, signal, faults))
+            reports.extend(_run_signal(unit, view, known, signal, faults, spent))
         return reports
     entry = unit.entry(item.tx_id, item.step)
     if isinstance(item, Requested):
         actions = actions.scoped(StepScope(item.tx_id, item.step, item.isolation, item.deadline_ms))
     elif entry is not None:
         actions = actions.scoped(scope_of(entry))
-    return _run_signal(unit, actions, entry, item, faults)
+    return _run_signal(unit, actions, entry, item, faults, spent)
+
+
+def _again_if_it_may_pass(
+    exc: BusinessRejection, spent: StoreRefused | None, step: int, *, decision: bool
+) -> None:
+    """Raise a store's refusal that another run of the item may pass (a timeout; any
+    refusal of a decision) for :meth:`LedgerStorage.run_one`, unless it is ``spent``."""
+    if isinstance(exc, StoreRefused) and exc is not spent and (decision or exc.timeout):
+        exc.step = step
+        raise exc
 
 
 def scope_of(entry: LedgerEntry) -> StepScope:
@@ -516,6 +500,7 @@ def _run_signal(
     entry: LedgerEntry | None,
     signal: Signal,
     faults: Faults,
+    spent: StoreRefused | None = None,
 ) -> list[Report]:
     rolled_back = (
         isinstance(signal, Requested) and entry is None and unit.tx_rolled_back(signal.tx_id)
@@ -528,12 +513,17 @@ def _run_signal(
     target = p.entry
     if target is not None and target.action is not None:
         action, args = target.action, target.args or {}
+        if spent is not None and spent.step != target.step:
+            spent = None  # another step's
         if p.effect is Effect.APPLY:
             try:
                 if isinstance(signal, Requested) and signal.fail_reason is not None:
                     raise BusinessRejection(signal.fail_reason)
+                if spent is not None:
+                    raise spent
                 before = actions.apply(unit.native, action, args)
             except BusinessRejection as exc:
+                _again_if_it_may_pass(exc, spent, target.step, decision=False)
                 unit.rollback_effect()
                 failed = replace(
                     target, status=LedgerStatus.FAILED, effect=False, reason=exc.reason
@@ -543,8 +533,11 @@ def _run_signal(
             target = replace(target, before=before)
         elif p.effect is Effect.COMPENSATE:
             try:
+                if spent is not None:
+                    raise spent
                 actions.compensate(unit.native, action, args, target.before)
             except BusinessRejection as exc:
+                _again_if_it_may_pass(exc, spent, target.step, decision=True)
                 unit.rollback_effect()
                 stuck = replace(
                     target,
@@ -552,16 +545,22 @@ def _run_signal(
                     reason=f"compensation failed: {exc.reason}",
                 )
                 unit.write(stuck)
-                return [
-                    Report(
-                        target.tx_id,
-                        target.step,
-                        StepStatus.COMPENSATION_FAILED,
-                        stuck.reason,
-                    )
-                ]
+                parked = isinstance(exc, StoreRefused)
+                status = StepStatus.COMPENSATION_FAILED
+                return [Report(target.tx_id, target.step, status, stuck.reason, parked=parked)]
         elif p.effect is Effect.CONFIRM:
-            actions.confirm(unit.native, action, args)
+            try:
+                if spent is not None:
+                    raise spent
+                actions.confirm(unit.native, action, args)
+            except StoreRefused as exc:
+                # Parked: the step stays applied (its hold kept), so a re-driven or
+                # replayed decision tries again; reported so that an operator sees it.
+                _again_if_it_may_pass(exc, spent, target.step, decision=True)
+                unit.rollback_effect()
+                why = f"commit refused, left applied for a re-driven decision: {exc.reason}"
+                status = StepStatus.COMPENSATION_FAILED
+                return [Report(target.tx_id, target.step, status, why, parked=True)]
     if target is not None:
         unit.write(target)
     if p.emit is None:

@@ -8,6 +8,8 @@ Every error says whether retrying the same operation can help::
     │                                   or option is missing (streams.reconcile, exit 2)
     ├── InvalidRecord              no   a record breaks the wire contract (goes to the DLQ)
     ├── BusinessRejection          no   a step cannot be applied (key exists, below min, ...)
+    │   └── StoreRefused           no   the store refused one step's statement (a trigger's
+    │                                   RAISE, a constraint, a timeout): that step fails
     ├── ConflictingRequest         no   a tx_id reused with a different payload
     ├── SagaTimeout                yes  no final state yet; the saga is still running
     ├── TransientError             yes  broker or storage unavailable for now
@@ -18,8 +20,9 @@ Every error says whether retrying the same operation can help::
     └── FatalKafkaError            no   the Kafka client cannot go on (fenced producer, ...)
 
 ``ReconcileError`` is defined in :mod:`streams.reconcile`, ``TransactionAborted`` in
-:mod:`streams.kafka`, the others here. ``tests/unit/test_error_tree.py`` checks this
-drawing against the classes, and that no other public ``SagaError`` subclass exists.
+:mod:`streams.kafka`, ``StoreRefused`` in :mod:`participants._refusals`, the others
+here. ``tests/unit/test_error_tree.py`` checks this drawing against the classes, and
+that no other public ``SagaError`` subclass exists.
 
 Not drawn: exceptions for control flow within one package, which never reach a caller
 of saga (participants' ``RunBatchAgain``; the MongoDB adapter's ``_Conflict``, a

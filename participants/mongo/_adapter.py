@@ -29,6 +29,7 @@ from saga.participants._storage import (
     Unit,
     WorkItem,
 )
+from saga.participants._store_errors import StoreErrors
 from saga.participants.mongo._actions import MongoActions
 from saga.participants.mongo._batch import BatchWrites
 from saga.participants.mongo._cas import _SERVER_CAS, _Cas
@@ -42,6 +43,7 @@ from saga.participants.mongo._errors import (
     _Refused,
     _Speculation,
     _Stale,
+    step_refusal,
 )
 from saga.participants.mongo._holds import SHADOW_SUFFIX
 from saga.participants.mongo._ledger import (
@@ -173,7 +175,11 @@ class MongoStorage(LedgerStorage[MongoSession, None]):
             name, self.tx_collection, self.ledger_collection, shared, self.tx_cache
         )
         builtin = MongoActions(self.targets)
-        self.actions: Actions[MongoSession] = combine(builtin, handlers)
+        # What the server answers about an action's own operation is that step's refusal.
+        self.actions: Actions[MongoSession] = StoreErrors(
+            combine(builtin, handlers),
+            lambda exc, what: step_refusal(exc, what, "FerretDB" if self.ferretdb else "MongoDB"),
+        )
 
     # -- lifecycle
 

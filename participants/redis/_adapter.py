@@ -90,11 +90,14 @@ it parses the field's text, adds ``by`` in decimal arithmetic (``10.50`` + 0.1 i
 subtracts ``by`` and, when that lands on the old value, writes back the old text
 exactly. A field that is not a number is a business rejection.
 
-Errors: Redis unreachable or loading, a read-only replica, or a step that kept
-losing the WATCH race are a :class:`~streams.TransientError`; bad credentials, a
-ledger key holding another type, or a queued command Redis rejects are a
-:class:`~streams.ConfigurationError`; a record key holding a non-hash fails the
-step (:class:`~streams.BusinessRejection`).
+Errors (:mod:`participants.redis._errors` classifies them): Redis unreachable or
+loading, a read-only replica, out of memory, or a step that kept losing the WATCH race
+are a :class:`~streams.TransientError`; bad credentials, or a ledger key holding
+another type, are a :class:`~streams.ConfigurationError`; a record key holding a
+non-hash fails the step (:class:`~streams.BusinessRejection`), and so does what Redis
+answers about a step's own command, read or queued by a custom handler (``WRONGTYPE``,
+a wrong command or argument, a script's error: the step's
+:class:`~participants._refusals.StoreRefused`, or its decision parked and reported).
 """
 
 from __future__ import annotations
@@ -112,6 +115,7 @@ from saga.participants._actions import Key, check_identifier
 from saga.participants._barrier import LedgerEntry, finished_ms
 from saga.participants._handlers import Handler, combine
 from saga.participants._ledger import SEEN_FIELD, RedisLedgerKeys, entry_json, seen_marker
+from saga.participants._refusals import Verdict
 from saga.participants._storage import (
     Actions,
     LedgerStorage,
@@ -120,8 +124,10 @@ from saga.participants._storage import (
     Unit,
     WorkItem,
 )
+from saga.participants._store_errors import StoreErrors
 from saga.participants.redis._actions import RedisActions, value_text
 from saga.participants.redis._batch import Planner, RedisBatch
+from saga.participants.redis._errors import step_refusal, verdict
 from saga.participants.redis._session import (
     UNSAFE,
     RedisSession,
@@ -213,8 +219,10 @@ class RedisStorage(LedgerStorage[RedisSession]):
         self.in_flight_key = self.keys.in_flight
         self.finished_key = self.keys.finished
         self._finished_ready = False
-        self.actions = combine(RedisActions(self.targets), handlers)
-        planner = Planner(self.actions, self.keys, prefix, self.targets)
+        combined = combine(RedisActions(self.targets), handlers)
+        # What Redis answers about an action's own command is that step's refusal.
+        self.actions = StoreErrors(combined, step_refusal)
+        planner = Planner(combined, self.keys, prefix, self.targets)
         self.batch_script = RedisBatch(self.client, planner) if scripts else None
 
     def ledger_key(self, tx_id: str) -> str:
@@ -393,17 +401,11 @@ class RedisStorage(LedgerStorage[RedisSession]):
                 f"{prefix}: {self.where} refused a command ({detail}); grant the Redis user "
                 "the commands and keys the participant needs"
             ) from exc
-        if isinstance(
-            exc,
-            redis_errors.ConnectionError
-            | redis_errors.TimeoutError
-            | redis_errors.BusyLoadingError
-            | redis_errors.ReadOnlyError,
-        ):
+        if verdict(exc) is Verdict.TRANSIENT and not isinstance(exc, redis_errors.ResponseError):
             raise TransientError(
                 f"{prefix}: {self.where} is unavailable ({detail}); retrying is safe"
             ) from exc
-        if isinstance(exc, redis_errors.ResponseError) and not detail.startswith("OOM"):
+        if isinstance(exc, redis_errors.ResponseError) and verdict(exc) is Verdict.REFUSED:
             raise ConfigurationError(
                 f"{prefix}: {self.where} rejected a command ({detail}); check that nothing "
                 f"else writes under {self.prefix}: and that custom handlers queue valid commands"

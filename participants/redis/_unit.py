@@ -6,6 +6,7 @@ See :mod:`participants._redis` for the rounds and why they are safe; the keys ar
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Mapping
 from typing import Any, Final, cast
@@ -24,11 +25,14 @@ from saga.participants._ledger import (
     field_of_step,
     step_of_field,
 )
+from saga.participants._refusals import step_name
 from saga.participants._storage import Unit
+from saga.participants.redis._errors import step_refusal
 from saga.participants.redis._session import RedisSession, watch_hgetall
 from saga.streams import TX_ID_PATTERN, InvalidRecord, Isolation, Mode
 
 TX_ID: Final = re.compile(TX_ID_PATTERN)
+log = logging.getLogger("saga.participant")
 
 
 def finished_here(entry: LedgerEntry) -> int | None:
@@ -134,7 +138,8 @@ class RedisUnit(Unit[RedisSession]):
         text = entry_json(entry)
         after = {**fields, field: text}
         self.pipe.multi()
-        for command in self.native.take_queue():
+        queued = self.native.take_queue()
+        for command in queued:
             cast(Any, self.pipe).execute_command(*command)
         self.pipe.hset(name, field, text)
         if any(may_wait(step) for step in steps_of(after)):
@@ -146,9 +151,36 @@ class RedisUnit(Unit[RedisSession]):
             self.pipe.zrem(self.keys.finished, entry.tx_id)
         else:
             self.pipe.zadd(self.keys.finished, {entry.tx_id: finished})
-        self.pipe.execute()  # raises WatchError when a watched key changed: run again
+        self._exec(entry, len(queued))
         self._ledgers[entry.tx_id] = after
         self._watched.clear()
+
+    def _exec(self, entry: LedgerEntry, queued: int) -> None:
+        """``EXEC``; raises WatchError when a watched key changed (run again). A command of
+        the step that Redis refused when it was queued (a wrong command or argument
+        count) made ``EXEC`` run nothing: the step's refusal. One Redis refused while
+        running it (``WRONGTYPE`` on a handler's key) did not stop the others, the
+        entry's among them, and Redis undoes nothing: the step stays as recorded, and the
+        refusal is logged for its handler's author."""
+        what = (
+            "the ledger entry"
+            if entry.action is None
+            else step_name(entry.action, entry.args or {})
+        )
+        try:
+            results = self.pipe.execute(raise_on_error=False)
+        except redis_errors.ResponseError as exc:
+            refused = step_refusal(exc, what)
+            if refused is None:
+                raise
+            refused.step = entry.step
+            raise refused from exc
+        failed = [r for r in results[:queued] if isinstance(r, redis_errors.ResponseError)]
+        for error in failed:
+            log.error("%s of %s ran only in part: %s", what, entry.tx_id, error)
+        ours = [r for r in results[queued:] if isinstance(r, redis_errors.ResponseError)]
+        if ours:
+            raise ours[0]
 
     def rollback_effect(self) -> None:
         self.native.take_queue()

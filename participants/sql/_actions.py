@@ -23,6 +23,7 @@ from saga.participants._barrier import (
     SuccessorCompensated,
     isolation_of,
 )
+from saga.participants._refusals import step_name
 from saga.participants._storage import (
     Actions,
     DecisionArrived,
@@ -30,7 +31,7 @@ from saga.participants._storage import (
     StepScope,
     WorkItem,
 )
-from saga.participants.sql._errors import detail
+from saga.participants.sql._errors import step_refusal
 from saga.participants.sql._holds import Record
 from saga.participants.sql._isolation import RETRY, IsolatedRecord
 from saga.participants.sql._rows import add, subtract
@@ -292,12 +293,16 @@ class NeedsSavepoints(RunBatchAgain):
 
 
 class DriverErrors(Actions[SqlSession]):
-    """Runs ``inner`` and turns an action's integrity or data error into a rejection.
+    """Runs ``inner`` and turns what the database says about an action's statement (built-in
+    or a custom handler's) into the step's refusal: :func:`participants.sql._errors.verdict`
+    says which errors are the step's (a constraint, a trigger's exception, a data or
+    syntax error: :class:`~participants._refusals.StoreRefused`; a statement or lock
+    timeout: the same, marked a timeout, which the storage runs again a few times first).
 
     Only inside the step's effect savepoint can that be: in a batch without
     savepoints (:attr:`SqlSession.savepoints` false) the error has aborted the whole
     PostgreSQL transaction, so it stops the batch (:class:`NeedsSavepoints`), which
-    runs again with savepoints, where just that step is rejected. Anything else
+    runs again with savepoints, where just that step is refused. Anything else
     propagates: the storage boundary makes connection trouble a
     :class:`TransientError`, and a handler's own bug fails its item.
     """
@@ -306,17 +311,17 @@ class DriverErrors(Actions[SqlSession]):
         self.inner = inner
 
     def apply(self, native: SqlSession, action: str, args: Mapping[str, Any]) -> Any:
-        with _rejected_by_database(native, action):
+        with _rejected_by_database(native, step_name(action, args)):
             return self.inner.apply(native, action, args)
 
     def compensate(
         self, native: SqlSession, action: str, args: Mapping[str, Any], before: Any
     ) -> None:
-        with _rejected_by_database(native, f"the compensation of {action}"):
+        with _rejected_by_database(native, f"the compensation of {step_name(action, args)}"):
             self.inner.compensate(native, action, args, before)
 
     def confirm(self, native: SqlSession, action: str, args: Mapping[str, Any]) -> None:
-        with _rejected_by_database(native, f"the confirmation of {action}"):
+        with _rejected_by_database(native, f"the commit of {step_name(action, args)}"):
             self.inner.confirm(native, action, args)
 
     def scoped(self, scope: StepScope) -> Actions[SqlSession]:
@@ -333,9 +338,10 @@ class DriverErrors(Actions[SqlSession]):
 def _rejected_by_database(session: SqlSession, what: str) -> Iterator[None]:
     try:
         yield
-    except (sa_exc.IntegrityError, sa_exc.DataError) as exc:
-        if exc.connection_invalidated:
+    except sa_exc.DBAPIError as exc:
+        refused = step_refusal(exc, what)
+        if refused is None:
             raise
         if not session.savepoints:
             raise NeedsSavepoints from exc
-        raise BusinessRejection(f"{what} was refused by the database: {detail(exc)}") from exc
+        raise refused from exc

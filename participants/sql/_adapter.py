@@ -73,17 +73,22 @@ holds in :mod:`participants.sql._holds`, its ledger and unit in
 :mod:`participants.sql._ledger`, its connection and error helpers in
 :mod:`participants.sql._errors`.
 
-Errors, translated at this boundary (docs/architecture.md §4):
+Errors (docs/architecture.md §4), classified by :func:`participants.sql._errors.verdict`
+(by SQLSTATE on PostgreSQL, by error name on SQLite):
 
-* integrity and data errors raised by an action (duplicate key, NOT NULL,
-  value out of range, ...) are a :class:`~streams.BusinessRejection`: the
-  step fails and its saga rolls back;
-* the database being unreachable, a lost connection, a deadlock or a
-  serialization failure, and another worker writing the same ledger entry at
-  the same time are a :class:`~streams.TransientError`: nothing of the batch
-  took effect and the runtime retries it;
-* a statement the database refuses as such (a missing table or privilege) is a
-  :class:`~streams.ConfigurationError`.
+* what the database says about an action's statement, built-in or a custom
+  handler's (a constraint, a trigger's ``RAISE``, a data or syntax error, a missing
+  privilege) is that step's :class:`~participants._refusals.StoreRefused`: the step
+  fails and its saga rolls back, or its decision is parked and reported; a statement
+  or lock timeout is run again a few times first (:mod:`participants._refusals`);
+* the database being unreachable or short of resources, a lost connection, a
+  deadlock or a serialization failure, a timeout on the batch's own locks, and another
+  worker writing the same ledger entry at the same time are a
+  :class:`~streams.TransientError`: nothing of the batch took effect and the runtime
+  retries it;
+* a statement of the batch's own the database refuses as such (a missing table or
+  privilege) is a :class:`~streams.ConfigurationError`; one it refuses for a value
+  fails the item it belongs to (the runtime runs the batch's items one by one).
 """
 
 from __future__ import annotations
@@ -111,6 +116,7 @@ from sqlalchemy import exc as sa_exc
 from saga.participants._actions import check_identifier
 from saga.participants._barrier import LedgerEntry, LedgerStatus
 from saga.participants._handlers import Handler, combine
+from saga.participants._refusals import StoreRefused, Verdict
 from saga.participants._storage import Actions, LedgerStorage, Unit, WorkItem
 from saga.participants.sql import _mysql as mysql
 from saga.participants.sql._actions import (
@@ -124,12 +130,15 @@ from saga.participants.sql._errors import (
     can_pipeline,
     describe,
     detail,
+    error_code,
     is_auth_failure,
     is_conflict,
+    is_schema_error,
     make_engine,
     pipelined,
     sqlalchemy_url,
     tx_locks,
+    verdict,
 )
 from saga.participants.sql._holds import (
     HOLDS_COLUMNS,
@@ -155,11 +164,13 @@ from saga.streams._faults import NO_FAULTS, Faults
 
 @contextmanager
 def _careful_if_refused() -> Iterator[None]:
-    """A value the database refused in a batch's write: run the batch again carefully."""
+    """What the database refused, or timed out on, in a batch's reads or writes of the rows
+    its steps touch (a constraint, a trigger's exception, a lock timeout): run the batch
+    again carefully, where it is the one step's."""
     try:
         yield
-    except (sa_exc.IntegrityError, sa_exc.DataError) as exc:
-        if exc.connection_invalidated:
+    except sa_exc.DBAPIError as exc:
+        if verdict(exc) not in (Verdict.REFUSED, Verdict.TIMEOUT):
             raise
         raise NeedsSavepoints from exc
 
@@ -333,7 +344,8 @@ class SqlStorage(LedgerStorage[SqlSession, SqlBatch]):
             else:
                 rows = BatchRows(connection, self._tables, postgresql=pg)
                 holds = BatchHolds(connection, self.holds_table, locks)
-                self._preload(connection, keys, rows, holds)
+                with _careful_if_refused():
+                    self._preload(connection, keys, rows, holds)
             yield SqlBatch(connection, ledger, careful, locks, rows, holds)
             if rows is not None and holds is not None and self._pipeline:
                 # A refusal of the rows' write or of the ledger's (another worker's
@@ -559,10 +571,16 @@ class SqlStorage(LedgerStorage[SqlSession, SqlBatch]):
                 f"{self.url.username or '(none)'!r} ({detail(exc)}); fix the user name or "
                 "password in the storage URL, or the server's pg_hba.conf"
             ) from exc
-        if isinstance(exc, sa_exc.ProgrammingError) and not exc.connection_invalidated:
-            raise ConfigurationError(
-                f"{prefix}: {self.database} refused a statement ({detail(exc)}); check the "
-                "tables and the database user's privileges"
+        if verdict(exc) is Verdict.REFUSED:
+            if is_schema_error(exc):
+                raise ConfigurationError(
+                    f"{prefix}: {self.database} refused a statement ({detail(exc)}); check "
+                    "the tables and the database user's privileges"
+                ) from exc
+            # Not one step's statement, but a value of the batch's: run one by one, the
+            # runtime fails the item it belongs to.
+            raise StoreRefused(
+                f"{prefix}: {self.database} refused it ({detail(exc)}, {error_code(exc)})"
             ) from exc
         if is_conflict(exc):
             raise TransientError(

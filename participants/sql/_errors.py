@@ -2,8 +2,25 @@
 
 Where the database is (for messages, never the password), the engine (PostgreSQL
 through psycopg 3, SQLite with savepoints that work), the advisory locks a batch
-takes on PostgreSQL, and the classification of a driver error (authentication,
-conflict) that :meth:`participants._sql.SqlStorage.translate` uses.
+takes on PostgreSQL, and the classification of a driver error that
+:meth:`participants.sql.SqlStorage.translate` and the actions' wrapper use.
+
+Classification (:func:`verdict`, see :mod:`participants._refusals` for what each
+verdict does). PostgreSQL by SQLSTATE: its class 08 (connection), 25 (transaction
+state: a read-only standby, a killed idle transaction), 40 (serialization failure,
+deadlock), 53 (insufficient resources), 57 (operator intervention), 58 (system) and XX
+(internal) are transient; 57014 (a statement timeout, or a cancel) and 55P03 (a lock
+timeout) are timeouts; 28 is the credentials (configuration); every other SQLSTATE is
+the server's answer to the statement itself, refused (22 data, 23 integrity, P0 a
+PL/pgSQL ``RAISE``, 42 syntax or access, ...). SQLite by its error name: busy, locked,
+I/O, full, out of memory, read-only, schema changed, corrupt are transient; an
+interrupt is a timeout; auth and permission are configuration; the rest (a
+constraint, a trigger's ``RAISE``, a type mismatch, too big, an error in the
+statement) refused. MySQL and MariaDB (PyMySQL) by error number: a lock wait or
+statement timeout is a timeout, a deadlock and lost connections transient, access
+denied configuration, a trigger's ``SIGNAL`` refused. An error without a code is a lost
+connection (transient), unless the driver raised it as an integrity, data or
+programming error (refused).
 """
 
 from __future__ import annotations
@@ -31,6 +48,7 @@ from sqlalchemy.engine import URL, make_url
 from sqlalchemy.engine.interfaces import DBAPIConnection
 from sqlalchemy.pool import ConnectionPoolEntry
 
+from saga.participants._refusals import StoreRefused, Verdict, refusal
 from saga.streams import ConfigurationError
 from saga.streams._secrets import redact, redact_url
 
@@ -71,6 +89,134 @@ def is_conflict(exc: sa_exc.DBAPIError) -> bool:
     if isinstance(sqlstate, str) and sqlstate.startswith("40"):
         return True
     return "database is locked" in str(exc.orig)
+
+
+_PG_CODES: Final = {"57014": Verdict.TIMEOUT, "55P03": Verdict.TIMEOUT}
+_PG_CLASSES: Final = {
+    "08": Verdict.TRANSIENT,
+    "25": Verdict.TRANSIENT,
+    "28": Verdict.CONFIGURATION,
+    "40": Verdict.TRANSIENT,
+    "53": Verdict.TRANSIENT,
+    "57": Verdict.TRANSIENT,
+    "58": Verdict.TRANSIENT,
+    "XX": Verdict.TRANSIENT,
+}
+_SQLITE_NAMES: Final = (  # by prefix: SQLITE_BUSY_TIMEOUT is SQLITE_BUSY's
+    ("SQLITE_INTERRUPT", Verdict.TIMEOUT),
+    ("SQLITE_BUSY", Verdict.TRANSIENT),
+    ("SQLITE_LOCKED", Verdict.TRANSIENT),
+    ("SQLITE_IOERR", Verdict.TRANSIENT),
+    ("SQLITE_FULL", Verdict.TRANSIENT),
+    ("SQLITE_NOMEM", Verdict.TRANSIENT),
+    ("SQLITE_CANTOPEN", Verdict.TRANSIENT),
+    ("SQLITE_PROTOCOL", Verdict.TRANSIENT),
+    ("SQLITE_READONLY", Verdict.TRANSIENT),
+    ("SQLITE_SCHEMA", Verdict.TRANSIENT),
+    ("SQLITE_CORRUPT", Verdict.TRANSIENT),
+    ("SQLITE_NOTADB", Verdict.TRANSIENT),
+    ("SQLITE_ABORT", Verdict.TRANSIENT),
+    ("SQLITE_AUTH", Verdict.CONFIGURATION),
+    ("SQLITE_PERM", Verdict.CONFIGURATION),
+)
+
+
+_MYSQL_NUMBERS: Final = {
+    1205: Verdict.TIMEOUT,  # lock wait timeout exceeded
+    3024: Verdict.TIMEOUT,  # max_execution_time exceeded
+    1969: Verdict.TIMEOUT,  # MariaDB: max_statement_time exceeded
+    1213: Verdict.TRANSIENT,  # deadlock
+    1040: Verdict.TRANSIENT,  # too many connections
+    1053: Verdict.TRANSIENT,  # server shutdown
+    2002: Verdict.TRANSIENT,  # cannot connect
+    2003: Verdict.TRANSIENT,
+    2006: Verdict.TRANSIENT,  # server has gone away
+    2013: Verdict.TRANSIENT,  # lost connection during query
+    1044: Verdict.CONFIGURATION,  # access denied to the database
+    1045: Verdict.CONFIGURATION,  # access denied for the user
+}
+
+
+def error_code(exc: BaseException) -> str | None:
+    """The database's code for the error: PostgreSQL's SQLSTATE, SQLite's error name, or
+    MySQL's error number."""
+    origin = getattr(exc, "orig", None) or exc
+    number = _mysql_number(origin)
+    if number is not None:
+        return str(number)
+    for attribute in ("sqlstate", "sqlite_errorname"):
+        code = getattr(origin, attribute, None)
+        if isinstance(code, str) and code:
+            return code
+    return None
+
+
+def _mysql_number(origin: object) -> int | None:
+    if not type(origin).__module__.startswith(("pymysql", "MySQLdb")):
+        return None
+    args = getattr(origin, "args", ())
+    return args[0] if args and isinstance(args[0], int) and args[0] > 0 else None
+
+
+def _sqlstate(origin: object) -> str | None:
+    """PostgreSQL's SQLSTATE of a psycopg error (``None`` for the driver's own errors)."""
+    if not type(origin).__module__.startswith("psycopg"):
+        return None
+    code = getattr(origin, "sqlstate", None)
+    return code if isinstance(code, str) and code else None
+
+
+def verdict(exc: BaseException) -> Verdict:
+    """What the driver error ``exc`` means for the work (see the module doc)."""
+    if not isinstance(exc, sa_exc.DBAPIError) or exc.connection_invalidated:
+        return Verdict.TRANSIENT
+    number = _mysql_number(exc.orig)
+    if number is not None:
+        client = 2000 <= number < 3000  # the driver's own: the connection
+        return _MYSQL_NUMBERS.get(number, Verdict.TRANSIENT if client else Verdict.REFUSED)
+    sqlstate = _sqlstate(exc.orig)
+    if sqlstate is not None:
+        return _PG_CODES.get(sqlstate) or _PG_CLASSES.get(sqlstate[:2], Verdict.REFUSED)
+    name = getattr(exc.orig, "sqlite_errorname", None)
+    if isinstance(name, str) and name:
+        return next((v for n, v in _SQLITE_NAMES if name.startswith(n)), Verdict.REFUSED)
+    if is_auth_failure(exc):
+        return Verdict.CONFIGURATION
+    if isinstance(exc, sa_exc.IntegrityError | sa_exc.DataError | sa_exc.ProgrammingError):
+        return Verdict.REFUSED
+    return Verdict.TRANSIENT
+
+
+def store_name(exc: BaseException) -> str:
+    """``PostgreSQL``, ``SQLite`` or ``MySQL``, by the driver that raised ``exc``."""
+    module = type(getattr(exc, "orig", None) or exc).__module__
+    if module.startswith("psycopg"):
+        return "PostgreSQL"
+    if module.startswith(("pymysql", "MySQLdb")):
+        return "MySQL"
+    return "SQLite" if module.startswith("sqlite3") else "the database"
+
+
+def is_schema_error(exc: BaseException) -> bool:
+    """A statement wrong for the schema (a syntax error, a missing table, column or
+    privilege): PostgreSQL's class 42, SQLite's plain error, or the driver's programming
+    error (not a PL/pgSQL ``RAISE``, which psycopg raises as one too)."""
+    sqlstate = _sqlstate(getattr(exc, "orig", None))
+    if sqlstate is not None:
+        return sqlstate.startswith("42")
+    code = error_code(exc) or ""
+    if code.startswith("SQLITE_"):
+        return code == "SQLITE_ERROR"
+    return isinstance(exc, sa_exc.ProgrammingError)
+
+
+def step_refusal(exc: BaseException, what: str) -> StoreRefused | None:
+    """The step's refusal for a driver error met doing ``what`` (``the increment of
+    accounts/frozen``), or ``None`` when the error is not the step's (transient)."""
+    judged = verdict(exc)
+    if judged not in (Verdict.REFUSED, Verdict.TIMEOUT):
+        return None
+    return refusal(store_name(exc), what, detail(exc), error_code(exc), judged)
 
 
 def tx_locks(participant: str, tx_ids: Iterable[str]) -> Executable:

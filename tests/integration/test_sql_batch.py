@@ -182,7 +182,7 @@ def test_a_value_the_database_refuses_fails_only_its_step(postgres_db: Database)
             ("tx-2", StepStatus.FAILED),
             ("tx-3", StepStatus.APPLIED),
         ]
-        assert got[1].reason and "refused by the database" in got[1].reason
+        assert got[1].reason and "refused the increment of accounts/2: " in got[1].reason
         assert harness.record("accounts", 2) == {"owner": "bob", "balance": 55, "credit": None}
         assert harness.record("accounts", 1) == {
             "owner": "alice",

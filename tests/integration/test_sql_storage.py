@@ -407,7 +407,7 @@ def test_a_database_error_rejects_only_its_own_step(database: Database) -> None:
             ("tx-2", StepStatus.FAILED),
             ("tx-3", StepStatus.APPLIED),
         ]
-        assert got[1].reason and "refused by the database" in got[1].reason
+        assert got[1].reason and "refused the insert of accounts/7: " in got[1].reason
         assert harness.record("accounts", 1) == {
             "owner": "alice",
             "balance": 110,

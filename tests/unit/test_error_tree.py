@@ -16,6 +16,7 @@ import pytest
 
 import saga.streams
 import saga.streams._errors
+from saga.participants._refusals import StoreRefused
 from saga.streams._errors import SagaError
 from saga.streams.kafka import TransactionAborted
 from saga.streams.reconcile import ReconcileError
@@ -29,6 +30,7 @@ EXPECTED: dict[str, tuple[str, bool]] = {
     "InvalidRecord": ("SagaError", False),
     "ReconcileError": ("ConfigurationError", False),
     "SagaTimeout": ("SagaError", True),
+    "StoreRefused": ("BusinessRejection", False),
     "SubmitUncertain": ("TransientError", True),
     "TransactionAborted": ("TransientError", True),
     "TransientError": ("SagaError", True),
@@ -43,6 +45,7 @@ CLASSES: dict[str, type[SagaError]] = {
     "InvalidRecord": saga.streams.InvalidRecord,
     "ReconcileError": ReconcileError,
     "SagaTimeout": saga.streams.SagaTimeout,
+    "StoreRefused": StoreRefused,
     "SubmitUncertain": saga.streams.SubmitUncertain,
     "TransactionAborted": TransactionAborted,
     "TransientError": saga.streams.TransientError,
