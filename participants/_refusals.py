@@ -88,6 +88,17 @@ def run_again_after(
     """After run ``runs`` of an item of ``tx_id`` ended in ``refused``: log it, and either
     wait (the backoff, doubling from ``policy.refusal_backoff_s``) and say run it again,
     or, after ``policy.refusal_attempts`` runs, say record the refusal instead."""
+    if runs >= policy.refusal_attempts:
+        log.error(
+            "participant %r: %s refused %d times; recorded on its step (a new step fails, a "
+            "decision is parked and reported compensation_failed): %s",
+            participant,
+            tx_id,
+            runs,
+            refused.reason,
+            extra={"tx_id": tx_id},
+        )
+        return False
     log.warning(
         "participant %r: %s, run %d of %d: %s",
         participant,
@@ -97,7 +108,5 @@ def run_again_after(
         refused.reason,
         extra={"tx_id": tx_id},
     )
-    if runs >= policy.refusal_attempts:
-        return False
     time.sleep(policy.refusal_backoff_s * 2 ** (runs - 1))
     return True
