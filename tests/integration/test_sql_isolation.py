@@ -1,13 +1,10 @@
 """Isolation on the SQL storage (PostgreSQL, SQLite and MariaDB), through its real API.
 
-``read_committed`` (docs/architecture.md, Isolation): a business row changes only when
-its saga's commit is applied; a plain ``SELECT`` outside the product sees committed
-values only. Increments reserve (escrow), ``insert``/``put``/``update``/``delete``
-hold the record; another saga's step on a held record fails at once naming the
-holder; holds live in ``<ledger>_holds`` and change with the ledger, in one local
-transaction. ``none`` writes at once, and its compensation refuses (``compensation_
-failed``, naming the record) to overwrite another saga's work or to cross a bound a
-step relied on.
+``read_committed`` (docs/architecture.md §9): a row changes only when its saga's commit
+is applied, so a plain ``SELECT`` sees committed values only; increments reserve, other
+actions hold (a step on another saga's held record fails naming the holder); holds live
+in ``<ledger>_holds``, changed with the ledger. ``none`` writes at once, and its
+compensation refuses (``compensation_failed``) to overwrite another's work or cross a bound.
 """
 
 from __future__ import annotations

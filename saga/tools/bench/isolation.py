@@ -22,6 +22,7 @@ from rich.console import Console
 from rich.table import Table
 
 from saga.tools.bench.config import NONE_SUFFIX, BenchConfig
+from saga.tools.bench.cpu import cpu_ms_by_role
 from saga.tools.bench.phases import SagaPhaseResult
 
 LEVELS = ("read_committed", "none")
@@ -32,8 +33,6 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def _cpu_by_role(r: SagaPhaseResult) -> dict[str, float | None]:
-    from saga.tools.bench.report import cpu_ms_by_role
-
     return cpu_ms_by_role(r)
 
 

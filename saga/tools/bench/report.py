@@ -15,6 +15,8 @@ from rich.table import Table
 
 from saga.tools.bench.baselines import DirectResult, LogResult
 from saga.tools.bench.config import PARTICIPANTS, SIGNED_MAIN, BenchConfig
+from saga.tools.bench.cpu import cpu_ms as _cpu_ms
+from saga.tools.bench.cpu import cpu_ms_by_role
 from saga.tools.bench.isolation import hot_figures, isolation_figures, print_isolation
 from saga.tools.bench.phases import SagaPhaseResult
 
@@ -41,10 +43,6 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     if a is None or b is None or b <= 0:
         return None
     return round(a / b, 3)
-
-
-def _cpu_ms(r: SagaPhaseResult) -> dict[str, float | None]:
-    return {k: None if v is None else round(1000 * v, 3) for k, v in r.cpu_s_per_saga.items()}
 
 
 def _total_ms(per_process: Mapping[str, float | None]) -> float:
@@ -79,23 +77,6 @@ def signing_figures(
             "on": on.decision_latency_ms.get("p99"),
         },
     }
-
-
-def role(process: str) -> str:
-    """``bank#0 (sql)`` -> ``bank``; ``client (bench)`` -> ``client``; services unchanged."""
-    return process.split(" (", maxsplit=1)[0].split("#", maxsplit=1)[0]
-
-
-def cpu_ms_by_role(r: SagaPhaseResult) -> dict[str, float | None]:
-    """CPU ms per saga per role (a participant's workers added up), for side-by-side rows."""
-    out: dict[str, float | None] = {}
-    for name, v in _cpu_ms(r).items():
-        key = role(name)
-        if v is None:
-            out.setdefault(key, None)
-        else:
-            out[key] = round((out.get(key) or 0.0) + v, 3)
-    return out
 
 
 def layout_figures(
