@@ -79,8 +79,8 @@ def transfer(amount: int, order: str) -> list[Step]:
 
 def test_commit_path(system: SagaSystem) -> None:
     """Every step applied -> commit -> the saga and its steps show committed; the stores
-    show the change once. Built-in steps have nothing to confirm: the ledger keeps them
-    applied, and no participant reports `committed`."""
+    show the change once. Built-in steps at read_committed (the default) confirm: each
+    `applied` event says so, the commit writes what they held, and each reports `committed`."""
     running(system)
     with system.client() as client:
         tx = client.submit(transfer(30, "o-1"), saga="transfer", timeout=60)
@@ -89,11 +89,12 @@ def test_commit_path(system: SagaSystem) -> None:
     assert [s.status for s in final.steps] == [StepStatus.COMMITTED] * 3
     assert balances(system) == {"alice": 70, "bob": 80}
     assert orders(system) == ["o-1"]
-    assert set(ledger(system, tx).values()) == {("applied", True)}
+    assert set(ledger(system, tx).values()) == {("committed", True)}
     assert [d.outcome for d in system.decisions(tx)] == [Outcome.COMMIT]
     events = system.events(tx)
-    assert sorted(e.status for e in events) == [StepStatus.APPLIED] * 3
-    assert not any(e.confirm for e in events)
+    statuses = sorted(e.status for e in events)
+    assert statuses == sorted([StepStatus.APPLIED, StepStatus.COMMITTED] * 3)
+    assert all(e.confirm for e in events if e.status is StepStatus.APPLIED)
 
 
 def test_business_rejection_rolls_back_and_compensates(system: SagaSystem) -> None:
@@ -177,14 +178,17 @@ def test_duplicated_request_and_decision_take_effect_once(system: SagaSystem) ->
         producer.produce(system.settings.topics.decisions, decision.tx_id, encode(decision))
         producer.produce(system.settings.topics.requests, request.tx_id, encode(request))
         producer.flush(10)
-        # the participants re-emit `applied` for the replayed request; the replayed commit
-        # needs nothing (built-in steps) and is answered by nothing
+        # Built-in steps at read_committed were confirmed by the commit (3 `committed`
+        # events); the participants answer the replayed request and the replayed commit
+        # by reporting each step `committed` again, and write nothing again.
         eventually(
-            lambda: sum(e.status is StepStatus.APPLIED for e in system.events(request.tx_id)) >= 6,
+            lambda: (
+                sum(e.status is StepStatus.COMMITTED for e in system.events(request.tx_id)) >= 9
+            ),
             timeout=60,
-            message="the replayed request was not answered",
+            message="the replayed request and commit were not both answered",
         )
-        assert not any(e.status is StepStatus.COMMITTED for e in system.events(request.tx_id))
+    assert set(ledger(system, request.tx_id).values()) == {("committed", True)}
     assert balances(system) == {"alice": 80, "bob": 70}
     assert orders(system) == ["o-6"]
     assert len(system.decisions(request.tx_id)) == 2  # the original and our replay
