@@ -18,7 +18,8 @@ import sqlalchemy as sa
 
 from saga.participants._barrier import LedgerStatus
 from saga.participants._handlers import Handler
-from saga.participants.sql._adapter import SqlSession
+from saga.participants._storage import Storage
+from saga.participants.sql._adapter import SqlSession, SqlStorage
 from saga.streams import Isolation, StepStatus
 from tests.integration.test_sql_storage import (
     Database,
@@ -92,6 +93,13 @@ def frozen(db: Database, what: str) -> str:
     return f"{STORE[dialect(db)]} refused {what}: account frozen ({FROZEN_CODE[dialect(db)]})"
 
 
+def quick(storage: Storage) -> SqlStorage:
+    """``storage``, running a refused item again without the production backoff."""
+    assert isinstance(storage, SqlStorage)
+    storage.refusal_backoff_s = 0.01
+    return storage
+
+
 def balance(harness: SqlHarness, key: int) -> int:
     record = harness.record("accounts", key)
     assert record is not None
@@ -121,13 +129,12 @@ def test_a_triggers_exception_fails_its_step_alone(database: Database) -> None:
 
 def test_a_refused_commit_is_parked_then_committed_by_a_later_decision(database: Database) -> None:
     with sql_harness(database) as harness:
-        storage = harness.storage
+        storage = quick(harness.storage)
         # read_committed: the reservation leaves the row alone; the commit writes it.
         assert [
             r.status for r in storage.execute([requested("tx-1", "increment", bump(2, 5))])
         ] == [StepStatus.APPLIED]
         freeze(database)
-        storage.refusal_backoff_s = 0.01
         [parked] = storage.execute([commit("tx-1")])
         assert parked.status is StepStatus.COMPENSATION_FAILED and parked.parked
         assert parked.reason == (
@@ -147,11 +154,10 @@ def test_a_refused_compensation_is_parked_and_a_later_rollback_retries_it(
     database: Database,
 ) -> None:
     with sql_harness(database) as harness:
-        storage = harness.storage
+        storage = quick(harness.storage)
         storage.execute([requested("tx-1", "increment", bump(2, 5), isolation=NONE)])
         assert balance(harness, 2) == 55
         freeze(database)
-        storage.refusal_backoff_s = 0.01
         [parked] = storage.execute([rollback("tx-1")])
         assert parked.status is StepStatus.COMPENSATION_FAILED and parked.parked
         assert parked.reason == "compensation failed: " + frozen(
@@ -196,8 +202,7 @@ def test_a_driver_error_in_a_custom_handler_fails_its_step(database: Database) -
 def test_a_lock_timeout_fails_its_step_after_its_runs(postgres_db: Database) -> None:
     with sql_harness(postgres_db) as harness:
         url = f"{postgres_db.url}?options=-c%20lock_timeout%3D200"
-        storage = harness.make(url=url)
-        storage.refusal_backoff_s = 0.01
+        storage = quick(harness.make(url=url))
         with postgres_db.engine.connect() as other, other.begin():
             table = postgres_db.tables["accounts"]
             other.execute(sa.select(table).where(table.c.id == 2).with_for_update())
