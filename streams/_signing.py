@@ -60,6 +60,7 @@ import itertools
 import json
 import os
 import threading
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -215,11 +216,12 @@ class Keyring:
             if principal is None:
                 raise ConfigurationError("a private key needs its principal")
             self._kid = key_id(principal, bytes(private.verify_key)).encode()
-        # Digests of what this keyring signed lately (see remember_own), oldest first.
-        self._own: dict[bytes, None] | None = None
+        # Digests of what this keyring signed lately (see remember_own), oldest first. An
+        # OrderedDict: dropping a plain dict's first key scans the slots freed before it.
+        self._own: OrderedDict[bytes, None] | None = None
         self._own_limit = 0
         # Batch signatures verified here: signature -> (key id, signed message).
-        self._verdicts: dict[bytes, tuple[bytes, bytes]] = {}
+        self._verdicts: OrderedDict[bytes, tuple[bytes, bytes]] = OrderedDict()
         # Inner nodes of batch trees folded here lately (see streams._merkle.root_of).
         self._nodes: dict[bytes, bytes] = {}
         self._lock = threading.Lock()
@@ -262,7 +264,7 @@ class Keyring:
         that verification would say. Anything else, a record of this key not in the
         memory included, is verified. A batch's signature counts once.
         """
-        self._own = {}
+        self._own = OrderedDict()
         self._own_limit = max(1, limit)
 
     def _digest(self, content: bytes, signature: bytes) -> bytes:
@@ -275,7 +277,7 @@ class Keyring:
         with self._lock:
             own[self._digest(content, signature)] = None
             if len(own) > self._own_limit:
-                del own[next(iter(own))]
+                own.popitem(last=False)
 
     @property
     def signs(self) -> bool:
@@ -388,7 +390,7 @@ class Keyring:
                 verdicts = self._verdicts
                 verdicts[signature] = (kid, message)
                 if len(verdicts) > VERDICTS_KEPT:
-                    del verdicts[next(iter(verdicts))]
+                    verdicts.popitem(last=False)
         return public.principal
 
     def check(
