@@ -12,9 +12,12 @@ Sagas designed to fail do so at the bank (the source account does not exist:
 the credit is applied and must be compensated) or at the shop (the order already
 exists: both bank steps were applied and must be compensated). They fail the
 same way whatever runs concurrently. (An amount larger than the source's balance
-would not: sagas have no isolation, so in parallel mode another failing saga's
-credit, visible until it is compensated, could cover it; the test suite found
-exactly that while it was being written.) Some transfers run in sequential mode.
+would depend on the other sagas in flight, whose reservations count in the bound's
+check; before isolation, another failing saga's credit, visible until it was
+compensated, could cover it: the test suite found exactly that while it was being
+written.) Some transfers run in sequential mode. Every saga runs at the default
+isolation, ``read_committed``: its built-in steps hold or reserve at apply and write
+on commit.
 
 :func:`check_invariants` reads the stores and the log after the load and checks
 docs/architecture.md §6 for it: every saga final, one decision per transaction that agrees
@@ -260,8 +263,8 @@ def check_invariants(
     assert orders(system) == {DUPLICATE_ORDER} | {t.order for t in committed}
 
     # The ledgers agree with the log: one entry per step (the primary key allows no
-    # more), applied with effect for committed sagas (built-in steps: a commit leaves
-    # them as they are); compensated or failed otherwise.
+    # more), committed with effect for committed sagas (built-in steps at read_committed
+    # are confirmed: the commit writes what they held); compensated or failed otherwise.
     rows: dict[str, dict[int, tuple[str, str, bool]]] = defaultdict(dict)
     for participant, tx_id, step, status, effect in ledger_rows(system):
         assert step not in rows[tx_id], f"{tx_id} step {step} has two ledger entries"
@@ -271,7 +274,7 @@ def check_invariants(
         assert sorted(entries) == [0, 1, 2], f"{t.tx_id}: ledger steps {entries}"
         assert [entries[i][0] for i in range(3)] == ["bank", "bank", "shop"], entries
         if finals[t.tx_id].state is SagaState.COMMITTED:
-            assert all(e[1:] == ("applied", True) for e in entries.values()), entries
+            assert all(e[1:] == ("committed", True) for e in entries.values()), entries
         else:
             for _, status, effect in entries.values():
                 assert status in ("compensated", "failed"), (t, entries)
