@@ -32,17 +32,17 @@ class StoreErrors(Actions[NativeT]):
         self.classify = classify
 
     def apply(self, native: NativeT, action: str, args: Mapping[str, Any]) -> Any:
-        with self._judged(step_name(action, args)):
+        with self._judged("", action, args):
             return self.inner.apply(native, action, args)
 
     def compensate(
         self, native: NativeT, action: str, args: Mapping[str, Any], before: Any
     ) -> None:
-        with self._judged(f"the compensation of {step_name(action, args)}"):
+        with self._judged("the compensation of ", action, args):
             self.inner.compensate(native, action, args, before)
 
     def confirm(self, native: NativeT, action: str, args: Mapping[str, Any]) -> None:
-        with self._judged(f"the commit of {step_name(action, args)}"):
+        with self._judged("the commit of ", action, args):
             self.inner.confirm(native, action, args)
 
     def scoped(self, scope: StepScope) -> Actions[NativeT]:
@@ -55,13 +55,13 @@ class StoreErrors(Actions[NativeT]):
         return self.inner.confirms_any()
 
     @contextmanager
-    def _judged(self, what: str) -> Iterator[None]:
+    def _judged(self, doing: str, action: str, args: Mapping[str, Any]) -> Iterator[None]:
         try:
             yield
         except BusinessRejection:
             raise
         except Exception as exc:
-            refused = self.classify(exc, what)
+            refused = self.classify(exc, doing + step_name(action, args))
             if refused is None:
                 raise
             raise refused from exc

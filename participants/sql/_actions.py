@@ -311,17 +311,17 @@ class DriverErrors(Actions[SqlSession]):
         self.inner = inner
 
     def apply(self, native: SqlSession, action: str, args: Mapping[str, Any]) -> Any:
-        with _rejected_by_database(native, step_name(action, args)):
+        with _rejected_by_database(native, "", action, args):
             return self.inner.apply(native, action, args)
 
     def compensate(
         self, native: SqlSession, action: str, args: Mapping[str, Any], before: Any
     ) -> None:
-        with _rejected_by_database(native, f"the compensation of {step_name(action, args)}"):
+        with _rejected_by_database(native, "the compensation of ", action, args):
             self.inner.compensate(native, action, args, before)
 
     def confirm(self, native: SqlSession, action: str, args: Mapping[str, Any]) -> None:
-        with _rejected_by_database(native, f"the commit of {step_name(action, args)}"):
+        with _rejected_by_database(native, "the commit of ", action, args):
             self.inner.confirm(native, action, args)
 
     def scoped(self, scope: StepScope) -> Actions[SqlSession]:
@@ -335,11 +335,13 @@ class DriverErrors(Actions[SqlSession]):
 
 
 @contextmanager
-def _rejected_by_database(session: SqlSession, what: str) -> Iterator[None]:
+def _rejected_by_database(
+    session: SqlSession, doing: str, action: str, args: Mapping[str, Any]
+) -> Iterator[None]:
     try:
         yield
     except sa_exc.DBAPIError as exc:
-        refused = step_refusal(exc, what)
+        refused = step_refusal(exc, doing + step_name(action, args))
         if refused is None:
             raise
         if not session.savepoints:
