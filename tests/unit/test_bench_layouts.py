@@ -21,9 +21,10 @@ from saga.tools.bench.config import (
     Layout,
     parse_layout,
 )
+from saga.tools.bench.cpu import role
 from saga.tools.bench.phases import SagaPhaseResult
 from saga.tools.bench.profile import summarise
-from saga.tools.bench.report import build_report, print_summary, role
+from saga.tools.bench.report import build_report, print_summary
 
 
 def test_named_layouts_and_specs() -> None:
