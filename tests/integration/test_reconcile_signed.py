@@ -257,7 +257,7 @@ def test_forged_records_are_invalid_and_valid_ones_audit_clean(
     assert summary["dlq"]["records"] == 3
     assert summary["dlq"]["justified"] == 2
     assert summary["dlq"]["violations"] == 0
-    assert summary["invariants"] == {"I1": 0, "I2": 0, "I3": 0, "I4": 0, "I6": 0}
+    assert summary["invariants"] == {"I1": 0, "I2": 0, "I3": 0, "I4": 0, "I6": 0, "I7": 0}
     assert summary["classes"]["violation"] == 0
 
     # Only the stuck saga's request is replayed, with its original signature.
