@@ -165,7 +165,9 @@ def snapshot(system: SagaSystem) -> dict[str, Any]:
                 )
             )
             # The ledger is the participants' (created when they start), not business data.
-            found: dict[str, Any] = {"tables": [t for t in tables if t != "saga_ledger"]}
+            # The ledger and its holds (read_committed) are the product's, not business data.
+            ours = {"saga_ledger", "saga_ledger_holds"}
+            found: dict[str, Any] = {"tables": [t for t in tables if t not in ours]}
             for table in ("accounts", "orders", "x"):
                 rows = conn.execute(sa.text(f'SELECT * FROM "{system.schema}".{table}'))
                 found[table] = sorted(tuple(r) for r in rows)
