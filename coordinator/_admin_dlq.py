@@ -15,7 +15,7 @@ from typing import Any
 
 from saga.coordinator._reading import read_to
 from saga.streams import ConfigurationError
-from saga.streams._signing import HEADER_SIGNATURE
+from saga.streams._signing import HEADER_PROOF, HEADER_SIGNATURE
 from saga.streams.kafka import KafkaLog, KafkaSettings, Message
 from saga.streams.log import Log
 
@@ -34,7 +34,8 @@ def _log_of(source: Log | KafkaSettings) -> Log:
 def _text_headers(headers: Sequence[tuple[str, bytes]]) -> dict[str, str]:
     shown: dict[str, str] = {}
     for name, value in headers:
-        shown[name] = value.hex() if name == HEADER_SIGNATURE else value.decode("utf-8", "replace")
+        binary = name in (HEADER_SIGNATURE, HEADER_PROOF)
+        shown[name] = value.hex() if binary else value.decode("utf-8", "replace")
     return shown
 
 
