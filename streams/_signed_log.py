@@ -93,7 +93,8 @@ class _SigningProducer:
         timestamp_ms: int | None = None,
     ) -> None:
         with self._cond:
-            if not self._holding():
+            if self._closed or not self._holding():
+                # Closed, or outside a transaction: the wrapped producer refuses it, saying why.
                 self._hand_on([(topic, key, value, headers, on_delivery, partition, timestamp_ms)])
                 return
             self._held.append((topic, key, value, headers, on_delivery, partition, timestamp_ms))

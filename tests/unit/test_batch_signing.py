@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from nacl.signing import VerifyKey
 
-from saga.streams import KafkaSettings, Keyring, SignedLog
+from saga.streams import KafkaSettings, Keyring, SignedLog, TransientError
 from saga.streams._merkle import MAX_LEAVES, leaf_hash, root_of, tree
 from saga.streams._signed_log import BATCH_RECORDS, _SigningProducer
 from saga.streams._signing import (
@@ -361,6 +361,16 @@ def test_a_plain_signed_producer_batches_what_it_is_given_between_flushes(folder
         held = scoped._inner.produced  # type: ignore[attr-defined]
         assert held == []
     assert [v for _, _, v, _ in held] == [b"in a with block"]
+
+
+def test_a_closed_signed_producer_refuses_a_record_as_the_wrapped_one_does(folder: Path) -> None:
+    settings = KafkaSettings(bootstrap="memory:9092", prefix="s")
+    memory = InMemoryLog(settings, clock=ManualClock())
+    memory.create_topics(1)
+    producer = SignedLog(memory, Keyring.load(folder, BANK)).producer()
+    producer.close()
+    with pytest.raises(TransientError, match="is closed"):
+        producer.produce(settings.topics.events, "tx-1", b"late")
 
 
 def test_a_plain_signed_producer_on_kafka_hands_records_on_without_a_flush(folder: Path) -> None:
