@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
+from dataclasses import replace
 
 from saga.streams import TransientError
-from saga.streams.kafka import Message
+from saga.streams._signed_log import SignedLog
+from saga.streams.kafka import KafkaLog, Message
 from saga.streams.log import Log, LogConsumer
 
 Partition = tuple[str, int]
@@ -75,3 +77,19 @@ def read_range(
             "the status topic on demand takes longer as the topic grows)"
         )
     return found, upto
+
+
+def read_ahead_capped(log: Log, kib: int) -> Log:
+    """A log whose Kafka consumers fetch at most about ``kib`` KiB ahead of the reader.
+
+    librdkafka queues up to 64 MiB per consumer by default, and 100,000 records per
+    partition, and a reader slower than the broker holds that much; a reader of millions
+    of records that keeps few of them needs a fraction. The user's own settings of
+    these keys win. A signed log's consumers are its inner log's; another log is
+    returned as it is.
+    """
+    inner = log.inner if isinstance(log, SignedLog) else log
+    if not isinstance(inner, KafkaLog):
+        return log
+    limits = {"queued.max.messages.kbytes": str(kib), "queued.min.messages": "1000"}
+    return KafkaLog(replace(inner.settings, extra={**limits, **inner.settings.extra}))

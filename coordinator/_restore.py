@@ -23,6 +23,7 @@ looking newest first would meet it). Records signed together share one verificat
 
 from __future__ import annotations
 
+import ctypes
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final
@@ -31,6 +32,7 @@ import orjson
 
 from saga.coordinator._finished import FINISHED, FinishedLoader
 from saga.coordinator._machine import Saga
+from saga.coordinator._reading import read_ahead_capped
 from saga.coordinator._retention import ForgetAt, PartitionState
 from saga.coordinator._txn import retrying
 from saga.streams import InvalidRecord, SagaState, SagaStatus, StepStatus
@@ -50,6 +52,7 @@ _END_WITHIN_S: Final = 60.0
 """How long the end of a status partition is asked for: its leader may be moving (an
 election takes seconds); giving up at the first time-out cost a restart."""
 _BATCH: Final = 5000
+_READ_AHEAD_KIB: Final = 8192  # the reader keeps nothing but a batch: no need of 64 MiB
 
 OnForged = Callable[[Message, str], None]
 
@@ -66,7 +69,7 @@ def restore(
 ) -> None:
     """Fill ``parts`` (new, empty) with the sagas of the status topic's partitions."""
     fills = {p: _Fill(part, keys, forget_at) for p, part in parts.items()}
-    reader = log.consumer(None, client_id=client_id)
+    reader = read_ahead_capped(log, _READ_AHEAD_KIB).consumer(None, client_id=client_id)
     try:
         ends = {p: _end_of(reader, topic, p) for p in parts}
         todo = {p for p in parts if ends[p] > 0}
@@ -87,6 +90,7 @@ def restore(
         reader.close()
     for fill in fills.values():
         fill.finish(on_forged)
+    _give_back_memory()
 
 
 class _Fill:
@@ -287,6 +291,17 @@ def _read(
     finally:
         reader.close()
     return found
+
+
+def _give_back_memory() -> None:
+    """Return to the system the heap a restore used and freed: glibc keeps freed memory
+    in its arenas (the Kafka client's read buffers of millions of records among it),
+    where it would stay counted in the process's resident memory. Elsewhere, nothing."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (AttributeError, OSError):  # not glibc
+        return
+    trim(0)
 
 
 def _end_of(reader: LogConsumer, topic: str, partition: int) -> int:

@@ -28,7 +28,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable
 from typing import Final, TypeVar
 
-from saga.coordinator._reading import read_range
+from saga.coordinator._reading import read_ahead_capped, read_range
 from saga.coordinator._restore import standing_record, standing_status
 from saga.streams import (
     ConfigurationError,
@@ -37,6 +37,7 @@ from saga.streams import (
     SagaRequest,
     SagaStatus,
     decode_as,
+    decode_keyed,
 )
 from saga.streams._signing import COORDINATOR, Keyring
 from saga.streams.kafka import KafkaLog, KafkaSettings, Message, partition_for
@@ -54,6 +55,10 @@ STATUSES_KEPT: Final = 10_000
 """How many statuses a view keeps decoded (the latest; others are read again by offset)."""
 _READ_ON_DEMAND_S: Final = 120.0
 """How long a look-up in the status topic may take before it fails (TransientError)."""
+
+_READER_QUEUE_KIB: Final = 4096
+"""What a view's Kafka consumers fetch ahead (:func:`~coordinator._reading.read_ahead_capped`):
+the reader keeps few of the records it reads."""
 
 _V = TypeVar("_V")
 
@@ -87,13 +92,14 @@ class StatusView:
         self._settings = settings
         self._keys = keys
         self._topic = settings.topics.status
-        self._source: Log = log if log is not None else KafkaLog(settings)
+        source = log if log is not None else KafkaLog(settings)
+        self._source: Log = read_ahead_capped(source, _READER_QUEUE_KIB)
         self._from_beginning = from_beginning
         self._timeout = timeout
         # Followed transactions -> offset of their standing record (or _NONE), latest last;
         # and the statuses of some of them, decoded (None: a tombstone stands).
         self._known: OrderedDict[str, int] = OrderedDict()
-        self._statuses: OrderedDict[str, SagaStatus | None] = OrderedDict()
+        self._statuses: OrderedDict[str, SagaStatus | bytes | None] = OrderedDict()
         self._pinned: Counter[str] = Counter()  # waited on or being looked up: kept
         self._cond = threading.Condition()
         self._stop = threading.Event()
@@ -167,6 +173,15 @@ class StatusView:
             wanted = [f for f, wants in self._listeners if wants is None or wants(tx_id)]
             if tx_id not in self._known and not wanted:
                 continue  # not followed: not even decoded
+            if not wanted and tx_id not in self._pinned:
+                # Nobody waits for it: checked (with keys), kept as read, decoded when asked.
+                if self._keys is not None and self._keys.check(
+                    m.topic, m.key, m.value, m.headers, _COORDINATOR_ONLY
+                ):
+                    _forged_note(tx_id)(m, "not signed by the coordinator")
+                    continue
+                self._set(tx_id, m.offset, m.value)
+                continue
             found, status = standing_status([m], self._keys, _forged_note(tx_id))
             if not found:
                 continue  # does not decode, or forged: what stood before still stands
@@ -176,7 +191,7 @@ class StatusView:
                 for listener in wanted:
                     listener(status)
 
-    def _set(self, tx_id: str, offset: int, status: SagaStatus | None) -> None:
+    def _set(self, tx_id: str, offset: int, status: SagaStatus | bytes | None) -> None:
         """Note the standing record of a followed transaction; with the lock held."""
         self._known[tx_id] = offset
         self._known.move_to_end(tx_id)
@@ -199,7 +214,7 @@ class StatusView:
                     self._statuses.pop(gone, None)
                 return None
             self._known.move_to_end(tx_id)
-            return self._statuses.get(tx_id)
+            return self._held(tx_id)[1]
 
     def _lookup(self, tx_id: str) -> SagaStatus | None:
         """The standing status of ``tx_id``: held, read again by offset, or looked up in
@@ -249,9 +264,20 @@ class StatusView:
 
     def _held(self, tx_id: str) -> tuple[bool, SagaStatus | None]:
         """What the view holds of ``tx_id`` without reading; with the lock held."""
-        if tx_id in self._statuses:
-            return True, self._statuses[tx_id]
-        return self._known.get(tx_id) == _NONE, None
+        if tx_id not in self._statuses:
+            return self._known.get(tx_id) == _NONE, None
+        held = self._statuses[tx_id]
+        if not isinstance(held, bytes):
+            return True, held
+        try:  # kept as read: decoded now that it is asked about
+            status = decode_keyed(tx_id.encode(), held, SagaStatus)
+        except InvalidRecord:  # not a status (anyone may write without keys): look it up
+            del self._statuses[tx_id]
+            del self._known[tx_id]
+            return False, None
+        assert isinstance(status, SagaStatus)
+        self._statuses[tx_id] = status
+        return True, status
 
     # ------------------------------------------------------------ rejections
 

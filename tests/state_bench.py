@@ -1,28 +1,31 @@
-"""Bounded state: what a restart and a new client cost after 10,000 and after 1,000,000 sagas.
+"""Bounded state: a coordinator and a client with default settings after millions of sagas.
 
-``make state-bench`` (``python -m tests.state_bench``). For each history size it
-writes, under a fresh topic prefix, the records a real run of that many
-three-step sagas writes — the request, six step events, the decision, the
-``committing`` and ``committed`` statuses and, once a saga is older than the
-retention, the coordinator's tombstone — each with the time it would have had
-(``--rate`` sagas per second, ending now), and commits the coordinator group's
-offsets at the end of its input topics, as a coordinator that processed them
-would have. It waits until the broker has deleted the status topic's segments
-older than its retention (twice the coordinator's), then measures:
+``make state-bench`` (``python -m tests.state_bench``). Under a fresh topic prefix it
+writes the history a real run of ``--sagas`` (default 2,000,000) finished three-step
+sagas leaves (:mod:`tests.state_bench_history`: requests, events, decisions, statuses,
+each at the time it would have had, ``--rate`` sagas per second ending now; tombstones
+for the sagas older than the retention) and commits the coordinator group's offsets at
+the end of its input topics, as a coordinator that processed them would have. With the
+default retention (seven days) every one of those sagas is still remembered. Then:
 
-* a coordinator's restart-to-ready time (``saga coordinator run`` started, to its
-  partitions restored) and its resident memory once ready;
-* a new ``SagaClient``'s start-to-ready time (its status view caught up).
+* a coordinator (``saga coordinator run``, default settings): its restart-to-ready time
+  (started, to its partitions restored) and its resident memory once ready, and at its
+  peak during the restore;
+* a client (``SagaClient.from_env()``, default settings, a process of its own,
+  :mod:`tests.state_bench_client`): its start-to-ready time and memory, the look-up of
+  one saga of the history, and its memory once it has sent ``--follow`` requests
+  (100,000: as many as it remembers) and read their statuses (published five times
+  ``--rate`` a second, as a coordinator would publish them as they finish).
 
-It prints one table and writes ``reports/state-bench.json``. Nothing here is a
-pass/fail test; the issue's bound is that the 1,000,000 figures stay within 1.5x
-of the 10,000 ones.
+It prints one table, checks the bounds (coordinator at most 512 MB, client at most
+128 MB) and writes ``reports/state-bench.json``. ``--probe`` adds the in-memory log's
+figures of :mod:`tests.state_bench_probe` (heap per finished and per in-flight saga, disk
+per finished saga).
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import os
 import re
@@ -31,125 +34,35 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from statistics import median
 from typing import Any
 
-from saga.coordinator import SagaClient
-from saga.streams import (
-    Decision,
-    Mode,
-    Outcome,
-    SagaRequest,
-    SagaState,
-    SagaStatus,
-    Step,
-    StepEvent,
-    StepProgress,
-    StepStatus,
-    encode,
-)
-from saga.streams._duration import parse_duration_ms
-from saga.streams.kafka import Consumer, KafkaSettings, Producer, create_topics, delete_topics
+from saga.streams._duration import DEFAULT_RETENTION_MS, parse_duration_ms
+from saga.streams.kafka import Consumer, KafkaSettings, create_topics, delete_topics
 from tests._infra import unique_name
+from tests.state_bench_history import tx_name, write_history, write_statuses
 
 ROOT = Path(__file__).resolve().parents[1]
-PARTICIPANTS = ("bank", "wallet", "rewards")
 READY = re.compile(r"assigned partitions \[[0-9, ]+\] \(restored (\d+) sagas\)")
+COORDINATOR_MB = 512
+CLIENT_MB = 128
 
 
 def say(text: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {text}", flush=True)
 
 
-def history(
-    settings: KafkaSettings,
-    first: int,
-    sagas: int,
-    rate: float,
-    retention_ms: int,
-    now: int,
-    *,
-    recent: bool,
-) -> dict[str, int]:
-    """Write the records of sagas ``first`` to ``first + sagas - 1``, ending at ``now``.
+def memory_mb(pid: int) -> tuple[float, float]:
+    """Resident memory now and at its peak (VmRSS, VmHWM), in MB."""
+    text = Path(f"/proc/{pid}/status").read_text()
+    found = [re.search(rf"{name}:\s+(\d+) kB", text) for name in ("VmRSS", "VmHWM")]
+    return tuple(round(int(m.group(1)) / 1024, 1) if m else 0.0 for m in found)  # type: ignore[return-value]
 
-    ``recent``: these are the last sagas before the measurement, so only the ones
-    older than the retention get their tombstone; otherwise every one does (at the
-    time the coordinator would have written it). Returns the records per topic.
-    """
-    topics = settings.topics
-    producer = Producer(
-        KafkaSettings(
-            bootstrap=settings.bootstrap,
-            prefix=settings.prefix,
-            extra={"linger.ms": "50", "batch.num.messages": "10000"},
-        ),
-        client_id="state-bench",
-    )
-    step_ms = 1000.0 / rate
-    tombstones: collections.deque[tuple[int, str]] = collections.deque()
-    counts = collections.Counter[str]()
 
-    def put(topic: str, key: str, value: bytes | None, at: int) -> None:
-        producer.produce(topic, key, value, timestamp_ms=at)
-        counts[topic] += 1
-
-    steps = tuple(
-        Step(p, "increment", {"target": "accounts", "key": f"k{i}", "field": "b", "by": 1})
-        for i, p in enumerate(PARTICIPANTS)
-    )
-    for i in range(sagas):
-        created = now - int((sagas - i) * step_ms) - 1000
-        tx = f"s{first + i:09d}"
-        while tombstones and tombstones[0][0] <= created:
-            at, old = tombstones.popleft()
-            put(topics.status, old, None, at)
-        request = SagaRequest(tx, "transfer", Mode.PARALLEL, steps, created + 2000, created)
-        put(topics.requests, tx, encode(request), created)
-        for n, p in enumerate(PARTICIPANTS):
-            put(
-                topics.events,
-                tx,
-                encode(StepEvent(tx, n, p, StepStatus.APPLIED, created + 200)),
-                created + 200,
-            )
-        decided = created + 500
-        put(
-            topics.decisions,
-            tx,
-            encode(Decision(tx, Outcome.COMMIT, "all steps applied", decided)),
-            decided,
-        )
-        for state, status, at in (
-            (SagaState.COMMITTING, StepStatus.APPLIED, decided),
-            (SagaState.COMMITTED, StepStatus.COMMITTED, created + 1000),
-        ):
-            record = SagaStatus(
-                tx,
-                "transfer",
-                state,
-                tuple(StepProgress(p, status) for p in PARTICIPANTS),
-                "all steps applied",
-                created,
-                at,
-                created + 2000,
-                request.fingerprint(),
-            )
-            put(topics.status, tx, encode(record), at)
-        for n, p in enumerate(PARTICIPANTS):
-            event = StepEvent(tx, n, p, StepStatus.COMMITTED, created + 800)
-            put(topics.events, tx, encode(event), created + 800)
-        forget = created + 2000 + retention_ms  # max(deadline, last change) + retention
-        if forget <= now or not recent:
-            tombstones.append((forget, tx))
-        if i % 100_000 == 99_999:
-            say(f"  {i + 1:,} sagas written")
-            producer.poll(0)
-    for at, old in tombstones:
-        put(topics.status, old, None, at)
-    producer.flush(120)
-    producer.close()
-    return dict(counts)
+def env_for(settings: KafkaSettings) -> dict[str, str]:
+    env = dict(os.environ)
+    env["SAGA_KAFKA_BOOTSTRAP"] = settings.bootstrap
+    env["SAGA_TOPIC_PREFIX"] = settings.prefix
+    return env
 
 
 def commit_coordinator_offsets(settings: KafkaSettings, partitions: int) -> None:
@@ -166,198 +79,202 @@ def commit_coordinator_offsets(settings: KafkaSettings, partitions: int) -> None
         group.close()
 
 
-def status_records(settings: KafkaSettings, partitions: int) -> int:
+def status_ends(settings: KafkaSettings, partitions: int) -> dict[int, tuple[int, int]]:
     reader = Consumer(settings, group_id=None, client_id="state-bench.count")
     try:
-        total = 0
-        for p in range(partitions):
-            low, high = reader.watermarks(settings.topics.status, p)
-            total += high - low
-        return total
+        return {p: reader.watermarks(settings.topics.status, p) for p in range(partitions)}
     finally:
         reader.close()
-
-
-def wait_for_retention(settings: KafkaSettings, partitions: int, keep: int, limit_s: float) -> int:
-    """Wait until the broker deleted the status topic's segments past its retention:
-    at most ``keep`` records left (about the open segments), and some deleted."""
-    deadline = time.monotonic() + limit_s
-    reader = Consumer(settings, group_id=None, client_id="state-bench.wait")
-    try:
-        while True:
-            marks = [reader.watermarks(settings.topics.status, p) for p in range(partitions)]
-            left = sum(high - low for low, high in marks)
-            deleted = any(low > 0 for low, _ in marks)
-            if (deleted and left <= keep) or time.monotonic() >= deadline:
-                return left
-            time.sleep(5)
-    finally:
-        reader.close()
-
-
-def rss_mb(pid: int) -> float:
-    text = Path(f"/proc/{pid}/status").read_text()
-    kb = int(re.search(r"VmRSS:\s+(\d+) kB", text).group(1))  # type: ignore[union-attr]
-    return kb / 1024
 
 
 def measure_coordinator(settings: KafkaSettings, retention: str, log: Path) -> dict[str, Any]:
-    env = dict(os.environ)
-    env["SAGA_KAFKA_BOOTSTRAP"] = settings.bootstrap
-    env["SAGA_TOPIC_PREFIX"] = settings.prefix
+    """Start ``saga coordinator run`` with default settings; measure it once it is ready."""
+    command = [sys.executable, "-m", "coordinator", "-v", "coordinator", "run"]
+    command += ["--instance-id", "bench"]
+    if parse_duration_ms(retention) != DEFAULT_RETENTION_MS:
+        command += ["--retention", retention]
     started = time.monotonic()
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "coordinator", "-v", "coordinator", "run",
-             "--instance-id", "bench", "--retention", retention],
-            env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            command, env=env_for(settings), stdout=out, stderr=subprocess.STDOUT,
+            start_new_session=True,
         )  # fmt: skip
     try:
-        deadline = started + 600
-        while time.monotonic() < deadline:
+        peak = 0.0
+        while time.monotonic() < started + 3600:
             found = READY.search(log.read_text(errors="replace"))
             if found:
                 ready_s = time.monotonic() - started
+                rss, peak = memory_mb(proc.pid)
+                time.sleep(5)  # a few idle polls after: the figure it keeps
+                settled, peak = memory_mb(proc.pid)
                 return {
-                    "ready_s": round(ready_s, 2),
-                    "rss_mb": round(rss_mb(proc.pid), 1),
+                    "ready_s": round(ready_s, 1),
+                    "rss_mb": rss,
+                    "rss_after_5s_mb": settled,
+                    "peak_mb": peak,
                     "restored": int(found.group(1)),
                 }
             if proc.poll() is not None:
                 raise SystemExit(f"the coordinator exited; see {log}")
-            time.sleep(0.05)
-        raise SystemExit(f"the coordinator was not ready within 600 s; see {log}")
+            time.sleep(0.2)
+        raise SystemExit(f"the coordinator was not ready within an hour; see {log}")
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
-            proc.wait(30)
+            proc.wait(60)
         except subprocess.TimeoutExpired:
             proc.kill()
 
 
-def measure_client(settings: KafkaSettings) -> dict[str, Any]:
+def measure_client(
+    settings: KafkaSettings, old_tx: str, follow: int, partitions: int, rate: float
+) -> dict[str, Any]:
+    """Run :mod:`tests.state_bench_client` and read its stages; publish the statuses of the
+    requests it sent, ``rate`` a second (as a coordinator would as they finish)."""
     started = time.monotonic()
-    client = SagaClient(settings)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.state_bench_client", old_tx, str(follow)],
+        env=env_for(settings), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        cwd=ROOT,
+    )  # fmt: skip
+    assert proc.stdin is not None and proc.stdout is not None
+    stages: dict[str, Any] = {}
     try:
-        if not client.wait_caught_up(600):
-            raise SystemExit("the client's status view did not catch up within 600 s")
-        return {"ready_s": round(time.monotonic() - started, 2), "sagas": len(client.statuses())}
+        for line in proc.stdout:
+            stage = json.loads(line)
+            stages[stage.pop("stage")] = stage
+            if "ready" in stages and "process_ready_s" not in stages:
+                stages["process_ready_s"] = round(time.monotonic() - started, 2)
+            if "sent" in stages and "published" not in stages:
+                write_statuses(settings, [tx_name(n, "p") for n in range(follow)], rate)
+                ends = {p: high for p, (_, high) in status_ends(settings, partitions).items()}
+                stages["published"] = True
+                proc.stdin.write(json.dumps(ends) + "\n")
+                proc.stdin.flush()
+        if proc.wait(120) != 0:
+            raise SystemExit(f"the client probe failed (exit {proc.returncode})")
     finally:
-        client.close()
+        if proc.poll() is None:
+            proc.kill()
+    return stages
 
 
-def run_size(args: argparse.Namespace, sagas: int) -> dict[str, Any]:
+def run(args: argparse.Namespace) -> dict[str, Any]:
     bootstrap = os.environ.get("SAGA_KAFKA_BOOTSTRAP")
     if not bootstrap:
         raise SystemExit(
             'no Kafka address: run `make infra-up` and eval "$(infra/services.sh env)"'
         )
-    settings = KafkaSettings(bootstrap=bootstrap, prefix=unique_name("state"))
+    settings = KafkaSettings(bootstrap=bootstrap, prefix=args.reuse or unique_name("state"))
     retention_ms = parse_duration_ms(args.retention)
-    create_topics(
-        settings,
-        args.partitions,
-        retention_ms=retention_ms,
-        status_segment_bytes=args.segment_bytes,
-    )
+    counts: dict[str, int] = {}
+    written_s = 0.0
+    if not args.reuse:
+        create_topics(settings, args.partitions, retention_ms=retention_ms)
     try:
-        say(f"{sagas:,} sagas under {settings.prefix}: writing their history")
-        recent = min(args.live, sagas)
-        t0 = time.monotonic()
-        counts = collections.Counter(
-            history(
-                settings,
-                0,
-                sagas - recent,
-                args.rate,
-                retention_ms,
-                int(time.time() * 1000),
-                recent=False,
+        if not args.reuse:
+            say(f"{args.sagas:,} sagas under {settings.prefix}: writing their history")
+            t0 = time.monotonic()
+            now = int(time.time() * 1000)
+            counts = write_history(
+                settings, 0, args.sagas, args.rate, retention_ms, now, recent=True, say=say
             )
-        )
-        written = time.monotonic() - t0
-        per_segment = args.segment_bytes // 200
-        say(f"  {sagas - recent:,} written in {written:.0f} s; waiting for the broker's retention")
-        left = wait_for_retention(
-            settings, args.partitions, args.partitions * per_segment, args.wait
-        )
-        say(f"  status topic: {left:,} records left; writing the last {recent:,} sagas")
-        counts.update(
-            history(
-                settings,
-                sagas - recent,
-                recent,
-                args.rate,
-                retention_ms,
-                int(time.time() * 1000),
-                recent=True,
-            )
-        )
+            written_s = time.monotonic() - t0
+            say(f"  {sum(counts.values()):,} records written in {written_s:.0f} s")
         commit_coordinator_offsets(settings, args.partitions)
-        left = status_records(settings, args.partitions)
-        client: list[dict[str, Any]] = []
-        coordinator: list[dict[str, Any]] = []
-        for _ in range(args.repeat):
-            client.append(measure_client(settings))
-            log = args.out.parent / f"state-bench-{sagas}.log"
-            coordinator.append(measure_coordinator(settings, args.retention, log))
+        marks = status_ends(settings, args.partitions)
+        coordinator: dict[str, Any] = {}
+        client: dict[str, Any] = {}
+        if args.only in ("", "coordinator"):
+            say("measuring the coordinator's restart (default settings)")
+            log = args.out.parent / "state-bench-coordinator.log"
+            coordinator = measure_coordinator(settings, args.retention, log)
+            say(f"  {coordinator}")
+        if args.only in ("", "client"):
+            say("measuring a client (default settings)")
+            old = tx_name(args.sagas // 2)
+            client = measure_client(settings, old, args.follow, args.partitions, args.rate * 5)
+            say(f"  {client}")
         return {
-            "sagas": sagas,
-            "records_written": dict(counts),
-            "status_records_left": left,
-            "coordinator_ready_s": median(c["ready_s"] for c in coordinator),
-            "coordinator_rss_mb": median(c["rss_mb"] for c in coordinator),
-            "coordinator_restored": int(median(c["restored"] for c in coordinator)),
-            "client_ready_s": median(c["ready_s"] for c in client),
-            "client_sagas": int(median(c["sagas"] for c in client)),
-            "runs": {"coordinator": coordinator, "client": client},
+            "sagas": args.sagas,
+            "records_written": counts,
+            "history_written_s": round(written_s, 1),
+            "status_records": sum(high - low for low, high in marks.values()),
+            "coordinator": coordinator,
+            "client": client,
         }
     finally:
-        delete_topics(settings, list(settings.topics.all))
+        if args.keep:
+            say(f"topics kept: --reuse {settings.prefix}")
+        else:
+            delete_topics(settings, list(settings.topics.all))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", default="10000,1000000", help="history sizes, in sagas")
-    parser.add_argument(
-        "--rate", type=float, default=1000.0, help="sagas per second of the history"
-    )
-    parser.add_argument("--retention", default="30s", help="the coordinator's --retention")
-    parser.add_argument("--partitions", type=int, default=4)
-    parser.add_argument(
-        "--live", type=int, default=5000, help="sagas written just before measuring"
-    )
-    parser.add_argument("--segment-bytes", type=int, default=1 << 20, help="status topic segments")
-    parser.add_argument("--repeat", type=int, default=3, help="measurements per size (median)")
-    parser.add_argument("--wait", type=float, default=900, help="seconds to wait for retention")
+    parser.add_argument("--sagas", type=int, default=2_000_000, help="finished sagas written")
+    parser.add_argument("--rate", type=float, default=1000.0, help="sagas per second of history")
+    parser.add_argument("--retention", default="7d", help="the coordinator's --retention")
+    parser.add_argument("--partitions", type=int, default=8, help="as `saga topics create`")
+    parser.add_argument("--follow", type=int, default=100_000, help="requests the client sends")
+    parser.add_argument("--probe", type=int, default=20_000, help="in-memory probe (0: none)")
+    parser.add_argument("--only", choices=("", "coordinator", "client"), default="")
+    parser.add_argument("--keep", action="store_true", help="keep the topics (for --reuse)")
+    parser.add_argument("--reuse", default="", help="the prefix of a history kept by --keep")
     parser.add_argument("--out", type=Path, default=ROOT / "reports" / "state-bench.json")
     args = parser.parse_args()
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    results = [run_size(args, int(n)) for n in args.sizes.split(",")]
-    base = results[0]
-    print()
-    header = ("sagas", "status left", "restored", "coord ready s", "coord RSS MB", "client ready s")
-    print("  ".join(f"{h:>14}" for h in header))
-    for r in results:
-        cells = (
-            f"{r['sagas']:,}",
-            f"{r['status_records_left']:,}",
-            f"{r['coordinator_restored']:,}",
-            f"{r['coordinator_ready_s']:.2f}",
-            f"{r['coordinator_rss_mb']:.1f}",
-            f"{r['client_ready_s']:.2f}",
-        )
-        print("  ".join(f"{c:>14}" for c in cells))
-    for r in results[1:]:
-        print(
-            f"ratio {r['sagas']:,} / {base['sagas']:,}: coordinator ready "
-            f"{r['coordinator_ready_s'] / base['coordinator_ready_s']:.2f}x, RSS "
-            f"{r['coordinator_rss_mb'] / base['coordinator_rss_mb']:.2f}x, client ready "
-            f"{r['client_ready_s'] / base['client_ready_s']:.2f}x (bound: 1.5x)"
-        )
-    report = {"settings": {k: str(v) for k, v in vars(args).items()}, "results": results}
+    report: dict[str, Any] = {"settings": {k: str(v) for k, v in vars(args).items()}}
+    if args.probe:
+        from tests.state_bench_probe import probe
+
+        say(f"in-memory probe: {args.probe:,} finished and {args.probe:,} in-flight sagas")
+        report["probe"] = probe(args.probe)
+        say(f"  {report['probe']}")
+    if args.sagas:
+        report["result"] = result = run(args)
+        if not args.only:
+            print_table(result)
     args.out.write_text(json.dumps(report, indent=2))
     print(f"report: {args.out}")
+    if args.sagas and not args.only and not within_bounds(report["result"]):
+        sys.exit(1)
+
+
+def within_bounds(result: dict[str, Any]) -> bool:
+    coordinator, client = result["coordinator"], result["client"]
+    client_peak = max(
+        stage.get("peak_mb", 0) for stage in client.values() if isinstance(stage, dict)
+    )
+    return coordinator["peak_mb"] <= COORDINATOR_MB and client_peak <= CLIENT_MB
+
+
+def print_table(result: dict[str, Any]) -> None:
+    c, k = result["coordinator"], result["client"]
+    peak = max(stage.get("peak_mb", 0) for stage in k.values() if isinstance(stage, dict))
+    held_ms, read_ms = k["result_recent"]["s"], k["result_older"]["s"] * 10
+    rows = [
+        ("finished sagas in the history", f"{result['sagas']:,}"),
+        ("status records on the topic", f"{result['status_records']:,}"),
+        ("coordinator: restart to ready", f"{c['ready_s']:.1f} s ({c['restored']:,} restored)"),
+        ("coordinator: resident once ready", f"{c['rss_mb']:.0f} MB"),
+        ("coordinator: resident 5 s later", f"{c['rss_after_5s_mb']:.0f} MB"),
+        ("coordinator: peak (restore)", f"{c['peak_mb']:.0f} MB (bound {COORDINATOR_MB} MB)"),
+        ("client: start to ready", f"{k['ready']['s']:.2f} s"),
+        ("client: process start to ready", f"{k['process_ready_s']:.1f} s"),
+        ("client: resident once ready", f"{k['ready']['rss_mb']:.0f} MB"),
+        ("client: look-up of an old saga", f"{k['lookup']['s']:.1f} s ({k['lookup']['state']})"),
+        ("client: after following sent ones", f"{k['followed']['rss_mb']:.0f} MB"),
+        ("client: sagas followed / decoded", f"{k['followed']['followed']:,} / "
+                                             f"{k['followed']['decoded']:,}"),
+        ("client: result(), held / read again", f"{held_ms:.2f} ms / {read_ms:.0f} ms each"),
+        ("client: peak", f"{peak:.0f} MB (bound {CLIENT_MB} MB)"),
+    ]  # fmt: skip
+    print()
+    for name, value in rows:
+        print(f"  {name:<38} {value}")
+    print(f"  {'within the bounds':<38} {'yes' if within_bounds(result) else 'NO'}")
 
 
 if __name__ == "__main__":
