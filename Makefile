@@ -33,7 +33,7 @@ help:
 	@echo "make docs-check    build the manual with mkdocs build --strict (part of make test)"
 	@echo "make unit          the unit tests only (no services)"
 	@echo "make reconcile-bench  the reconciliation job's throughput on a generated log"
-	@echo "make state-bench   coordinator restart and client start after 10,000 vs 1,000,000 sagas"
+	@echo "make state-bench   coordinator and client memory and restart after 2,000,000 sagas (default settings)"
 	@echo "make chaos-short   fault injection, short profile (CI): every fault type once, a few minutes;"
 	@echo "                   then 1,000+ hostile records of 29 kinds in 1,000+ valid sagas; then the"
 	@echo "                   isolation tier: 2,000+ sagas on 20 hot records per store, kills, a reader"
