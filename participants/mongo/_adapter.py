@@ -156,6 +156,9 @@ class MongoStorage(LedgerStorage[MongoSession, None]):
             url,
             serverSelectionTimeoutMS=server_timeout_ms,
             connectTimeoutMS=server_timeout_ms,
+            # A request the server never answers fails (and its batch is retried)
+            # instead of stopping the participant for ever.
+            socketTimeoutMS=max(30_000, 3 * server_timeout_ms),
             connect=False,
         )
         self.db: Database[Document] = self.client[database]
