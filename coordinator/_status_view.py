@@ -208,13 +208,14 @@ class StatusView:
         answers it with a status record (or a dead letter). Returns its status if the view
         holds it already (nothing is read)."""
         with self._cond:
-            if tx_id not in self._known:
-                self._known[tx_id] = _NONE
-                for gone in _trim(self._known, FOLLOWED_KEPT, self._pinned):
-                    self._statuses.pop(gone, None)
-                return None
-            self._known.move_to_end(tx_id)
-            return self._held(tx_id)[1]
+            status = self._held(tx_id)[1] if tx_id in self._known else None
+            if tx_id in self._known:
+                self._known.move_to_end(tx_id)
+                return status
+            self._known[tx_id] = _NONE
+            for gone in _trim(self._known, FOLLOWED_KEPT, self._pinned):
+                self._statuses.pop(gone, None)
+            return None
 
     def _lookup(self, tx_id: str) -> SagaStatus | None:
         """The standing status of ``tx_id``: held, read again by offset, or looked up in

@@ -195,3 +195,17 @@ def test_a_resubmission_of_a_long_finished_saga_gets_its_outcome(
         assert client_log.lookups == 0
     finally:
         stepper.stop()
+
+
+def test_a_record_that_does_not_decode_is_passed_over_when_asked_about(
+    log: InMemoryLog, client_log: CountingLog, view: StatusView
+) -> None:
+    """Kept as read, it is decoded when asked about: junk (anyone may write without keys)
+    sends the view back to the topic, where the latest record that stands is found."""
+    view.follow("j")
+    publish(log, status("j"))
+    with log.producer() as producer:
+        producer.produce(TOPICS.status, "j", b"not json")
+    eventually(lambda: sum(view._done.values()) == 2)
+    assert view.get("j") == status("j") and client_log.lookups == 1
+    assert view.follow("j") == status("j")  # held again, and still followed
