@@ -21,11 +21,15 @@ to the wrapped producer, signed, when the batch is complete:
   in-memory log writes only at ``flush`` anyway).
 
 The order of records is kept. An error of the wrapped ``produce`` (a queue full
-for 30 s, a fatal producer) comes out of the call that hands the records on.
+for 30 s, a fatal producer) comes out of the call that hands the records on, and
+the records not handed on stay held for the next try (the linger thread does not
+retry: it logs a warning and leaves that to the caller's next ``poll``, ``flush``
+or ``close``).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -43,6 +47,8 @@ from saga.streams.kafka import (
 from saga.streams.log import Log, LogConsumer, LogProducer, LogTransactionalProducer
 
 __all__ = ["BATCH_RECORDS", "LINGER_S", "SignedLog"]
+
+log = logging.getLogger("saga.kafka")
 
 BATCH_RECORDS: Final = 32
 """Records under one signature. Each record carries log2 of it hashes (32 bytes each),
@@ -76,7 +82,8 @@ class _SigningProducer:
         self._held_since = 0.0
         self._closed = False
         self._thread: threading.Thread | None = None
-        self._failed: Exception | None = None  # in the linger thread: raised by the next call
+        # The linger thread's last hand-on failed: it waits for a caller to try again.
+        self._stalled = False
 
     def _holding(self) -> bool:
         """Whether ``produce`` holds the record now (else it is signed and sent at once)."""
@@ -95,7 +102,8 @@ class _SigningProducer:
         with self._cond:
             if self._closed or not self._holding():
                 # Closed, or outside a transaction: the wrapped producer refuses it, saying why.
-                self._hand_on([(topic, key, value, headers, on_delivery, partition, timestamp_ms)])
+                record = (topic, key, value, headers, on_delivery, partition, timestamp_ms)
+                self._hand_on([record], keep=False)
                 return
             self._held.append((topic, key, value, headers, on_delivery, partition, timestamp_ms))
             if len(self._held) >= BATCH_RECORDS:
@@ -106,29 +114,39 @@ class _SigningProducer:
                 self._cond.notify()
 
     def release(self) -> None:
-        """Sign every record held and hand it to the wrapped producer, in order."""
-        with self._cond:
-            failed, self._failed = self._failed, None
-            if failed is not None:
-                raise failed
-            while self._held:
-                batch, self._held = self._held[:BATCH_RECORDS], self._held[BATCH_RECORDS:]
-                self._hand_on(batch)
+        """Sign every record held and hand it to the wrapped producer, in order.
 
-    def _hand_on(self, batch: list[_Held]) -> None:
+        What the wrapped producer refuses stays held, in order, and its error is raised.
+        """
+        with self._cond:
+            self._stalled = False
+            self._release()
+
+    def _release(self) -> None:
+        while self._held:
+            batch, self._held = self._held[:BATCH_RECORDS], self._held[BATCH_RECORDS:]
+            self._hand_on(batch, keep=True)
+
+    def _hand_on(self, batch: list[_Held], *, keep: bool) -> None:
+        """Sign ``batch`` and produce it; with ``keep``, what is refused is held again."""
         signed = self._keys.sign_batch([(t, k, v, h) for t, k, v, h, *_ in batch])
-        for (topic, key, value, _, on_delivery, partition, stamp), headers in zip(
-            batch, signed, strict=True
+        for i, ((topic, key, value, _, on_delivery, partition, stamp), headers) in enumerate(
+            zip(batch, signed, strict=True)
         ):
-            self._inner.produce(
-                topic,
-                key,
-                value,
-                headers=headers,
-                on_delivery=on_delivery,
-                partition=partition,
-                timestamp_ms=stamp,
-            )
+            try:
+                self._inner.produce(
+                    topic,
+                    key,
+                    value,
+                    headers=headers,
+                    on_delivery=on_delivery,
+                    partition=partition,
+                    timestamp_ms=stamp,
+                )
+            except BaseException:
+                if keep:  # signed again in a later batch; those handed on keep their proofs
+                    self._held[:0] = batch[i:]
+                raise
 
     def _start_lingering(self) -> None:
         if self._thread is None and not self._closed:
@@ -142,7 +160,7 @@ class _SigningProducer:
         assert self._linger_s is not None
         with self._cond:
             while not self._closed:
-                if not self._held:
+                if not self._held or self._stalled:
                     self._cond.wait()
                     continue
                 left = self._held_since + self._linger_s - time.monotonic()
@@ -150,9 +168,13 @@ class _SigningProducer:
                     self._cond.wait(left)
                     continue
                 try:
-                    self.release()
-                except Exception as exc:  # raised by the next poll, flush or close instead
-                    self._failed = exc
+                    self._release()
+                except Exception as exc:
+                    # Kafka refused them (a queue full for 30 s, a fatal error): they stay
+                    # held, and lingering stops until a caller's poll, flush or close tries
+                    # again, which raises what it meets. Retrying here would hold the lock.
+                    self._stalled = True
+                    log.warning("signed records held, not yet handed to Kafka: %s", exc)
 
     def poll(self, timeout: float = 0.0) -> int:
         self.release()

@@ -18,6 +18,7 @@ import struct
 import threading
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Self
 
 import pytest
 from nacl.signing import VerifyKey
@@ -321,7 +322,7 @@ class Recorder:
     def close(self, timeout: float = 10.0) -> None:
         self.closed = True
 
-    def __enter__(self) -> Recorder:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
@@ -381,6 +382,66 @@ def test_a_plain_signed_producer_on_kafka_hands_records_on_without_a_flush(folde
     eventually(lambda: len(inner.produced) == 2, timeout=10, interval=0.01)
     assert inner.threads == {"saga-signing-linger"} and inner.flushes == 0
     assert [proofs_of(h) for *_, h in inner.produced] == [(0, 2), (1, 2)]
+    producer.close(1)
+
+
+class Refusing(Recorder):
+    """A Recorder whose ``produce`` raises while ``refusing`` (Kafka away, a fatal error)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refusing = True
+        self.attempts = 0
+        self.refuse_from = 0  # records accepted before refusing starts (per refusing spell)
+
+    def produce(
+        self,
+        topic: str,
+        key: str | bytes | None,
+        value: bytes | None,
+        headers: Sequence[tuple[str, bytes]] | None = None,
+        on_delivery: object = None,
+        partition: int | None = None,
+        timestamp_ms: int | None = None,
+    ) -> None:
+        self.attempts += 1
+        if self.refusing and self.refuse_from <= 0:
+            raise TransientError("the producer's queue stayed full for 30s")
+        self.refuse_from -= 1
+        super().produce(topic, key, value, headers)
+
+
+def test_a_refused_hand_on_keeps_the_records_and_never_locks_the_producer_up(
+    folder: Path,
+) -> None:
+    """The linger thread meets a refusing Kafka: it stops (no retry loop holding the lock),
+    the caller can still produce, its flush raises, and once Kafka takes records again each
+    record is handed on exactly once, in order (a batch cut short is signed again)."""
+    inner = Refusing()
+    inner.refuse_from = 1  # the first record goes through, then Kafka refuses
+    producer = _SigningProducer(inner, Keyring.load(folder, BANK), linger_s=0.01)
+    producer.produce("s.events", "tx-0", b"0")
+    producer.produce("s.events", "tx-1", b"1")
+    eventually(lambda: inner.attempts >= 2, timeout=10, interval=0.01)
+    attempts = inner.attempts
+    done = threading.Event()
+
+    def more() -> None:  # the caller's thread must not wait on the linger thread
+        producer.produce("s.events", "tx-2", b"2")
+        done.set()
+
+    threading.Thread(target=more, daemon=True).start()
+    assert done.wait(5), "produce blocked behind the linger thread"
+    with pytest.raises(TransientError):
+        producer.flush(1)
+    assert inner.attempts == attempts + 1  # the flush's one try; the linger thread is idle
+    inner.refusing = False
+    producer.flush(1)
+    assert [v for _, _, v, _ in inner.produced] == [b"0", b"1", b"2"]
+    verifier = Keyring.load(folder)
+    for topic, key, value, headers in inner.produced:
+        raw = key.encode() if isinstance(key, str) else key
+        assert verifier.check(topic, raw, value, headers, frozenset({BANK})) is None
     producer.close(1)
 
 
