@@ -277,6 +277,12 @@ def _expand(url: str, what: str, environ: Mapping[str, str]) -> str:
     return value + url[found.end() :]
 
 
+def _one_of(schemes: tuple[str, ...]) -> str:
+    """``a://``, ``a:// or b://``, ``a://, b:// or c://``."""
+    names = [s + "://" for s in schemes]
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
+
+
 def _store(text: str, what: str, environ: Mapping[str, str] | None = None) -> StoreSpec:
     kind, sep, rest = text.partition(":")
     if not sep or kind not in _SCHEMES:
@@ -289,8 +295,7 @@ def _store(text: str, what: str, environ: Mapping[str, str] | None = None) -> St
     scheme = urlsplit(url).scheme
     if scheme not in _SCHEMES[kind]:
         raise ConfigurationError(
-            f"{what} {_shown(text)}: a {kind} store needs a "
-            f"{' or '.join(s + '://' for s in _SCHEMES[kind])} URL"
+            f"{what} {_shown(text)}: a {kind} store needs a {_one_of(_SCHEMES[kind])} URL"
         )
     options = dict(parse_qsl(fragment, keep_blank_values=True))
     unknown = sorted(set(options) - _KEYS[kind])

@@ -219,6 +219,10 @@ class Cluster:
                 slot.instance_id,
                 "--participants",
                 names,
+                # The auto-commit control loses participants' inputs on purpose; the
+                # coordinator's re-drive of stalled decisions would heal the lost
+                # decisions and hide what the checker must find.
+                *(["--redrive-after", "off"] if self.unsafe == "auto-commit" else []),
             ]
         return [
             "participant",

@@ -111,7 +111,7 @@ def test_jars_folder_missing(topics: KafkaSettings, services: Services, tmp_path
     [
         (["--grace", "soon"], "not a duration"),
         (["--ledger", "oracle://x"], "must start with sql:, mongo: or redis:"),
-        (["--ledger", "sql:redis://h/0"], "needs a postgresql:// or postgres:// URL"),
+        (["--ledger", "sql:redis://h/0"], "postgres://, mariadb:// or mysql://"),
         (["--ledger", "redis:redis://h/0#colour=red"], "unknown option(s) colour"),
         (["--table", "accounts"], "must be NAME=KIND:URL"),
         (["--check", "nonsense"], "must be NAME=SQL"),
