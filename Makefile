@@ -18,8 +18,8 @@ help:
 	@echo "make test          install everything, start the local services, lint, run the test suite"
 	@echo "make demo          install everything, start the local services, run the demo workload"
 	@echo "make bench         throughput, latency and CPU per saga, wallet on FerretDB and on PostgreSQL,"
-	@echo "                   read_committed beside none, a hot-record phase, against the direct-write"
-	@echo "                   and log baselines (about 17 min; BENCH_ARGS=...)"
+	@echo "                   read_committed beside none, signed beside unsigned, a hot-record phase,"
+	@echo "                   against the direct-write and log baselines (about 20 min; BENCH_ARGS=...)"
 	@echo "make bench-short   the same with 10 s phases, for a quick check"
 	@echo "make profile       py-spy flame graphs and top functions of every process in a main phase"
 	@echo "make infra-up      provision and start Kafka, PostgreSQL, Redis, FerretDB"
@@ -106,19 +106,21 @@ demo: venv infra-up
 # baselines measured in the same run; writes reports/bench.json. Options: BENCH_ARGS
 # (see `saga bench --help`), e.g. BENCH_ARGS="--phases main,direct --duration 30".
 # Both layouts (wallet on FerretDB, wallet on PostgreSQL), each: main 60 s and open loop at
-# 400 sagas/s, each at read_committed then at none; rollback with 20 % rejected; hot (every
-# saga on 10 records per store); direct writes; then the log bound.
+# 400 sagas/s, each at read_committed then at none; main again with signed records;
+# rollback with 20 % rejected; hot (every saga on 10 records per store); direct writes;
+# then the log bound.
 BENCH_ARGS ?=
 BENCH_LAYOUTS := --layout default --layout pg-wallet
-# Issue #28: main and open loop at read_committed and at none, side by side; the hot phase.
-BENCH_ISOLATION := --isolation both
+# Main and open loop at read_committed and at none, side by side; the hot phase; and the
+# main phase again with signed records (the signed/unsigned ratio in the final table).
+BENCH_COMPARE := --isolation both --signing both
 BENCH_SHORT := --warmup 3 --duration 10 --latency-duration 10 --rollback-duration 10 \
 	--hot-duration 10 --baseline-duration 10 --report reports/bench-short.json
 bench: venv infra-up
-	@$(WITH_ENV) $(VENV)/bin/saga bench $(BENCH_LAYOUTS) $(BENCH_ISOLATION) $(BENCH_ARGS)
+	@$(WITH_ENV) $(VENV)/bin/saga bench $(BENCH_LAYOUTS) $(BENCH_COMPARE) $(BENCH_ARGS)
 
 bench-short: venv infra-up
-	@$(WITH_ENV) $(VENV)/bin/saga bench $(BENCH_LAYOUTS) $(BENCH_ISOLATION) $(BENCH_SHORT) \
+	@$(WITH_ENV) $(VENV)/bin/saga bench $(BENCH_LAYOUTS) $(BENCH_COMPARE) $(BENCH_SHORT) \
 		$(BENCH_ARGS)
 
 # py-spy records every product process during a 30 s main phase of each layout:

@@ -2,9 +2,9 @@
 
 A signed phase (``--signing on|both``) creates a key folder of its own (every
 principal's keys, deleted with the phase), starts the processes with
-``SAGA_KEYS_DIR`` naming it, signs each request with the ``client`` key and
-verifies the final status record of each saga (the coordinator's signature) as a
-client would: what signing costs is in every process's CPU figures.
+``SAGA_KEYS_DIR`` naming it, signs its requests with the ``client`` key in batches
+as ``SagaClient`` does, and verifies the final status record of each saga (the
+coordinator's signature) as a client would: signing's cost is in every process's CPU.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from saga.streams import TransientError, encode
 from saga.streams._lifecycle import wall_clock_ms
 from saga.streams._routing import request_headers
+from saga.streams._signed_log import signing
 from saga.streams._signing import CLIENT as CLIENT_PRINCIPAL
 from saga.streams._signing import (
     COORDINATOR,
@@ -36,7 +37,8 @@ from saga.streams._signing import (
     create_key,
     participant_principal,
 )
-from saga.streams.kafka import Consumer, KafkaSettings, Producer, create_topics, delete_topics
+from saga.streams.kafka import Consumer, KafkaLog, KafkaSettings, create_topics, delete_topics
+from saga.streams.log import LogProducer
 from saga.tools.bench.config import CLIENT, DEFAULT_LAYOUT, PARTICIPANTS, BenchConfig, Layout
 from saga.tools.bench.proc import CpuMeter, settle
 from saga.tools.bench.processes import check_alive, saga_processes
@@ -201,7 +203,7 @@ class SagaPhase:
         self.tracker = _Tracker()
         self.completed = 0
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
-        self._producer: Producer | None = None
+        self._producer: LogProducer | None = None
         self._consumer: Consumer | None = None
         self.meter = CpuMeter({})
         self.t0_ms = self.t1_ms = 0
@@ -210,7 +212,7 @@ class SagaPhase:
     # -- the pieces the loop uses
 
     @property
-    def producer(self) -> Producer:
+    def producer(self) -> LogProducer:
         assert self._producer is not None
         return self._producer
 
@@ -228,11 +230,8 @@ class SagaPhase:
             self.tracker.doomed.add(tx)
         value = encode(request)
         topic = self.topics.requests
-        route = request_headers(request)  # as SagaClient writes them
-        if self.keys is not None:
-            self.producer.produce(topic, tx, value, headers=self.keys.sign(topic, tx, value, route))
-        else:
-            self.producer.produce(topic, tx, value, headers=route)
+        # as SagaClient writes them (signed in batches by a signing producer)
+        self.producer.produce(topic, tx, value, headers=request_headers(request))
 
     def _authentic(self, m: Any) -> bool:
         assert self.keys is not None
@@ -277,7 +276,9 @@ class SagaPhase:
             folder = Path(keys_dir.name) if keys_dir is not None else None
             with saga_processes(cfg, self.layout, self.settings, self.logs, folder) as procs:
                 self.procs = procs
-                self._producer = Producer(self.settings, client_id="saga.bench")
+                self._producer = signing(KafkaLog(self.settings), self.keys).producer(
+                    client_id="saga.bench"
+                )
                 self._consumer = Consumer(
                     self.settings, group_id=None, client_id="saga.bench.status"
                 )

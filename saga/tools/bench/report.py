@@ -99,6 +99,7 @@ def layout_figures(
     )
     stores = next(iter(phases.values())).stores if phases else {}
     isolation, hot = isolation_figures(cfg, phases), hot_figures(phases)
+    signing = signing_figures(cfg, phases)
     return {
         "layout": layout,
         "stores": stores,
@@ -118,7 +119,8 @@ def layout_figures(
         "cpu_ms_per_saga_total": _total_ms(_cpu_ms(main)) if main else None,
         "cpu_cores_used": main.cpu_cores_used if main else None,
         "records_per_saga": records_per_saga,
-        "signing": signing_figures(cfg, phases),
+        "signing": signing,
+        "signing_ratio": (signing or {}).get("throughput_ratio"),
         "isolation": isolation,
         "isolation_ratio": (isolation or {}).get("throughput_ratio"),
         "hot": hot,
@@ -142,9 +144,12 @@ TARGETS: Final = (
     ("pg-wallet", "isolation_ratio", 0.7, True, "#28 wallet on PostgreSQL: rc / none"),
     ("default", "hot_ratio", 0.5, True, "#28 default: hot records / main"),
     ("pg-wallet", "hot_ratio", 0.5, True, "#28 wallet on PostgreSQL: hot / main"),
+    ("default", "signing_ratio", 0.8, True, "#32 default: signed / unsigned sagas/s"),
+    ("pg-wallet", "signing_ratio", 0.8, True, "#32 wallet on PostgreSQL: signed / unsigned"),
 )
-"""Issue #14's must-holds 1-4 and issue #28's cost figures (read_committed keeps 0.7 of
-none's throughput; the hot-record phase 0.5 of the main phase's), checked against the
+"""Issue #14's must-holds 1-4, issue #28's cost figures (read_committed keeps 0.7 of
+none's throughput; the hot-record phase 0.5 of the main phase's) and issue #32's
+(signed records keep 0.8 of the unsigned main phase's throughput), checked against the
 layouts of the same name."""
 
 
