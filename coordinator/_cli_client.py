@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+import threading
 import time
 from collections import Counter
 from typing import Any
@@ -26,7 +27,14 @@ from saga.coordinator._cli_common import (
     load_keys,
     settings_from,
 )
-from saga.streams import ConfigurationError, InvalidRecord, SagaState, SagaTimeout, to_dict
+from saga.streams import (
+    ConfigurationError,
+    InvalidRecord,
+    SagaState,
+    SagaStatus,
+    SagaTimeout,
+    to_dict,
+)
 
 # The exit status of `saga submit --wait` and `saga status` for a transaction's state
 # (README "Command line"): final states get their own, anything else is "not final yet",
@@ -284,6 +292,42 @@ def status(
     sys.exit(exit_code_of(found.state))
 
 
+class _Board:
+    """What ``saga watch`` shows, kept up to date from the status records as they come:
+    the state of each transaction (counted per state) and the latest few in full."""
+
+    LATEST: int = 15
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._states: dict[str, SagaState] = {}
+        self._counts: Counter[str] = Counter()
+        self._latest: dict[str, SagaStatus] = {}
+
+    def take(self, status: SagaStatus, older: bool = False) -> None:
+        """Note ``status``; ``older``: from the first read, so what the listener has already
+        noted of the same transaction is newer and stays."""
+        with self._lock:
+            before = self._states.get(status.tx_id)
+            if older and before is not None:
+                return
+            if before is not None:
+                self._counts[before.value] -= 1
+            self._states[status.tx_id] = status.state
+            self._counts[status.state.value] += 1
+            self._latest[status.tx_id] = status
+            if len(self._latest) > 4 * self.LATEST:
+                self._latest = dict(self._newest(self.LATEST))
+
+    def _newest(self, n: int) -> list[tuple[str, SagaStatus]]:
+        return sorted(self._latest.items(), key=lambda kv: kv[1].updated_ms, reverse=True)[:n]
+
+    def read(self) -> tuple[Counter[str], list[SagaStatus]]:
+        """The counts per state and the latest statuses, newest first."""
+        with self._lock:
+            return +self._counts, [s for _, s in self._newest(self.LATEST)]
+
+
 @click.command()
 @kafka_options
 @click.option("--interval", type=float, default=1.0, show_default=True, help="Seconds per refresh.")
@@ -306,40 +350,25 @@ def watch(
 
     settings = settings_from(bootstrap, prefix, kafka_config)
     view = StatusView(settings, from_beginning=True, keys=load_keys(keys_dir, None))
+    board = _Board()
+    view.listen(board.take)  # what is published from now on...
+    for status in view.snapshot().values():  # ...over the topic read once
+        board.take(status, older=True)
+    states = ("pending", "committing", "committed", "rolling_back", "rolled_back", "failed")
 
     def render() -> Group:
-        snap = view.snapshot()
-        counts = Counter(s.state.value for s in snap.values())
-        summary = Table(title=f"saga status ({len(snap)} transactions)")
-        for state in (
-            "pending",
-            "committing",
-            "committed",
-            "rolling_back",
-            "rolled_back",
-            "failed",
-        ):
+        counts, latest = board.read()
+        summary = Table(title=f"saga status ({sum(counts.values())} transactions)")
+        for state in states:
             summary.add_column(state, justify="right")
-        summary.add_row(
-            *(
-                str(counts.get(s, 0))
-                for s in (
-                    "pending",
-                    "committing",
-                    "committed",
-                    "rolling_back",
-                    "rolled_back",
-                    "failed",
-                )
-            )
-        )
-        latest = Table(title="latest")
+        summary.add_row(*(str(counts.get(s, 0)) for s in states))
+        table = Table(title="latest")
         for col in ("tx_id", "saga", "state", "steps", "reason"):
-            latest.add_column(col)
-        for s in sorted(snap.values(), key=lambda s: s.updated_ms, reverse=True)[:15]:
+            table.add_column(col)
+        for s in latest:
             steps = " ".join(f"{p.participant}:{p.status.value}" for p in s.steps)
-            latest.add_row(s.tx_id, s.saga, s.state.value, steps, s.reason or "")
-        return Group(summary, latest)
+            table.add_row(s.tx_id, s.saga, s.state.value, steps, s.reason or "")
+        return Group(summary, table)
 
     try:
         view.wait_caught_up(60)
