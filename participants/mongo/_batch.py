@@ -10,7 +10,6 @@ look past it.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -206,8 +205,8 @@ class BatchWrites:
         For a decision whose write is idempotent (see :mod:`saga.participants.mongo._holds`):
         until the update is made, its step reads as still applied in the store, and the
         decision, should it come again after a crash, finds nothing left to write and
-        records itself. The updates of a batch go in one ``update`` command (a bulk
-        write), so a batch of commits costs one round trip, not one per step.
+        records itself. The updates of a batch are made together at its end, one
+        ``update_one`` by ``_id`` each (see :meth:`flush_updates`).
         """
         self._updates[step_id] = (tx_id, change)
 
@@ -215,19 +214,13 @@ class BatchWrites:
         updates, self._updates = self._updates, {}
         if not updates:
             return
-        # Updates that change the same fields to the same values go in one update_many.
-        # (One bulk of UpdateOne by _id each, which FerretDB serves without scanning the
-        # ledger, once left FerretDB's SQLite backend waiting for ever in the hostile
-        # chaos profile; kept out until that is understood.)
-        groups: dict[str, list[str]] = {}
-        changes: dict[str, Document] = {}
-        for step_id, (_, change) in updates.items():
-            key = json.dumps(change, sort_keys=True, default=str)
-            groups.setdefault(key, []).append(step_id)
-            changes[key] = change
+        # One update_one by _id each: FerretDB serves an _id equality from its index, while
+        # an update_many with {"_id": {"$in": ids}} scans the whole ledger (a cost that grows
+        # with the retention), and a bulk of UpdateOne once left FerretDB's SQLite backend
+        # waiting for ever in the hostile chaos profile.
         try:
-            for key, ids in groups.items():
-                self.ledger_collection.update_many({"_id": {"$in": ids}}, changes[key])
+            for step_id, (_, change) in updates.items():
+                self.ledger_collection.update_one({"_id": step_id}, change)
         except BaseException:
             self._forget(tx_id for tx_id, _ in updates.values())
             raise

@@ -11,11 +11,25 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import NoReturn
+from collections.abc import Callable
+from typing import Any, NoReturn, TypeVar
 
 import click
 
 from saga.coordinator._cli_common import TOOLS_HINT, fail, kafka_options, settings_from
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _seconds(name: str, default: float, text: str) -> Callable[[_F], _F]:
+    """A ``--NAME SECONDS`` option of ``saga bench``: a positive duration, up to a day."""
+    return click.option(
+        name,
+        type=click.FloatRange(0, 86_400, min_open=True),
+        default=default,
+        show_default=True,
+        help=text,
+    )
 
 
 def _missing(command: str, exc: ImportError) -> NoReturn:
@@ -140,41 +154,11 @@ def demo(
     show_default=True,
     help="Seconds of load before each saga phase's measured window.",
 )
-@click.option(
-    "--duration",
-    type=click.FloatRange(0, 86_400, min_open=True),
-    default=60.0,
-    show_default=True,
-    help="Seconds measured in the main phase.",
-)
-@click.option(
-    "--latency-duration",
-    type=click.FloatRange(0, 86_400, min_open=True),
-    default=30.0,
-    show_default=True,
-    help="Seconds measured in the open-loop latency phase.",
-)
-@click.option(
-    "--rollback-duration",
-    type=click.FloatRange(0, 86_400, min_open=True),
-    default=30.0,
-    show_default=True,
-    help="Seconds measured in the rollback phase.",
-)
-@click.option(
-    "--hot-duration",
-    type=click.FloatRange(0, 86_400, min_open=True),
-    default=30.0,
-    show_default=True,
-    help="Seconds measured in the hot-record phase.",
-)
-@click.option(
-    "--baseline-duration",
-    type=click.FloatRange(0, 86_400, min_open=True),
-    default=20.0,
-    show_default=True,
-    help="Seconds of each baseline (direct writes, log bound).",
-)
+@_seconds("--duration", 60.0, "Seconds measured in the main phase.")
+@_seconds("--latency-duration", 30.0, "Seconds measured in the open-loop latency phase.")
+@_seconds("--rollback-duration", 30.0, "Seconds measured in the rollback phase.")
+@_seconds("--hot-duration", 30.0, "Seconds measured in the hot-record phase.")
+@_seconds("--baseline-duration", 20.0, "Seconds of each baseline (direct writes, log bound).")
 @click.option(
     "--rate",
     type=click.FloatRange(0, 1_000_000, min_open=True),
