@@ -42,6 +42,7 @@ up to ``prune_limit`` ledger entries finished more than ``retention_ms`` ago
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -51,6 +52,7 @@ from tenacity import RetryCallState, Retrying, retry_if_exception_type, stop_nev
 from saga.participants._announce import DEFAULT_HEARTBEAT_MS, Announcer, storage_kind
 from saga.participants._barrier import PredecessorApplied, Requested, SuccessorCompensated
 from saga.participants._observe import ParticipantObserver
+from saga.participants._pace import BatchPace, max_poll_interval_s
 from saga.participants._routing import Router, Seen, Verdict
 from saga.participants._storage import (
     DecisionArrived,
@@ -184,6 +186,7 @@ class ParticipantRuntime(Stoppable):
         self.settings = settings
         self.topics = settings.topics
         self.batch_size = batch_size
+        self.pace = BatchPace(batch_size, max_poll_interval_s(settings) / 4)
         self.poll_timeout_s = poll_timeout_s
         self.event_window_ms = event_window_ms
         self.max_backoff_s = max_backoff_s
@@ -257,10 +260,12 @@ class ParticipantRuntime(Stoppable):
         try:
             while not self.stopping:
                 messages, self._carry = self._carry, []
-                messages += self._consumer.poll_batch(self.batch_size, self.poll_timeout_s)
+                messages += self._consumer.poll_batch(self.pace.limit, self.poll_timeout_s)
                 self.observer.polled(messages)
                 if messages:
+                    started = time.monotonic()
                     self._handle(messages)
+                    self.pace.took(len(messages), time.monotonic() - started)
                 else:
                     self._commit({})  # let the events window move on while idle
                 self._prune()
@@ -415,7 +420,7 @@ class ParticipantRuntime(Stoppable):
             paused = True
             # Keep the group membership alive; a newly assigned partition may
             # still deliver: keep those records for the next batch.
-            self._carry.extend(self._consumer.poll_batch(self.batch_size, 0))
+            self._carry.extend(self._consumer.poll_batch(self.pace.limit, 0))
 
         retrying = Retrying(
             retry=retry_if_exception_type(TransientError),

@@ -525,3 +525,64 @@ def test_a_worker_that_takes_over_finds_the_waiting_step_of_the_one_that_left(
     first.step(2)
     assert reported(log, tx) == [(1, StepStatus.APPLIED)]
     assert balance(database) == 105
+
+
+# ---------------------------------------------------------------- a slow storage
+
+
+def test_a_storage_too_slow_for_its_batches_gets_smaller_ones_and_loses_nothing(
+    log: InMemoryLog,
+    clock: ManualClock,
+    database: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A batch over a quarter of max.poll.interval.ms halves the next reads; nothing is
+    skipped, and the batch size grows back once the storage is quick again."""
+    settings = KafkaSettings("memory:9092", "p", {"max.poll.interval.ms": "4000"})
+    storage = sqlite_storage(database)
+    execute = storage.execute
+    sizes: list[int] = []
+    slow = [True]
+
+    def timed(items: Sequence[WorkItem]) -> list[Report]:
+        sizes.append(len(items))
+        if slow[0]:
+            now[0] += 0.2 * len(items)  # 0.2 s an item: 8 items is over the 1 s budget
+        return execute(items)
+
+    now = [0.0]
+    monkeypatch.setattr(storage, "execute", timed)
+    monkeypatch.setattr("saga.participants._runtime.time.monotonic", lambda: now[0])
+    runtime = ParticipantRuntime(
+        "bank", storage, settings, log=log, clock=clock, batch_size=64, announce=False
+    )
+    assert runtime.pace.budget_s == 1.0
+    stepper = Stepper(log, runtime.run, stop=runtime.stop).start()
+    try:
+        stepper.step()  # assigned
+        txs = [tx_on(1, n) for n in range(800)]
+        for tx in txs[:40]:
+            submit(log, clock, tx, [move(by=1), shop_step()], Mode.PARALLEL)
+        stepper.step()
+        assert sizes == [40] and runtime.pace.limit == 20
+        for tx in txs[40:]:
+            submit(log, clock, tx, [move(by=1), shop_step()], Mode.PARALLEL)
+        while sum(sizes) < 80 and len(sizes) < 40:
+            stepper.step()
+        # Smaller and smaller batches (the records read include bank's own events), until
+        # one fits the budget: 5 items take 1 s.
+        assert sum(sizes) == 80 and max(sizes[1:]) <= 20 and min(sizes) <= 5, sizes
+        slow[0] = False
+        for tx in txs[80:]:
+            submit(log, clock, tx, [move(by=1), shop_step()], Mode.PARALLEL)
+        for _ in range(300):
+            if runtime.pace.limit == 64:
+                break
+            stepper.step()
+        assert runtime.pace.limit == 64
+    finally:
+        stepper.stop()
+    events = [decode_as(m.value, StepEvent) for m in log.records(TOPICS.events)]
+    applied = {e.tx_id for e in events if isinstance(e, StepEvent) and e.status == "applied"}
+    assert balance(database) == 100 + len(applied)  # each applied once
+    assert set(txs[:80]) <= applied
