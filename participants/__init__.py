@@ -34,8 +34,9 @@ from saga.participants._barrier import (
     SuccessorCompensated,
 )
 from saga.participants._handlers import Handler, Reject, current_step, load_handlers
+from saga.participants._observe import ParticipantStats
 from saga.participants._open import open_storage
-from saga.participants._runtime import ParticipantRuntime, ParticipantStats
+from saga.participants._runtime import ParticipantRuntime
 from saga.participants._storage import (
     Actions,
     DecisionArrived,

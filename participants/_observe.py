@@ -35,6 +35,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
 from saga.participants._storage import Report, RequestSeen, WorkItem
@@ -181,3 +182,19 @@ class ParticipantObserver(LoopObserver):
 
 
 __all__ = ["ParticipantObserver"]
+
+
+@dataclass(slots=True)
+class ParticipantStats:
+    """What a participant runtime did since it started (counters, read by its metrics)."""
+
+    batches: int = 0
+    records: int = 0
+    items: int = 0
+    events: int = 0
+    skipped_invalid: int = 0
+    retries: int = 0
+    poisoned: int = 0
+    pruned: int = 0  # ledger entries removed after the retention
+    unauthenticated: int = 0  # records not acted on for their signature
+    routed: int = 0  # records skipped undecoded: their routing headers name others
