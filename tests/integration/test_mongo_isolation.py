@@ -28,6 +28,7 @@ from saga.participants.mongo._holds import RESERVED_PROJECTION
 from saga.participants.mongo._unit import _MongoUnit
 from saga.streams import Isolation, Mode, Outcome, StepStatus, TransientError
 from tests._infra import Services
+from tests.integration._mongo_commands import Commands
 
 pytestmark = pytest.mark.integration
 
@@ -364,37 +365,6 @@ def test_a_crash_between_a_commit_and_its_record_commits_once(
     assert store.find("accounts", "x") == {"_id": "x", "balance": 100}
     assert store.find("accounts", "n") == {"_id": "n", "balance": 3}
     assert list(store.db["saga_ledger_holds"].find({})) == []
-
-
-class Commands(pymongo.monitoring.CommandListener):
-    """Records ``(command, collection, _ids)``, and in :attr:`scans` every filter on
-    anything but one ``_id`` (pymongo swallows what a listener raises)."""
-
-    def __init__(self) -> None:
-        self.seen: list[tuple[str, str, list[Any]]] = []
-        self.scans: list[tuple[str, Any]] = []
-
-    def started(self, event: pymongo.monitoring.CommandStartedEvent) -> None:
-        name, command = event.command_name, event.command
-        if name == "insert":
-            ids = [doc["_id"] for doc in command["documents"]]
-        elif name in ("find", "findAndModify", "update"):
-            found = command.get("filter") or command.get("query")
-            filters = [s["q"] for s in command["updates"]] if name == "update" else [found]
-            plain = all(list(f) == ["_id"] and not isinstance(f["_id"], dict) for f in filters)
-            if not plain:  # FerretDB would scan the collection for any other filter
-                self.scans.append((name, filters))
-                return
-            ids = [f["_id"] for f in filters]
-        else:
-            return
-        self.seen.append((name, command[name], ids))
-
-    def succeeded(self, event: pymongo.monitoring.CommandSucceededEvent) -> None:
-        pass
-
-    def failed(self, event: pymongo.monitoring.CommandFailedEvent) -> None:
-        pass
 
 
 def test_the_hot_path_of_an_increment(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
