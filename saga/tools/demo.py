@@ -23,7 +23,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,6 +42,7 @@ from saga.streams import (
     TransientError,
     decode_as,
 )
+from saga.streams._registry import read_registry
 from saga.streams.kafka import Consumer, KafkaSettings, create_topics, wait_for_broker
 
 ACCOUNTS = 200
@@ -275,6 +276,18 @@ def processes(cfg: DemoConfig) -> Iterator[list[subprocess.Popen[bytes]]]:
                 p.kill()
 
 
+def _await_announced(kafka: KafkaSettings, names: set[str], timeout_s: float) -> None:
+    """Wait (up to ``timeout_s``) until every participant of ``names`` has announced
+    itself, so that the first saga does not wait for them (and nobody warns about it)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with suppress(TransientError, ConfigurationError):
+            registry = read_registry(kafka, timeout=10)
+            if names <= registry.names():
+                return
+        time.sleep(0.5)
+
+
 @dataclass(frozen=True)
 class Order:
     steps: list[Step]
@@ -369,6 +382,7 @@ def run_demo(cfg: DemoConfig, console: Console) -> int:
         # processes have joined their groups once it finishes, so the latencies
         # below measure sagas, not start-up.
         with console.status("starting the coordinator and participants"):
+            _await_announced(cfg.kafka, {"ledger", "inventory", "loyalty"}, timeout_s=120)
             warm = client.submit(order_saga(rng, 1.0).steps, saga="warm-up", timeout=120)
             client.result(warm, timeout=120)
         with progress:
