@@ -60,6 +60,22 @@ _SPAN_BY_STATUS = {
 }
 
 
+@dataclass(slots=True)
+class ParticipantStats:
+    """What a participant runtime did since it started (counters, read by its metrics)."""
+
+    batches: int = 0
+    records: int = 0
+    items: int = 0
+    events: int = 0
+    skipped_invalid: int = 0
+    retries: int = 0
+    poisoned: int = 0
+    pruned: int = 0  # ledger entries removed after the retention
+    unauthenticated: int = 0  # records not acted on for their signature
+    routed: int = 0  # records skipped undecoded: their routing headers name others
+
+
 class ParticipantObserver(LoopObserver):
     """Observes one :class:`~participants._runtime.ParticipantRuntime` (see the module doc).
 
@@ -181,20 +197,4 @@ class ParticipantObserver(LoopObserver):
             yield counter(metric, doc, ["participant"], [((name,), value)])
 
 
-__all__ = ["ParticipantObserver"]
-
-
-@dataclass(slots=True)
-class ParticipantStats:
-    """What a participant runtime did since it started (counters, read by its metrics)."""
-
-    batches: int = 0
-    records: int = 0
-    items: int = 0
-    events: int = 0
-    skipped_invalid: int = 0
-    retries: int = 0
-    poisoned: int = 0
-    pruned: int = 0  # ledger entries removed after the retention
-    unauthenticated: int = 0  # records not acted on for their signature
-    routed: int = 0  # records skipped undecoded: their routing headers name others
+__all__ = ["ParticipantObserver", "ParticipantStats"]

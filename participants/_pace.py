@@ -10,8 +10,8 @@ same batch for ever: every attempt is lost.
 :class:`BatchPace` keeps each batch within a quarter of the interval: a batch that
 took longer halves the records read next (down to one), and :data:`QUICK_RUN` full
 batches in a row well within it (an eighth) double them again, up to the configured
-batch size. Whatever a batch's time, nothing
-is skipped: a slow batch is only followed by smaller ones.
+batch size. Whatever a batch's time, nothing is skipped: a slow batch is only followed
+by smaller ones.
 """
 
 from __future__ import annotations
