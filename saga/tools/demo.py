@@ -23,7 +23,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,8 +42,8 @@ from saga.streams import (
     TransientError,
     decode_as,
 )
-from saga.streams._registry import read_registry
-from saga.streams.kafka import Consumer, KafkaSettings, create_topics, wait_for_broker
+from saga.streams._registry import ParticipantRegistry
+from saga.streams.kafka import Consumer, KafkaLog, KafkaSettings, create_topics, wait_for_broker
 
 ACCOUNTS = 200
 OPENING_BALANCE = 1_000
@@ -279,13 +279,15 @@ def processes(cfg: DemoConfig) -> Iterator[list[subprocess.Popen[bytes]]]:
 def _await_announced(kafka: KafkaSettings, names: set[str], timeout_s: float) -> None:
     """Wait (up to ``timeout_s``) until every participant of ``names`` has announced
     itself, so that the first saga does not wait for them (and nobody warns about it)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        with suppress(TransientError, ConfigurationError):
-            registry = read_registry(kafka, timeout=10)
-            if names <= registry.names():
-                return
-        time.sleep(0.5)
+    registry = ParticipantRegistry(KafkaLog(kafka), client_id=f"{kafka.prefix}.demo.registry")
+    registry.start()
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not names <= registry.names() and time.monotonic() < deadline:
+            registry.refresh(1.0)  # (logs and returns False while Kafka does not answer)
+            time.sleep(0.2)
+    finally:
+        registry.close()
 
 
 @dataclass(frozen=True)
