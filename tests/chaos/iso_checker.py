@@ -223,7 +223,8 @@ def _judge_saga(inp: IsoInput, saga: IsoSaga, tally: _Tally) -> str | None:
     log, tx = inp.log, saga.tx_id
     in_log = tx in log.requests
     if inp.acked.get(tx) and not in_log:
-        tally.add("lost_sagas", f"{tx}: acknowledged, but its request is not in the log")
+        why = log.dropped.get(tx, f"no record keyed {tx} (of {log.records.get('requests')})")
+        tally.add("lost_sagas", f"{tx}: acknowledged, but its request is not in the log: {why}")
     records = log.decisions.get(tx, [])
     own = [d for d in records if not d.replayed and not d.injected]
     if len({d.outcome for d in records}) > 1 or len(own) > 1:

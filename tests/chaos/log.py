@@ -364,6 +364,9 @@ class LogView:
     confirms: set[tuple[str, int]] = field(default_factory=set)
     """Steps whose ``applied`` event said ``confirm``: only they report ``committed``."""
     dlq: list[DeadLetter] = field(default_factory=list)
+    dropped: dict[str, str] = field(default_factory=dict)
+    """Keys of records on the requests topic that were not taken, and why (a lost saga's
+    report says whether its record is there at all)."""
     statuses: dict[str, SagaStatus] = field(default_factory=dict)
     records: dict[str, int] = field(default_factory=dict)
     decided_ms: dict[str, int] = field(default_factory=dict)
@@ -393,13 +396,20 @@ def read_log(settings: KafkaSettings, keys: Keyring | None = None) -> LogView:
     n = 0
     for m in read_messages(settings, t.requests):
         n += 1
+        where = f"partition {m.partition} offset {m.offset}"
+        name = (m.key or b"").decode(errors="replace")
         try:
             record = decode_as(m.value, SagaRequest, SagaAbort)
-        except InvalidRecord:
+        except InvalidRecord as exc:
+            view.dropped.setdefault(name, f"{where}: not a valid record ({exc})")
             continue
         if not _keyed(m, record.tx_id):
+            view.dropped.setdefault(name, f"{where}: keyed other than {record.tx_id}")
             continue
-        if not authentic(keys, m, allowed_signers(record)):
+        why = None if keys is None else keys.check(m.topic, m.key, m.value, m.headers,
+                                                   allowed_signers(record))  # fmt: skip
+        if why is not None:
+            view.dropped.setdefault(name, f"{where}: {why}")
             forged += 1
             continue
         if isinstance(record, SagaRequest):
