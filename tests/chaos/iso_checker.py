@@ -90,6 +90,8 @@ class IsoInput:
     opening_slots: Mapping[Record, str | None]
     ledgers: Mapping[tuple[str, str, int], LedgerRow]
     late: set[str] = field(default_factory=set)
+    acked_at: Mapping[str, tuple[int, int]] = field(default_factory=dict)
+    """Where Kafka said each acknowledged request went: (partition, offset)."""
 
 
 @dataclass
@@ -224,6 +226,8 @@ def _judge_saga(inp: IsoInput, saga: IsoSaga, tally: _Tally) -> str | None:
     in_log = tx in log.requests
     if inp.acked.get(tx) and not in_log:
         why = log.dropped.get(tx, f"no record keyed {tx} (of {log.records.get('requests')})")
+        if tx in inp.acked_at:
+            why += " (acknowledged at partition {} offset {})".format(*inp.acked_at[tx])
         tally.add("lost_sagas", f"{tx}: acknowledged, but its request is not in the log: {why}")
     records = log.decisions.get(tx, [])
     own = [d for d in records if not d.replayed and not d.injected]

@@ -109,6 +109,7 @@ class IsoSystem(System):
         self.isolation = isolation
         self.sagas: dict[str, IsoSaga] = {}
         self.acked: dict[str, bool | None] = {}
+        self.acked_at: dict[str, tuple[int, int]] = {}
         self.aborts = 0
 
     def create_iso(self) -> None:
@@ -136,6 +137,8 @@ class IsoSystem(System):
 
         def done(d: Any) -> None:
             self.acked[s.tx_id] = bool(d.acked)
+            if d.acked:
+                self.acked_at[s.tx_id] = (d.partition, d.offset)
 
         self.sender.send(self.topics.requests, s.tx_id, encode(request), label="request",
                          on_done=done)  # fmt: skip
@@ -163,6 +166,7 @@ class IsoSystem(System):
                 opening_slots=opening_slots(self.stores_used),
                 ledgers=self.stores.ledgers(),
                 late=late,
+                acked_at=dict(self.acked_at),
             )
         )
 
