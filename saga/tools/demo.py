@@ -42,8 +42,7 @@ from saga.streams import (
     TransientError,
     decode_as,
 )
-from saga.streams._registry import ParticipantRegistry
-from saga.streams.kafka import Consumer, KafkaLog, KafkaSettings, create_topics, wait_for_broker
+from saga.streams.kafka import Consumer, KafkaSettings, create_topics, wait_for_broker
 
 ACCOUNTS = 200
 OPENING_BALANCE = 1_000
@@ -276,18 +275,12 @@ def processes(cfg: DemoConfig) -> Iterator[list[subprocess.Popen[bytes]]]:
                 p.kill()
 
 
-def _await_announced(kafka: KafkaSettings, names: set[str], timeout_s: float) -> None:
-    """Wait (up to ``timeout_s``) until every participant of ``names`` has announced
+def _await_announced(client: SagaClient, steps: list[Step], timeout_s: float) -> None:
+    """Wait (up to ``timeout_s``) until every participant ``steps`` name has announced
     itself, so that the first saga does not wait for them (and nobody warns about it)."""
-    registry = ParticipantRegistry(KafkaLog(kafka), client_id=f"{kafka.prefix}.demo.registry")
-    registry.start()
-    try:
-        deadline = time.monotonic() + timeout_s
-        while not names <= registry.names() and time.monotonic() < deadline:
-            registry.refresh(1.0)  # (logs and returns False while Kafka does not answer)
-            time.sleep(0.2)
-    finally:
-        registry.close()
+    deadline = time.monotonic() + timeout_s
+    while client.unannounced(steps) and time.monotonic() < deadline:
+        time.sleep(0.2)  # the client reads the registry again at most once a second
 
 
 @dataclass(frozen=True)
@@ -384,8 +377,9 @@ def run_demo(cfg: DemoConfig, console: Console) -> int:
         # processes have joined their groups once it finishes, so the latencies
         # below measure sagas, not start-up.
         with console.status("starting the coordinator and participants"):
-            _await_announced(cfg.kafka, {"ledger", "inventory", "loyalty"}, timeout_s=120)
-            warm = client.submit(order_saga(rng, 1.0).steps, saga="warm-up", timeout=120)
+            warm_up = order_saga(rng, 1.0).steps
+            _await_announced(client, warm_up, timeout_s=120)
+            warm = client.submit(warm_up, saga="warm-up", timeout=120)
             client.result(warm, timeout=120)
         with progress:
             task = progress.add_task("sagas", total=cfg.sagas, counts="")

@@ -140,7 +140,7 @@ def check(inp: CheckInput) -> Verdict:
         tx = t.tx_id
         in_log = tx in log.requests
         if inp.acked.get(tx) and not in_log:
-            why = log.dropped.get(tx, f"no record keyed {tx} (of {log.records.get('requests')})")
+            why = log.missing(tx)
             tally.add("lost_sagas", f"{tx}: acknowledged, but its request is not in the log: {why}")
         records = log.decisions.get(tx, [])
         own = [d for d in records if not d.replayed and not d.injected]

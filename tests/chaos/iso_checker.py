@@ -225,7 +225,7 @@ def _judge_saga(inp: IsoInput, saga: IsoSaga, tally: _Tally) -> str | None:
     log, tx = inp.log, saga.tx_id
     in_log = tx in log.requests
     if inp.acked.get(tx) and not in_log:
-        why = log.dropped.get(tx, f"no record keyed {tx} (of {log.records.get('requests')})")
+        why = log.missing(tx)
         if tx in inp.acked_at:
             why += " (acknowledged at partition {} offset {})".format(*inp.acked_at[tx])
         tally.add("lost_sagas", f"{tx}: acknowledged, but its request is not in the log: {why}")

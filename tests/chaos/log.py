@@ -377,6 +377,17 @@ class LogView:
     """``(tx_id, step, status)`` -> the Kafka timestamp of its first event: produced after
     the participant's local commit, so the step's effect was in its store by then."""
 
+    def drop(self, m: Message, why: str) -> None:
+        """Note that the requests-topic record ``m`` was not taken, and why."""
+        name = (m.key or b"").decode(errors="replace")
+        self.dropped.setdefault(name, f"partition {m.partition} offset {m.offset}: {why}")
+
+    def missing(self, tx_id: str) -> str:
+        """Why an acknowledged request of ``tx_id`` is not in :attr:`requests`."""
+        return self.dropped.get(
+            tx_id, f"no record keyed {tx_id} (of {self.records.get('requests')})"
+        )
+
 
 def _earliest(into: dict[Any, int], key: Any, m: Message) -> None:
     if m.timestamp_ms is not None and (key not in into or m.timestamp_ms < into[key]):
@@ -396,20 +407,18 @@ def read_log(settings: KafkaSettings, keys: Keyring | None = None) -> LogView:
     n = 0
     for m in read_messages(settings, t.requests):
         n += 1
-        where = f"partition {m.partition} offset {m.offset}"
-        name = (m.key or b"").decode(errors="replace")
         try:
             record = decode_as(m.value, SagaRequest, SagaAbort)
         except InvalidRecord as exc:
-            view.dropped.setdefault(name, f"{where}: not a valid record ({exc})")
+            view.drop(m, f"not a valid record ({exc})")
             continue
         if not _keyed(m, record.tx_id):
-            view.dropped.setdefault(name, f"{where}: keyed other than {record.tx_id}")
+            view.drop(m, f"keyed other than {record.tx_id}")
             continue
         why = None if keys is None else keys.check(m.topic, m.key, m.value, m.headers,
                                                    allowed_signers(record))  # fmt: skip
         if why is not None:
-            view.dropped.setdefault(name, f"{where}: {why}")
+            view.drop(m, why)
             forged += 1
             continue
         if isinstance(record, SagaRequest):
