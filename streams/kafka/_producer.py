@@ -23,7 +23,13 @@ import confluent_kafka as ck
 
 from saga.streams._errors import ConfigurationError, FatalKafkaError, SagaError, TransientError
 from saga.streams.kafka._consumer import Consumer
-from saga.streams.kafka._message import DeliveryCallback, Partition, _to_message, _tps_at
+from saga.streams.kafka._message import (
+    DeliveryCallback,
+    Message,
+    Partition,
+    _to_message,
+    _tps_at,
+)
 from saga.streams.kafka._settings import TXN_RETRY_BACKOFF_MS, KafkaSettings, _client_config
 from saga.streams.kafka._translate import (
     _E,
@@ -58,6 +64,8 @@ wedges after a broker restart (librdkafka #5456 and #5511), so its bound plus
 exits to be restarted: the chaos suite measured 15 s of it with the transaction timeout
 as the bound."""
 _BUFFER_FULL_TIMEOUT_S: Final = 30.0
+_UNPLACED_RESENDS: Final = 3
+"""How often :class:`Producer` sends again a record Kafka acknowledged without an offset."""
 
 
 class _ProducerBase:
@@ -299,6 +307,109 @@ class Producer(_ProducerBase):
             enable_idempotence=True,
         )
         super().__init__(settings, config, transactional_id=None, collect_failures=True)
+
+    def produce(
+        self,
+        topic: str,
+        key: str | bytes | None,
+        value: bytes | None,
+        headers: Sequence[tuple[str, bytes]] | None = None,
+        on_delivery: DeliveryCallback | None = None,
+        partition: int | None = None,
+        timestamp_ms: int | None = None,
+    ) -> None:
+        """Queue one record (see :meth:`_ProducerBase.produce`).
+
+        A record Kafka acknowledges without an offset is sent again, up to
+        :data:`_UNPLACED_RESENDS` times, before it is reported: librdkafka 2.x has
+        been seen to report the first records to a partition of a new topic, just
+        after a broker restart, as delivered at offset -1 while no such record was
+        in the log. A resent record may be in the log twice; every record this
+        product sends is idempotent by its key (a request by its ``tx_id``). Still
+        without an offset after the resends, the delivery fails with a
+        :class:`TransientError` ("may not be in the log"): a caller sends it again.
+        """
+        super().produce(
+            topic,
+            key,
+            value,
+            headers,
+            self._placed(topic, key, value, headers, on_delivery, partition, timestamp_ms, 0),
+            partition,
+            timestamp_ms,
+        )
+
+    def _placed(
+        self,
+        topic: str,
+        key: str | bytes | None,
+        value: bytes | None,
+        headers: Sequence[tuple[str, bytes]] | None,
+        on_delivery: DeliveryCallback | None,
+        partition: int | None,
+        timestamp_ms: int | None,
+        resends: int,
+    ) -> DeliveryCallback:
+        """The delivery callback that resends a record acknowledged without an offset."""
+
+        def report(error: SagaError | None, message: Message) -> None:
+            if error is None and message.offset < 0:
+                self._delivered -= 1  # not delivered yet: counted when it is
+                error = self._resend(
+                    topic, key, value, headers, on_delivery, partition, timestamp_ms, resends
+                )
+                if error is None:
+                    return
+            if on_delivery is not None:
+                on_delivery(error, message)
+            elif error is not None:
+                self._failures.append(error)
+
+        return report
+
+    def _resend(
+        self,
+        topic: str,
+        key: str | bytes | None,
+        value: bytes | None,
+        headers: Sequence[tuple[str, bytes]] | None,
+        on_delivery: DeliveryCallback | None,
+        partition: int | None,
+        timestamp_ms: int | None,
+        resends: int,
+    ) -> SagaError | None:
+        where = f"a record to {topic}" + (f" keyed {key!r}" if key is not None else "")
+        if resends >= _UNPLACED_RESENDS:
+            return TransientError(
+                f"Kafka acknowledged {where} without an offset {resends + 1} times: "
+                "it may not be in the log; send it again"
+            )
+        _log.warning("Kafka acknowledged %s without an offset; sending it again", where)
+        extra: dict[str, Any] = {}
+        if partition is not None:
+            extra["partition"] = partition
+        if timestamp_ms is not None:
+            extra["timestamp"] = timestamp_ms
+        then = self._placed(
+            topic, key, value, headers, on_delivery, partition, timestamp_ms, resends + 1
+        )
+        try:  # inside a delivery report: one attempt, no waiting for room in the queue
+            self._client.produce(
+                topic,
+                value=value,
+                key=key,
+                headers=list(headers) if headers else None,
+                on_delivery=self._delivery_handler(then),
+                **extra,
+            )
+        except BufferError:
+            return TransientError(
+                f"Kafka acknowledged {where} without an offset and the producer's queue "
+                "is full: it may not be in the log; send it again"
+            )
+        except ck.KafkaException as exc:
+            return self._translated(exc, f"producing to {topic}", topic)
+        return None
 
 
 class TransactionalProducer(_ProducerBase):
