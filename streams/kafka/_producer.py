@@ -17,6 +17,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Final, Literal, NoReturn, Self, TypeVar
 
 import confluent_kafka as ck
@@ -66,6 +67,18 @@ as the bound."""
 _BUFFER_FULL_TIMEOUT_S: Final = 30.0
 _UNPLACED_RESENDS: Final = 3
 """How often :class:`Producer` sends again a record Kafka acknowledged without an offset."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Outgoing:
+    """One record as :meth:`_ProducerBase.produce` was given it (kept to send it again)."""
+
+    topic: str
+    key: str | bytes | None
+    value: bytes | None
+    headers: Sequence[tuple[str, bytes]] | None
+    partition: int | None
+    timestamp_ms: int | None
 
 
 class _ProducerBase:
@@ -179,21 +192,12 @@ class _ProducerBase:
                 or is unreachable).
             FatalKafkaError: the producer is fenced or in a fatal state.
         """
-        handler = self._delivery_handler(on_delivery)
-        header_list: list[tuple[str, str | bytes | None]] | None = (
-            list(headers) if headers else None
-        )
+        record = _Outgoing(topic, key, value, headers, partition, timestamp_ms)
+        handler = self._delivery_handler(self._reported(record, on_delivery))
         deadline = time.monotonic() + _BUFFER_FULL_TIMEOUT_S
         while True:
             try:
-                extra: dict[str, Any] = {}
-                if partition is not None:
-                    extra["partition"] = partition
-                if timestamp_ms is not None:
-                    extra["timestamp"] = timestamp_ms
-                self._client.produce(
-                    topic, value=value, key=key, headers=header_list, on_delivery=handler, **extra
-                )
+                self._send_once(record, handler)
                 break
             except BufferError:
                 if time.monotonic() >= deadline:
@@ -206,6 +210,29 @@ class _ProducerBase:
                 raise self._translated(exc, f"producing to {topic}", topic) from exc
         # Serve delivery reports (and logs) of earlier records without blocking.
         self._client.poll(0)
+
+    def _reported(
+        self, record: _Outgoing, on_delivery: DeliveryCallback | None
+    ) -> DeliveryCallback | None:
+        """What learns ``record``'s delivery: ``on_delivery`` here (see :class:`Producer`)."""
+        return on_delivery
+
+    def _send_once(
+        self, record: _Outgoing, handler: Callable[[ck.KafkaError | None, ck.Message], None]
+    ) -> None:
+        extra: dict[str, Any] = {}
+        if record.partition is not None:
+            extra["partition"] = record.partition
+        if record.timestamp_ms is not None:
+            extra["timestamp"] = record.timestamp_ms
+        self._client.produce(
+            record.topic,
+            value=record.value,
+            key=record.key,
+            headers=list(record.headers) if record.headers else None,
+            on_delivery=handler,
+            **extra,
+        )
 
     def poll(self, timeout: float = 0.0) -> int:
         """Serve delivery reports for up to ``timeout`` seconds; returns how many ran."""
@@ -287,6 +314,14 @@ class Producer(_ProducerBase):
     Records with the same key keep their order and are written once even when
     librdkafka retries. Delivery failures are raised by the next :meth:`flush`
     unless :meth:`produce` got an ``on_delivery`` callback.
+
+    A record Kafka acknowledges without an offset is sent again, up to
+    :data:`_UNPLACED_RESENDS` times, before it is reported: librdkafka 2.16 was seen
+    to report the first records to a partition of a new topic, just after a broker
+    restart, as delivered at offset -1 while no such record was in the log. A resent
+    record may be in the log twice; every record this product sends is idempotent by
+    its key (a request by its ``tx_id``). Still without an offset after the resends,
+    its delivery fails with a :class:`TransientError` ("may not be in the log").
     """
 
     def __init__(
@@ -308,56 +343,16 @@ class Producer(_ProducerBase):
         )
         super().__init__(settings, config, transactional_id=None, collect_failures=True)
 
-    def produce(
-        self,
-        topic: str,
-        key: str | bytes | None,
-        value: bytes | None,
-        headers: Sequence[tuple[str, bytes]] | None = None,
-        on_delivery: DeliveryCallback | None = None,
-        partition: int | None = None,
-        timestamp_ms: int | None = None,
-    ) -> None:
-        """Queue one record (see :meth:`_ProducerBase.produce`).
-
-        A record Kafka acknowledges without an offset is sent again, up to
-        :data:`_UNPLACED_RESENDS` times, before it is reported: librdkafka 2.x has
-        been seen to report the first records to a partition of a new topic, just
-        after a broker restart, as delivered at offset -1 while no such record was
-        in the log. A resent record may be in the log twice; every record this
-        product sends is idempotent by its key (a request by its ``tx_id``). Still
-        without an offset after the resends, the delivery fails with a
-        :class:`TransientError` ("may not be in the log"): a caller sends it again.
-        """
-        super().produce(
-            topic,
-            key,
-            value,
-            headers,
-            self._placed(topic, key, value, headers, on_delivery, partition, timestamp_ms, 0),
-            partition,
-            timestamp_ms,
-        )
-
-    def _placed(
-        self,
-        topic: str,
-        key: str | bytes | None,
-        value: bytes | None,
-        headers: Sequence[tuple[str, bytes]] | None,
-        on_delivery: DeliveryCallback | None,
-        partition: int | None,
-        timestamp_ms: int | None,
-        resends: int,
+    def _reported(
+        self, record: _Outgoing, on_delivery: DeliveryCallback | None, resends: int = 0
     ) -> DeliveryCallback:
-        """The delivery callback that resends a record acknowledged without an offset."""
+        """The delivery callback that sends ``record`` again when Kafka acknowledged it
+        without an offset (see the class docstring), then reports to ``on_delivery``."""
 
         def report(error: SagaError | None, message: Message) -> None:
             if error is None and message.offset < 0:
                 self._delivered -= 1  # not delivered yet: counted when it is
-                error = self._resend(
-                    topic, key, value, headers, on_delivery, partition, timestamp_ms, resends
-                )
+                error = self._resend(record, on_delivery, resends)
                 if error is None:
                     return
             if on_delivery is not None:
@@ -368,47 +363,27 @@ class Producer(_ProducerBase):
         return report
 
     def _resend(
-        self,
-        topic: str,
-        key: str | bytes | None,
-        value: bytes | None,
-        headers: Sequence[tuple[str, bytes]] | None,
-        on_delivery: DeliveryCallback | None,
-        partition: int | None,
-        timestamp_ms: int | None,
-        resends: int,
+        self, record: _Outgoing, on_delivery: DeliveryCallback | None, resends: int
     ) -> SagaError | None:
-        where = f"a record to {topic}" + (f" keyed {key!r}" if key is not None else "")
+        where = f"a record to {record.topic}"
+        if record.key is not None:
+            where += f" keyed {record.key!r}"
         if resends >= _UNPLACED_RESENDS:
             return TransientError(
                 f"Kafka acknowledged {where} without an offset {resends + 1} times: "
                 "it may not be in the log; send it again"
             )
         _log.warning("Kafka acknowledged %s without an offset; sending it again", where)
-        extra: dict[str, Any] = {}
-        if partition is not None:
-            extra["partition"] = partition
-        if timestamp_ms is not None:
-            extra["timestamp"] = timestamp_ms
-        then = self._placed(
-            topic, key, value, headers, on_delivery, partition, timestamp_ms, resends + 1
-        )
+        handler = self._delivery_handler(self._reported(record, on_delivery, resends + 1))
         try:  # inside a delivery report: one attempt, no waiting for room in the queue
-            self._client.produce(
-                topic,
-                value=value,
-                key=key,
-                headers=list(headers) if headers else None,
-                on_delivery=self._delivery_handler(then),
-                **extra,
-            )
+            self._send_once(record, handler)
         except BufferError:
             return TransientError(
                 f"Kafka acknowledged {where} without an offset and the producer's queue "
                 "is full: it may not be in the log; send it again"
             )
         except ck.KafkaException as exc:
-            return self._translated(exc, f"producing to {topic}", topic)
+            return self._translated(exc, f"producing to {record.topic}", record.topic)
         return None
 
 
