@@ -189,9 +189,10 @@ def test_store_refusals_fail_their_own_step_and_no_participant_exits(
             slow = client.submit([increment("slow", 1)], isolation=none, timeout=180)
             # A driver error raised inside a custom handler.
             audited = client.submit([Step("audit", "audit", {})], timeout=180)
-            # The update must be refused by the trigger before the next saga reserves on the
+            # Both must be refused by the trigger before the next saga reserves on the
             # same row: requests on two partitions reach the participant in either order, and
             # the parked saga below holds the row until an operator acts.
+            frozen_reason = reason_of(client, frozen)
             frozen_update_reason = reason_of(client, frozen_update)
             # A commit the store refuses: the reservation passes, the trigger refuses the write.
             parked = client.submit([increment("frozen", 1)], timeout=180)
@@ -201,7 +202,7 @@ def test_store_refusals_fail_their_own_step_and_no_participant_exits(
                 locked_reason = reason_of(client, locked)
 
             refused = "PostgreSQL refused the {} of accounts/frozen: account frozen (P0001)"
-            assert reason_of(client, frozen) == "step 0 failed: " + refused.format("increment")
+            assert frozen_reason == "step 0 failed: " + refused.format("increment")
             assert frozen_update_reason == "step 0 failed: " + refused.format("update")
             assert reason_of(client, slow).startswith(
                 "step 0 failed: PostgreSQL timed out on the increment of accounts/slow: "
