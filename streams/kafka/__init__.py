@@ -63,9 +63,10 @@ from saga.streams.kafka._message import (
     Partition,
     RebalanceCallback,
 )
-from saga.streams.kafka._producer import Producer, TransactionalProducer
+from saga.streams.kafka._producer import Producer
 from saga.streams.kafka._settings import KafkaSettings
 from saga.streams.kafka._translate import TransactionAborted
+from saga.streams.kafka._txn_producer import TransactionalProducer
 
 __all__ = [
     "OFFSET_BEGINNING",

@@ -7,8 +7,9 @@ from typing import Literal
 
 from saga.streams.kafka._consumer import Consumer
 from saga.streams.kafka._message import RebalanceCallback
-from saga.streams.kafka._producer import Producer, TransactionalProducer
+from saga.streams.kafka._producer import Producer
 from saga.streams.kafka._settings import KafkaSettings
+from saga.streams.kafka._txn_producer import TransactionalProducer
 
 
 class KafkaLog:

@@ -18,8 +18,8 @@ from saga.coordinator import CoordinatorService
 from saga.participants import ParticipantRuntime
 from saga.streams import ConfigurationError, FatalKafkaError
 from saga.streams.kafka import Consumer, KafkaSettings
-from saga.streams.kafka._producer import TransactionalProducer
 from saga.streams.kafka._settings import GROUP_SESSION_TIMEOUT_MS, _group_timeouts
+from saga.streams.kafka._txn_producer import TransactionalProducer
 from saga.streams.testing import InMemoryLog
 
 pytestmark = pytest.mark.unit

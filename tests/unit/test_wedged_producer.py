@@ -20,7 +20,7 @@ import pytest
 
 from saga.streams import FatalKafkaError, KafkaSettings, TransientError
 from saga.streams.kafka import Consumer
-from saga.streams.kafka import _producer as P
+from saga.streams.kafka import _txn_producer as P
 
 SETTINGS = KafkaSettings(bootstrap="nowhere:9092", prefix="u")
 
