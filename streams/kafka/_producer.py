@@ -52,6 +52,29 @@ class _Outgoing:
     timestamp_ms: int | None
 
 
+Compression = Literal["lz4", "zstd", "gzip", "snappy", "none"]
+
+
+def _idempotent_config(
+    settings: KafkaSettings,
+    client_id: str,
+    compression: Compression,
+    linger_ms: int,
+    **more: Any,
+) -> dict[str, Any]:
+    """Both producers' librdkafka settings: murmur2 keys, ``acks=all``, idempotence on."""
+    return _client_config(
+        settings,
+        client_id=client_id,
+        compression_type=compression,
+        linger_ms=linger_ms,
+        partitioner="murmur2_random",
+        acks="all",
+        enable_idempotence=True,
+        **more,
+    )
+
+
 class _ProducerBase:
     """What both producers share: construction, produce with back-pressure, flush, close."""
 
@@ -276,9 +299,6 @@ class _ProducerBase:
         self.close()
 
 
-Compression = Literal["lz4", "zstd", "gzip", "snappy", "none"]
-
-
 class Producer(_ProducerBase):
     """An idempotent producer (``acks=all``, ``enable.idempotence=true``).
 
@@ -303,15 +323,7 @@ class Producer(_ProducerBase):
         compression: Compression = "lz4",
         linger_ms: int = 5,
     ) -> None:
-        config = _client_config(
-            settings,
-            client_id=client_id,
-            compression_type=compression,
-            linger_ms=linger_ms,
-            partitioner="murmur2_random",
-            acks="all",
-            enable_idempotence=True,
-        )
+        config = _idempotent_config(settings, client_id, compression, linger_ms)
         super().__init__(settings, config, transactional_id=None, collect_failures=True)
 
     def _reported(

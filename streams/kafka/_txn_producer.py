@@ -21,8 +21,8 @@ import confluent_kafka as ck
 from saga.streams._errors import ConfigurationError, FatalKafkaError, TransientError
 from saga.streams.kafka._consumer import Consumer
 from saga.streams.kafka._message import Partition, _tps_at
-from saga.streams.kafka._producer import Compression, _ProducerBase
-from saga.streams.kafka._settings import TXN_RETRY_BACKOFF_MS, KafkaSettings, _client_config
+from saga.streams.kafka._producer import Compression, _idempotent_config, _ProducerBase
+from saga.streams.kafka._settings import TXN_RETRY_BACKOFF_MS, KafkaSettings
 from saga.streams.kafka._translate import _E, _FENCED_CODES, _error_of
 
 _log = logging.getLogger("saga.kafka")
@@ -86,14 +86,11 @@ class TransactionalProducer(_ProducerBase):
     ) -> None:
         if not transactional_id:
             raise ConfigurationError("a transactional producer needs a transactional.id")
-        config = _client_config(
+        config = _idempotent_config(
             settings,
-            client_id=client_id,
-            compression_type=compression,
-            linger_ms=linger_ms,
-            partitioner="murmur2_random",
-            acks="all",
-            enable_idempotence=True,
+            client_id,
+            compression,
+            linger_ms,
             transactional_id=transactional_id,
             transaction_timeout_ms=transaction_timeout_ms,
         )
