@@ -19,7 +19,6 @@ import confluent_kafka as ck
 from saga.streams._errors import ConfigurationError, SagaError, TransientError
 from saga.streams.kafka._message import (
     DeliveryCallback,
-    Message,
     _to_message,
 )
 from saga.streams.kafka._settings import KafkaSettings, _client_config
@@ -126,14 +125,12 @@ class _ProducerBase:
         return error
 
     def _delivery_handler(
-        self, on_delivery: DeliveryCallback | None
+        self, record: _Outgoing, on_delivery: DeliveryCallback | None, resends: int = 0
     ) -> Callable[[ck.KafkaError | None, ck.Message], None]:
         def handle(err: ck.KafkaError | None, raw: ck.Message) -> None:
             message = _to_message(raw)
             error: SagaError | None = None
-            if err is None:
-                self._delivered += 1
-            else:
+            if err is not None:
                 error = _translate(
                     err,
                     f"delivering a record to {message.topic}",
@@ -141,6 +138,13 @@ class _ProducerBase:
                     topic=message.topic,
                     transactional_id=self._transactional_id,
                 )
+            elif message.offset < 0 and self._transactional_id is None:
+                # Acknowledged without an offset: maybe not in the log (see Producer).
+                error = self._resend(record, on_delivery, resends)
+                if error is None:
+                    return  # the next report of the record it sent again says
+            else:
+                self._delivered += 1
             if on_delivery is not None:
                 on_delivery(error, message)
             elif error is not None and self._collect_failures:
@@ -149,6 +153,32 @@ class _ProducerBase:
                 self._txn_failure = error
 
         return handle
+
+    def _resend(
+        self, record: _Outgoing, on_delivery: DeliveryCallback | None, resends: int
+    ) -> SagaError | None:
+        """Send ``record`` again (Kafka acknowledged it without an offset); the error
+        its delivery fails with when it cannot be, or when it was sent often enough."""
+        where = f"a record to {record.topic}"
+        if record.key is not None:
+            where += f" keyed {record.key!r}"
+        if resends >= _UNPLACED_RESENDS:
+            return TransientError(
+                f"Kafka acknowledged {where} without an offset {resends + 1} times: "
+                "it may not be in the log; send it again"
+            )
+        _log.warning("Kafka acknowledged %s without an offset; sending it again", where)
+        handler = self._delivery_handler(record, on_delivery, resends + 1)
+        try:  # inside a delivery report: one attempt, no waiting for room in the queue
+            self._send_once(record, handler)
+        except BufferError:
+            return TransientError(
+                f"Kafka acknowledged {where} without an offset and the producer's queue "
+                "is full: it may not be in the log; send it again"
+            )
+        except ck.KafkaException as exc:
+            return self._translated(exc, f"producing to {record.topic}", record.topic)
+        return None
 
     def produce(
         self,
@@ -187,7 +217,7 @@ class _ProducerBase:
             FatalKafkaError: the producer is fenced or in a fatal state.
         """
         record = _Outgoing(topic, key, value, headers, partition, timestamp_ms)
-        handler = self._delivery_handler(self._reported(record, on_delivery))
+        handler = self._delivery_handler(record, on_delivery)
         deadline = time.monotonic() + _BUFFER_FULL_TIMEOUT_S
         while True:
             try:
@@ -204,12 +234,6 @@ class _ProducerBase:
                 raise self._translated(exc, f"producing to {topic}", topic) from exc
         # Serve delivery reports (and logs) of earlier records without blocking.
         self._client.poll(0)
-
-    def _reported(
-        self, record: _Outgoing, on_delivery: DeliveryCallback | None
-    ) -> DeliveryCallback | None:
-        """What learns ``record``'s delivery: ``on_delivery`` here (see :class:`Producer`)."""
-        return on_delivery
 
     def _send_once(
         self, record: _Outgoing, handler: Callable[[ck.KafkaError | None, ck.Message], None]
@@ -325,46 +349,3 @@ class Producer(_ProducerBase):
     ) -> None:
         config = _idempotent_config(settings, client_id, compression, linger_ms)
         super().__init__(settings, config, transactional_id=None, collect_failures=True)
-
-    def _reported(
-        self, record: _Outgoing, on_delivery: DeliveryCallback | None, resends: int = 0
-    ) -> DeliveryCallback:
-        """The delivery callback that sends ``record`` again when Kafka acknowledged it
-        without an offset (see the class docstring), then reports to ``on_delivery``."""
-
-        def report(error: SagaError | None, message: Message) -> None:
-            if error is None and message.offset < 0:
-                self._delivered -= 1  # not delivered yet: counted when it is
-                error = self._resend(record, on_delivery, resends)
-                if error is None:
-                    return
-            if on_delivery is not None:
-                on_delivery(error, message)
-            elif error is not None:
-                self._failures.append(error)
-
-        return report
-
-    def _resend(
-        self, record: _Outgoing, on_delivery: DeliveryCallback | None, resends: int
-    ) -> SagaError | None:
-        where = f"a record to {record.topic}"
-        if record.key is not None:
-            where += f" keyed {record.key!r}"
-        if resends >= _UNPLACED_RESENDS:
-            return TransientError(
-                f"Kafka acknowledged {where} without an offset {resends + 1} times: "
-                "it may not be in the log; send it again"
-            )
-        _log.warning("Kafka acknowledged %s without an offset; sending it again", where)
-        handler = self._delivery_handler(self._reported(record, on_delivery, resends + 1))
-        try:  # inside a delivery report: one attempt, no waiting for room in the queue
-            self._send_once(record, handler)
-        except BufferError:
-            return TransientError(
-                f"Kafka acknowledged {where} without an offset and the producer's queue "
-                "is full: it may not be in the log; send it again"
-            )
-        except ck.KafkaException as exc:
-            return self._translated(exc, f"producing to {record.topic}", record.topic)
-        return None
