@@ -37,6 +37,7 @@ from saga.coordinator._machine import (
     tx_of,
 )
 from saga.coordinator._observe import CoordinatorObserver
+from saga.coordinator._own import OwnRecords
 from saga.coordinator._restore import restore
 from saga.coordinator._retention import PartitionState, Sagas, due_to_forget, due_to_refresh, settle
 from saga.coordinator._timers import TimerBatch
@@ -170,6 +171,8 @@ class CoordinatorService(Stoppable):
         self._keys = keys
         if keys is not None and keys.signs:  # its own records, read back, pass on a digest
             keys.remember_own(_OWN_RECORDS_REMEMBERED)
+        # ... or, read where their delivery reports put them, on a lookup (see _own).
+        self._own = OwnRecords(_OWN_RECORDS_REMEMBERED) if keys is not None else None
         self.aborters = aborters
         self._log: Log = signing(log if log is not None else KafkaLog(settings), keys)
         self._faults = faults
@@ -482,7 +485,9 @@ class CoordinatorService(Stoppable):
         do not believe anyway) is moved to the DLQ with the reason, like every other
         record that cannot be acted on.
         """
-        assert self._keys is not None
+        assert self._keys is not None and self._own is not None
+        if self._own.read_back(m):
+            return False
         reason = self._keys.check(m.topic, m.key, m.value, m.headers, _ONLY_COORDINATOR)
         if reason is None:
             return False
@@ -506,14 +511,9 @@ class CoordinatorService(Stoppable):
             # a second, separate transaction of the same id that never settles.
             rejected.append((m, f"record is on partition {m.partition}, its key belongs on {home}"))
             return None
-        if self._keys is not None:
-            reason = self._keys.check(
-                m.topic,
-                m.key,
-                m.value,
-                m.headers,
-                allowed_signers(record, aborters=self.aborters),
-            )
+        if self._keys is not None and not (self._own is not None and self._own.read_back(m)):
+            signers = allowed_signers(record, aborters=self.aborters)
+            reason = self._keys.check(m.topic, m.key, m.value, m.headers, signers)
             if reason is not None:
                 # Never acted on: a forged step event, abort or decision changes nothing.
                 self.stats.unauthenticated += 1
@@ -552,15 +552,16 @@ class CoordinatorService(Stoppable):
         committing = False
         try:
             self._producer.begin()
+            own = None if self._own is None else self._own.delivered
             for d, value in decisions:
                 headers = _route.decision_route(d, _route.changed_saga(changed, d.tx_id))
                 headers += self.observer.decision_headers(d) or ()
-                self._producer.produce(self.topics.decisions, d.tx_id, value, headers)
+                self._producer.produce(self.topics.decisions, d.tx_id, value, headers, own)
             for d, value, headers in redriven:
-                self._producer.produce(self.topics.decisions, d.tx_id, value, headers)
+                self._producer.produce(self.topics.decisions, d.tx_id, value, headers, own)
             for tx_id, value in last_status.items():
                 trace = self.observer.status_headers(tx_id)
-                self._producer.produce(self.topics.status, tx_id, value, trace)
+                self._producer.produce(self.topics.status, tx_id, value, trace, own)
             for tx_id, value, route in events:
                 self._producer.produce(self.topics.events, tx_id, value, route)
             for _, _, tx_id in forgotten:

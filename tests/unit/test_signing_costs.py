@@ -227,9 +227,13 @@ def test_batch_signing_costs_a_fraction_of_an_ed25519_operation_per_saga_and_pro
         assert verifications <= 0.35, costs.table(principal)
     # Each record a process checks is checked once.
     assert all(n == 1 for n in costs.checks.values()), costs.table("repeated checks")
-    # What is checked: the coordinator, its inputs and its own status read back; each
-    # participant its request and its decision; the client its final status.
+    # What is checked: the coordinator, its inputs (its own status records and decisions,
+    # read back, are known by the places their delivery reports named: coordinator._own);
+    # each participant its request and its decision; the client its final status.
     assert costs.checked[(COORDINATOR, "events")] == 6 * SAGAS
+    assert costs.checked[(COORDINATOR, "requests")] == SAGAS
+    assert costs.checked[(COORDINATOR, "status")] == 0
+    assert costs.checked[(COORDINATOR, "decisions")] == 0
     assert costs.checked[("participant-bank", "requests")] == SAGAS
     assert costs.checked[("participant-bank", "decisions")] == SAGAS
 
