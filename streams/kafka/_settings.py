@@ -15,12 +15,13 @@ from types import MappingProxyType
 from typing import Any, Final
 
 from saga.streams._errors import ConfigurationError
-from saga.streams._repeats import RepeatFilter
+from saga.streams._repeats import RepeatFilter, RoutineRetryFilter
 from saga.streams._topics import Topics
 
 # librdkafka's own log lines (connection failures, retries, ...) go here; a line it
 # repeats (a refused connection, every reconnect backoff) shows once per 10 s.
 _librdkafka_log = logging.getLogger("saga.kafka.librdkafka")
+_librdkafka_log.addFilter(RoutineRetryFilter())
 _librdkafka_log.addFilter(RepeatFilter())
 
 _ENV_PREFIX: Final = "SAGA_KAFKA_"

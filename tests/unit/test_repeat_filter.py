@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from saga.streams._repeats import RepeatFilter
+from saga.streams._repeats import RepeatFilter, RoutineRetryFilter
 from saga.streams.kafka._settings import _librdkafka_log
 
 pytestmark = pytest.mark.unit
@@ -72,3 +72,25 @@ def test_memory_is_bounded_by_the_number_of_kinds() -> None:
 
 def test_librdkafkas_logger_has_the_filter() -> None:
     assert any(isinstance(f, RepeatFilter) for f in _librdkafka_log.filters)
+
+
+def test_a_routine_retry_warning_is_a_notice_shown_only_at_info(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A fresh broker's "Coordinator load in progress: retrying" is not a warning."""
+    logger = logging.getLogger("saga.test.routine")
+    logger.addFilter(RoutineRetryFilter())
+    line = (
+        "GETPID [saga.client#producer-3] [thrd:main]: Failed to acquire idempotence PID "
+        "from broker 127.0.0.1:19092/1: Broker: Coordinator load in progress: retrying"
+    )
+    with caplog.at_level(logging.WARNING, logger="saga.test.routine"):
+        logger.warning(line)
+        logger.warning("Connect to ipv4#127.0.0.1:19092 failed: Connection refused")
+    assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
+        (logging.WARNING, "Connect to ipv4#127.0.0.1:19092 failed: Connection refused")
+    ]
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="saga.test.routine"):
+        logger.warning(line)
+    assert [(r.levelno, r.getMessage()) for r in caplog.records] == [(logging.INFO, line)]
