@@ -106,14 +106,15 @@ demo: venv infra-up
 # baselines measured in the same run; writes reports/bench.json. Options: BENCH_ARGS
 # (see `saga bench --help`), e.g. BENCH_ARGS="--phases main,direct --duration 30".
 # Both layouts (wallet on FerretDB, wallet on PostgreSQL), each: main 60 s and open loop at
-# 400 sagas/s, each at read_committed then at none; main again with signed records;
+# 400 sagas/s, each at read_committed then at none; main signed and unsigned, alternately;
 # rollback with 20 % rejected; hot (every saga on 10 records per store); direct writes;
 # then the log bound.
 BENCH_ARGS ?=
 BENCH_LAYOUTS := --layout default --layout pg-wallet
 # Main and open loop at read_committed and at none, side by side; the hot phase; and the
-# main phase again with signed records (the signed/unsigned ratio in the final table).
-BENCH_COMPARE := --isolation both --signing both
+# main phase with and without signed records, twice each, alternately (the pooled
+# signed/unsigned ratio in the final table).
+BENCH_COMPARE := --isolation both --signing both --signing-rounds 2
 BENCH_SHORT := --warmup 3 --duration 10 --latency-duration 10 --rollback-duration 10 \
 	--hot-duration 10 --baseline-duration 10 --report reports/bench-short.json
 bench: venv infra-up

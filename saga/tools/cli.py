@@ -267,6 +267,15 @@ def demo(
     "(the main phase twice, without then with, side by side with the throughput ratio).",
 )
 @click.option(
+    "--signing-rounds",
+    type=click.IntRange(1, 20),
+    default=1,
+    show_default=True,
+    help="With --signing both: run the unsigned and the signed main phase this many times "
+    "each, alternately (unsigned, signed, signed, unsigned, ...), and pool them: a "
+    "drift or a slow spell of the machine then weighs on both sides alike.",
+)
+@click.option(
     "--isolation",
     type=click.Choice(["read_committed", "none", "both"]),
     default="read_committed",
@@ -356,6 +365,7 @@ def bench(
     seed: int,
     keep_topics: bool,
     signing: str,
+    signing_rounds: int,
     isolation: str,
     service_pid: tuple[str, ...],
     layouts: tuple[str, ...],
@@ -421,6 +431,7 @@ def bench(
         seed=seed,
         keep_topics=keep_topics,
         signing=signing,
+        signing_rounds=signing_rounds,
         isolation=isolation,
         service_pids=pids,
         layouts=tuple(parse_layout(t) for t in layouts) or (DEFAULT_LAYOUT,),

@@ -23,10 +23,11 @@ from saga.tools.bench.config import (
     BenchConfig,
     Layout,
     account,
+    is_signed,
     phase_level,
 )
 from saga.tools.bench.phases import SagaPhaseResult
-from saga.tools.bench.report import build_report, print_summary
+from saga.tools.bench.report import build_report, print_summary, signing_figures
 from saga.tools.bench.run import phase_order
 from saga.tools.bench.workload import Workload
 
@@ -169,3 +170,42 @@ def test_one_level_reports_the_hot_phase_alone() -> None:
     out = io.StringIO()
     print_summary(Console(file=out, width=80), report)
     assert "hot (10 records) sagas/s" in out.getvalue()
+
+
+def test_signing_rounds_alternate_and_pool() -> None:
+    cfg = _cfg(signing="both", signing_rounds=3, phases=("main",))
+    assert [name for _, name, _ in phase_order(cfg)] == [
+        "main", "main-signed", "main-signed-r2", "main-r2", "main-r3", "main-signed-r3",
+    ]  # fmt: skip
+    assert [is_signed(cfg, n) for _, n, _ in phase_order(cfg)] == [
+        False, True, True, False, False, True,
+    ]  # fmt: skip
+    # Every round repeats the main phase's workload, unsigned or signed.
+    assert {(i, kind) for i, _, kind in phase_order(cfg)} == {(0, "main")}
+    with pytest.raises(ConfigurationError, match="--signing both"):
+        _cfg(signing="on", signing_rounds=2)
+    layout = LAYOUTS["default"]
+    cpu = {"coordinator": 1.0, "kafka": 2.0}  # ms per saga
+    phases = {
+        "main": _phase("main", layout, 100.0, cpu),
+        "main-signed": _phase("main-signed", layout, 50.0, cpu),
+        "main-signed-r2": _phase("main-signed-r2", layout, 100.0, {**cpu, "coordinator": 2.0}),
+        "main-r2": _phase("main-r2", layout, 100.0, cpu),
+        "main-r3": _phase("main-r3", layout, 100.0, cpu),
+        # round 3's signed run is missing (a phase that did not run): that round is left out
+    }
+    figures = signing_figures(cfg, phases)
+    assert figures is not None
+    assert [r["throughput_ratio"] for r in figures["rounds"]] == [0.5, 1.0]
+    # Pooled: 1,500 signed sagas in 20 s against 2,000 unsigned in 20 s.
+    assert figures["sagas_per_s"] == {"off": 100.0, "on": 75.0}
+    assert figures["throughput_ratio"] == 0.75
+    # CPU weighs each round by its sagas: (1 ms x 500 + 2 ms x 1,000) / 1,500.
+    assert figures["cpu_ms_per_saga"]["on"]["coordinator"] == round(2500 / 1500, 3)
+    assert figures["cpu_ms_per_saga"]["off"]["coordinator"] == 1.0
+    one = signing_figures(_cfg(signing="both", phases=("main",)), phases)
+    assert one is not None and one["throughput_ratio"] == 0.5 and len(one["rounds"]) == 1
+    text = io.StringIO()
+    report = build_report(cfg, {"default": phases}, {}, None, 0.0, (0.0, 0.0, 0.0))
+    print_summary(Console(file=text, width=80), report)
+    assert "0.500, 1.000" in text.getvalue()

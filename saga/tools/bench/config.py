@@ -39,6 +39,9 @@ MAX_AMOUNT: Final = 100
 SIGNING: Final = ("off", "on", "both")
 SIGNED_MAIN: Final = "main-signed"
 """The main phase run again with signed records (``--signing both``)."""
+ROUND_MARK: Final = "-r"
+"""``--signing-rounds N``: round ``n`` (from 2) of the unsigned and the signed main phase
+runs as ``main-r<n>`` and ``main-signed-r<n>``."""
 SERVICES: Final = ("kafka", "postgres", "redis", "ferretdb", "mariadb")
 CLIENT: Final = "client (bench)"
 
@@ -140,6 +143,9 @@ class BenchConfig:
     signing: str = "off"
     isolation: str = "read_committed"
     """The sagas' level (``both``: see :data:`NONE_SUFFIX`)."""
+    signing_rounds: int = 1
+    """``--signing both``: how many times the unsigned and the signed main phase each run,
+    alternately (unsigned, signed, then signed, unsigned, ...); the figures pool them."""
     service_pids: Mapping[str, int] = field(default_factory=dict)
     layouts: tuple[Layout, ...] = (DEFAULT_LAYOUT,)
     profile: Path | None = None
@@ -168,6 +174,11 @@ class BenchConfig:
             raise ConfigurationError(
                 "--signing both compares two main phases: keep main in --phases"
             )
+        if self.signing_rounds < 1 or (self.signing_rounds > 1 and self.signing != "both"):
+            raise ConfigurationError(
+                "--signing-rounds repeats the comparison of --signing both: give it with "
+                "--signing both, at least 1"
+            )
         if self.isolation not in ISOLATION:
             raise ConfigurationError(f"--isolation {self.isolation!r}: use {', '.join(ISOLATION)}")
         if self.isolation == "both" and not set(COMPARED) & set(self.phases):
@@ -195,6 +206,23 @@ class BenchConfig:
                 f"--schema {self.schema!r} must be a letter or _ followed by up to 62 "
                 "letters, digits or _"
             )
+
+
+def signing_pairs(cfg: BenchConfig) -> list[tuple[str, str]]:
+    """``(unsigned, signed)`` main phase names of each round of ``--signing both``."""
+    if cfg.signing != "both":
+        return []
+    pairs = [("main", SIGNED_MAIN)]
+    for n in range(2, cfg.signing_rounds + 1):
+        pairs.append((f"main{ROUND_MARK}{n}", f"{SIGNED_MAIN}{ROUND_MARK}{n}"))
+    return pairs
+
+
+def is_signed(cfg: BenchConfig, phase: str) -> bool:
+    """Whether a phase runs with a key folder of its own."""
+    if cfg.signing == "on":
+        return True
+    return phase == SIGNED_MAIN or phase.startswith(SIGNED_MAIN + ROUND_MARK)
 
 
 def phase_level(cfg: BenchConfig, phase: str) -> str:

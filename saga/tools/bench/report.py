@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from saga.tools.bench.baselines import DirectResult, LogResult
-from saga.tools.bench.config import PARTICIPANTS, SIGNED_MAIN, BenchConfig
+from saga.tools.bench.config import PARTICIPANTS, BenchConfig, signing_pairs
 from saga.tools.bench.cpu import cpu_ms as _cpu_ms
 from saga.tools.bench.cpu import cpu_ms_by_role
 from saga.tools.bench.isolation import hot_figures, isolation_figures, print_isolation
@@ -53,30 +53,76 @@ def signing_figures(
     cfg: BenchConfig, phases: Mapping[str, SagaPhaseResult]
 ) -> dict[str, Any] | None:
     """What signing costs (``--signing both``): the main phase without and with a key
-    folder, side by side: sagas/s, CPU ms per saga per process, and the ratios."""
+    folder, side by side: sagas/s, CPU ms per saga per process, and the ratios. With
+    several rounds (``--signing-rounds``), each side pools its rounds: its sagas over
+    its seconds, its CPU over its sagas; ``rounds`` keeps each round's own figures."""
     if cfg.signing != "both":
         return {"mode": cfg.signing} if cfg.signing == "on" else None
-    off, on = phases.get("main"), phases.get(SIGNED_MAIN)
-    if off is None or on is None:
+    pairs = [
+        (off, on)
+        for off, on in ((phases.get(a), phases.get(b)) for a, b in signing_pairs(cfg))
+        if off is not None and on is not None
+    ]
+    if not pairs:
         return {"mode": "both"}
-    off_ms, on_ms = _cpu_ms(off), _cpu_ms(on)
+    offs, ons = [off for off, _ in pairs], [on for _, on in pairs]
+    off_rate, on_rate = _pooled_rate(offs), _pooled_rate(ons)
+    off_ms, on_ms = _pooled_cpu_ms(offs), _pooled_cpu_ms(ons)
     delta: dict[str, float | None] = {}
     for name, value in on_ms.items():
         before = off_ms.get(name)
         delta[name] = None if value is None or before is None else round(value - before, 3)
     return {
         "mode": "both",
-        "phases": {"off": off.name, "on": on.name},
-        "sagas_per_s": {"off": off.sagas_per_s, "on": on.sagas_per_s},
-        "throughput_ratio": _ratio(on.sagas_per_s, off.sagas_per_s),
+        "phases": {"off": offs[0].name, "on": ons[0].name},
+        "rounds": [
+            {
+                "phases": {"off": off.name, "on": on.name},
+                "sagas_per_s": {"off": off.sagas_per_s, "on": on.sagas_per_s},
+                "throughput_ratio": _ratio(on.sagas_per_s, off.sagas_per_s),
+            }
+            for off, on in pairs
+        ],
+        "sagas_per_s": {"off": off_rate, "on": on_rate},
+        "throughput_ratio": _ratio(on_rate, off_rate),
         "cpu_ms_per_saga": {"off": off_ms, "on": on_ms, "delta": delta},
         "cpu_ms_per_saga_total": {"off": _total_ms(off_ms), "on": _total_ms(on_ms)},
         "cpu_ratio": _ratio(_total_ms(on_ms), _total_ms(off_ms)),
         "decision_p99_ms": {
-            "off": off.decision_latency_ms.get("p99"),
-            "on": on.decision_latency_ms.get("p99"),
+            "off": max(_p99s(offs), default=None),
+            "on": max(_p99s(ons), default=None),
         },
     }
+
+
+def _pooled_rate(runs: list[SagaPhaseResult]) -> float:
+    """Sagas completed per second over every run (one run: its own sagas/s)."""
+    if len(runs) == 1:
+        return runs[0].sagas_per_s
+    seconds = sum(r.duration_s for r in runs)
+    return round(sum(r.completed_in_window for r in runs) / seconds, 1) if seconds > 0 else 0.0
+
+
+def _pooled_cpu_ms(runs: list[SagaPhaseResult]) -> dict[str, float | None]:
+    """CPU ms per saga per process over every run: each run weighs by its sagas."""
+    if len(runs) == 1:
+        return _cpu_ms(runs[0])
+    sagas = sum(r.completed_in_window for r in runs)
+    out: dict[str, float | None] = {}
+    for name in _cpu_ms(runs[0]):
+        values = [r.cpu_s_per_saga.get(name) for r in runs]
+        if sagas <= 0 or any(v is None for v in values):
+            out[name] = None
+        else:
+            spent = sum(
+                (v or 0.0) * r.completed_in_window for v, r in zip(values, runs, strict=True)
+            )
+            out[name] = round(1000 * spent / sagas, 3)
+    return out
+
+
+def _p99s(runs: list[SagaPhaseResult]) -> list[float]:
+    return [p for r in runs if (p := r.decision_latency_ms.get("p99")) is not None]
 
 
 def layout_figures(
@@ -217,6 +263,7 @@ def build_report(
             "saga_timeout_s": cfg.saga_timeout,
             "steps_per_saga": len(PARTICIPANTS),
             "signing": cfg.signing,
+            "signing_rounds": cfg.signing_rounds,
             "isolation": cfg.isolation,
             "hot_duration_s": cfg.hot_duration,
             "profile": None if cfg.profile is None else str(cfg.profile),
@@ -488,6 +535,12 @@ def _print_baselines(
                 f"[bold]signed / unsigned sagas/s[/]{tag}",
                 f"[bold]{signing['throughput_ratio']:.3f}[/]",
             )
+            rounds = signing.get("rounds") or []
+            if len(rounds) > 1:
+                base.add_row(
+                    f"  each round{tag}",
+                    ", ".join(_ratio_text(r["throughput_ratio"]) for r in rounds),
+                )
     if not several:
         figures = next(iter(layouts.values()))
         base.add_row("sagas/s (main)", _num(figures["sagas_per_s"]))

@@ -21,10 +21,13 @@ from saga.tools.bench.config import (
     COMPARED,
     HOT_RECORDS,
     NONE_SUFFIX,
+    ROUND_MARK,
     SAGA_PHASES,
     SIGNED_MAIN,
     BenchConfig,
+    is_signed,
     phase_level,
+    signing_pairs,
 )
 from saga.tools.bench.phases import SagaPhaseResult, run_saga_phase
 from saga.tools.bench.proc import infra_dir, service_pids
@@ -50,7 +53,7 @@ def run_bench(cfg: BenchConfig, console: Console) -> int:
         f"({cfg.partitions} partitions); {cfg.accounts} accounts per store; "
         f"{cfg.workers} worker(s) per participant; logs in {cfg.logs}"
     )
-    console.print(_signing_line(cfg.signing))
+    console.print(_signing_line(cfg.signing, cfg.signing_rounds))
     console.print(_isolation_line(cfg.isolation))
     if cfg.profile is not None:
         py_spy()  # missing: one sentence now, not after the first phases
@@ -80,7 +83,7 @@ def run_bench(cfg: BenchConfig, console: Console) -> int:
             phases = by_layout.setdefault(layout.name, {})
             for i, name, kind in phase_order(cfg):
                 mode, share, duration = plan[kind]
-                signed = cfg.signing == "on" or name == SIGNED_MAIN
+                signed = is_signed(cfg, name)
                 result, records = run_saga_phase(
                     cfg, console, name, mode=mode, fail_share=share, duration=duration,
                     services=services, seed=cfg.seed + 1000 * i, layout=layout,
@@ -155,14 +158,21 @@ def run_bench(cfg: BenchConfig, console: Console) -> int:
 def phase_order(cfg: BenchConfig) -> list[tuple[int, str, str]]:
     """``(seed index, phase name, kind)`` of each saga phase, in the order they run: a
     compared phase at level ``none`` (``--isolation both``) and the signed main phase
-    (``--signing both``) right after the phase they are compared with."""
+    (``--signing both``) right after the phase they are compared with; the rounds of
+    ``--signing-rounds`` after it, alternately signed first and unsigned first."""
     order: list[tuple[int, str, str]] = []
     for i, name in enumerate(SAGA_PHASES):
         if name not in cfg.phases:
             continue
         order.append((i, name, name))
-        if name == "main" and cfg.signing == "both":
-            order.append((i, SIGNED_MAIN, name))
+        if name == "main":
+            # Alternated, so that a drift of the machine weighs on both sides alike.
+            for n, (off, on) in enumerate(signing_pairs(cfg)):
+                if n == 0:
+                    order.append((i, on, name))
+                else:
+                    order += [(i, on, name), (i, off, name)] if n % 2 else [
+                        (i, off, name), (i, on, name)]  # fmt: skip
         if name in COMPARED and cfg.isolation == "both":
             order.append((i, name + NONE_SUFFIX, name))
     return order
@@ -185,7 +195,13 @@ def _isolation_line(isolation: str) -> str:
     return f"Isolation: every saga at level {isolation}"
 
 
-def _signing_line(signing: str) -> str:
+def _signing_line(signing: str, rounds: int = 1) -> str:
+    if signing == "both" and rounds > 1:
+        return (
+            f"Signing: the main phase runs {rounds} times without and {rounds} times with a "
+            f"key folder, alternately ({SIGNED_MAIN}, {SIGNED_MAIN}{ROUND_MARK}2, "
+            f"main{ROUND_MARK}2, ...), the figures pooled; the other phases unsigned"
+        )
     if signing == "both":
         return (
             "Signing: the main phase runs twice, without then with a key folder "
