@@ -220,9 +220,7 @@ def signing_pairs(cfg: BenchConfig) -> list[tuple[str, str]]:
 
 def is_signed(cfg: BenchConfig, phase: str) -> bool:
     """Whether a phase runs with a key folder of its own."""
-    if cfg.signing == "on":
-        return True
-    return phase == SIGNED_MAIN or phase.startswith(SIGNED_MAIN + ROUND_MARK)
+    return cfg.signing == "on" or any(phase == on for _, on in signing_pairs(cfg))
 
 
 def phase_level(cfg: BenchConfig, phase: str) -> str:

@@ -168,11 +168,8 @@ def phase_order(cfg: BenchConfig) -> list[tuple[int, str, str]]:
         if name == "main":
             # Alternated, so that a drift of the machine weighs on both sides alike.
             for n, (off, on) in enumerate(signing_pairs(cfg)):
-                if n == 0:
-                    order.append((i, on, name))
-                else:
-                    order += [(i, on, name), (i, off, name)] if n % 2 else [
-                        (i, off, name), (i, on, name)]  # fmt: skip
+                turn = (on, off) if n % 2 else (off, on)
+                order += [(i, phase, name) for phase in turn if phase != name]
         if name in COMPARED and cfg.isolation == "both":
             order.append((i, name + NONE_SUFFIX, name))
     return order
