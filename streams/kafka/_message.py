@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, TypeGuard
 
 import confluent_kafka as ck
 
@@ -68,10 +68,16 @@ class Message:
 
 def _to_message(raw: ck.Message) -> Message:
     raw_headers = raw.headers() or []
-    pairs = raw_headers.items() if isinstance(raw_headers, Mapping) else raw_headers
-    headers = tuple(
-        (name, value.encode() if isinstance(value, str) else (value or b""))
-        for name, value in pairs
+    pairs = tuple(raw_headers.items() if isinstance(raw_headers, Mapping) else raw_headers)
+    # Done for every record read: confluent-kafka's (str, bytes) pairs are taken as they
+    # are (one copy in C) unless a value is null or text.
+    headers = (
+        pairs
+        if _all_bytes(pairs)
+        else tuple(
+            (name, value.encode() if isinstance(value, str) else (value or b""))
+            for name, value in pairs
+        )
     )
     kind, stamp = raw.timestamp()
     partition = raw.partition()
@@ -85,6 +91,12 @@ def _to_message(raw: ck.Message) -> Message:
         headers=headers,
         timestamp_ms=None if kind == ck.TIMESTAMP_NOT_AVAILABLE else stamp,
     )
+
+
+def _all_bytes(
+    pairs: tuple[tuple[str, str | bytes | None], ...],
+) -> TypeGuard[tuple[tuple[str, bytes], ...]]:
+    return all([value.__class__ is bytes for _, value in pairs])
 
 
 def _tps(partitions: Iterable[Partition]) -> list[ck.TopicPartition]:
