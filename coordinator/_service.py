@@ -51,6 +51,7 @@ from saga.streams import (
     SagaResolve,
     SagaStatus,
     StepEvent,
+    StepsCommitted,
     TransientError,
     decode_keyed,
     encode,
@@ -418,6 +419,10 @@ class CoordinatorService(Stoppable):
                 continue
             if inp is None:
                 continue
+            if isinstance(inp, tuple):  # a saga.committed record: one input per step
+                for each in inp:
+                    feed(m.partition, tx_of(each), each, m)
+                continue
             wait = None
             if isinstance(inp, RequestReceived):
                 inp, wait = self.known.wait_for(inp, now)
@@ -495,12 +500,15 @@ class CoordinatorService(Stoppable):
         rejected.append((m, reason))
         return True
 
-    def _to_input(self, m: Message, now: int, rejected: list[tuple[Message, str]]) -> Input | None:
+    def _to_input(
+        self, m: Message, now: int, rejected: list[tuple[Message, str]]
+    ) -> Input | tuple[Input, ...] | None:
+        """What record ``m`` asks (a ``saga.committed``: one input per step), or None."""
         try:
             if m.topic == self.topics.requests:
                 record = decode_keyed(m.key, m.value, SagaRequest, SagaAbort, SagaResolve)
             elif m.topic == self.topics.events:
-                record = decode_keyed(m.key, m.value, StepEvent)
+                record = decode_keyed(m.key, m.value, StepEvent, StepsCommitted)
             else:
                 record = decode_keyed(m.key, m.value, Decision)  # checked (contract, key): ours
         except InvalidRecord as exc:
@@ -522,6 +530,21 @@ class CoordinatorService(Stoppable):
                 return None
         if isinstance(record, SagaRequest):
             return RequestReceived(record, now, *self.known.check(record))
+        if isinstance(record, StepsCommitted):
+            elsewhere = [
+                tx_id
+                for tx_id, _ in record.steps
+                if partition_for(tx_id.encode(), self._partition_count) != m.partition
+            ]
+            if elsewhere:
+                # Acted on here, those steps would be settled by an owner that does not
+                # hold their sagas; a participant never lists them together.
+                rejected.append(
+                    (m, f"saga.committed lists {elsewhere[0]}, which belongs on another partition")
+                )
+                return None
+            steps = (input_of(event, now, None) for event in record.events())
+            return tuple(inp for inp in steps if inp is not None)
         return input_of(record, now, None)
 
     def _commit_batch(

@@ -75,6 +75,7 @@ from saga.streams import (
     SagaRequest,
     SagaResolve,
     StepEvent,
+    StepsCommitted,
     StepStatus,
     StorageKind,
     TransientError,
@@ -84,12 +85,17 @@ from saga.streams import (
 from saga.streams._duration import DEFAULT_RETENTION_MS
 from saga.streams._faults import NO_FAULTS, Faults
 from saga.streams._lifecycle import Clock, Stoppable, wall_clock_ms
+from saga.streams._routing import event_headers
 from saga.streams._signed_log import signing
 from saga.streams._signing import Keyring, allowed_signers
 from saga.streams.kafka import KafkaSettings, Message, partition_for
 from saga.streams.log import KafkaLog, Log
 
 log = logging.getLogger("saga.participant")
+
+ACKS_PER_RECORD = 500
+"""Most steps one ``saga.committed`` record lists (the schema allows 1,000): a few tens
+of kilobytes at most, far below the record size limit."""
 
 # A neighbour's step event remembered: when seen, the event, the record it came in.
 _Seen = tuple[int, StepEvent, Message]
@@ -310,7 +316,13 @@ class ParticipantRuntime(Stoppable):
         reports = self._execute(items) if items else []
         if items:  # (a batch with no work has no local commit to crash after)
             self._faults.hit("participant.after_local_commit")
+        committed: dict[int, list[tuple[str, int]]] = {}  # by events partition
         for r in reports:
+            if r.status is StepStatus.COMMITTED and r.reason is None:
+                # Acknowledged together (saga.committed): one record per partition.
+                part = partition_for(r.tx_id.encode(), self._partition_count)
+                committed.setdefault(part, []).append((r.tx_id, r.step))
+                continue
             event = StepEvent(
                 tx_id=r.tx_id,
                 step=r.step,
@@ -324,6 +336,11 @@ class ParticipantRuntime(Stoppable):
             headers = self._router.event_route(r.tx_id, r.step, r.status)
             headers += self.observer.event_headers(r) or ()
             self._producer.produce(self.topics.events, r.tx_id, encode(event), headers)
+        for steps in committed.values():
+            for at in range(0, len(steps), ACKS_PER_RECORD):
+                ack = StepsCommitted(self.name, now, tuple(steps[at : at + ACKS_PER_RECORD]))
+                route = event_headers(())  # no other participant acts on it
+                self._producer.produce(self.topics.events, ack.tx_id, encode(ack), route)
         # The events must be in the log before the offsets say the inputs are done.
         self._producer.flush(30)
         offsets: dict[tuple[str, int], int] = {}
@@ -466,7 +483,8 @@ class ParticipantRuntime(Stoppable):
                 elif m.topic == self.topics.decisions:
                     record = decode_keyed(m.key, m.value, Decision)
                 else:
-                    record = decode_keyed(m.key, m.value, StepEvent)
+                    # (saga.committed: the coordinator's business, read and passed over)
+                    record = decode_keyed(m.key, m.value, StepEvent, StepsCommitted)
                 if partition_for(m.key or b"", self._partition_count) != m.partition:
                     # On another transaction's partition: the coordinator never decides it,
                     # so an effect here would never be settled.

@@ -51,8 +51,10 @@ from saga.streams._records import (
     Step,
     StepEvent,
     StepProgress,
+    StepsCommitted,
     StepStatus,
     StorageKind,
+    step_events,
 )
 from saga.streams._registry import ParticipantInfo, ParticipantRegistry, read_registry
 from saga.streams._signed_log import SignedLog
@@ -99,6 +101,7 @@ __all__ = [
     "StepEvent",
     "StepProgress",
     "StepStatus",
+    "StepsCommitted",
     "StorageKind",
     "SubmitUncertain",
     "Topics",
@@ -110,5 +113,6 @@ __all__ = [
     "encode",
     "read_registry",
     "schema",
+    "step_events",
     "to_dict",
 ]

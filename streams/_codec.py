@@ -61,6 +61,7 @@ from saga.streams._records import (
     Step,
     StepEvent,
     StepProgress,
+    StepsCommitted,
     StepStatus,
     StorageKind,
     TxRecord,
@@ -275,6 +276,15 @@ def _build_step(data: dict[str, Any]) -> StepEvent:
     )
 
 
+def _build_committed(data: dict[str, Any]) -> StepsCommitted:
+    if any(type(step) is not int for _, step in data["steps"]):
+        raise _invalid("saga.committed: a step must be an integer literal")
+    steps = tuple((tx_id, step) for tx_id, step in data["steps"])
+    if len(set(steps)) != len(steps):
+        raise _invalid("saga.committed: a step is listed twice")
+    return StepsCommitted(participant=data["participant"], at_ms=int(data["at_ms"]), steps=steps)
+
+
 def _build_decision(data: dict[str, Any]) -> Decision:
     return Decision(
         tx_id=data["tx_id"],
@@ -321,6 +331,7 @@ _BUILDERS: Final[dict[str, _Builder]] = {
     SagaAbort.TYPE: _build_abort,
     SagaResolve.TYPE: _build_resolve,
     StepEvent.TYPE: _build_step,
+    StepsCommitted.TYPE: _build_committed,
     Decision.TYPE: _build_decision,
     SagaStatus.TYPE: _build_status,
     ParticipantAnnouncement.TYPE: _build_announcement,
@@ -332,6 +343,7 @@ _INTEGER_FIELDS: Final[dict[str, tuple[str, ...]]] = {
     SagaAbort.TYPE: ("v", "at_ms"),
     SagaResolve.TYPE: ("v", "step", "at_ms"),
     StepEvent.TYPE: ("v", "step", "at_ms"),
+    StepsCommitted.TYPE: ("v", "at_ms"),
     Decision.TYPE: ("v", "at_ms"),
     SagaStatus.TYPE: ("v", "created_ms", "updated_ms", "deadline_ms"),
     ParticipantAnnouncement.TYPE: ("v", "started_ms", "heartbeat_ms", "interval_ms"),

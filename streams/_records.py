@@ -179,6 +179,36 @@ class StepEvent:
 
 
 @dataclass(frozen=True, slots=True)
+class StepsCommitted:
+    """``saga.committed`` on the events topic: steps one participant committed, at once.
+
+    What a participant writes instead of one ``committed`` :class:`StepEvent` per step
+    when it applies several commit decisions in one local transaction: the
+    ``(tx_id, step)`` pairs of one events partition (every ``tx_id`` belongs on the
+    partition of the record key, the first ``tx_id``). Readers treat each pair as
+    that step's ``committed`` event, at ``at_ms``.
+    """
+
+    TYPE: ClassVar[str] = "saga.committed"
+
+    participant: str
+    at_ms: int
+    steps: tuple[tuple[str, int], ...]
+
+    @property
+    def tx_id(self) -> str:
+        """The record key: the first step's ``tx_id``."""
+        return self.steps[0][0]
+
+    def events(self) -> tuple[StepEvent, ...]:
+        """Each step as the ``committed`` event it stands for."""
+        return tuple(
+            StepEvent(tx_id, step, self.participant, StepStatus.COMMITTED, self.at_ms)
+            for tx_id, step in self.steps
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class Decision:
     """``saga.decision`` on the decisions topic: commit or roll back, once per transaction."""
 
@@ -267,16 +297,29 @@ class ParticipantAnnouncement:
         return f"{self.name}/{self.instance}"
 
 
+def step_events(record: StepEvent | StepsCommitted) -> tuple[StepEvent, ...]:
+    """The step events a record of the events topic stands for, in order.
+
+    A ``saga.step`` is its own one event; a ``saga.committed`` is one ``committed``
+    event per step it lists (:meth:`StepsCommitted.events`). How every reader of the
+    events topic (the coordinator, the audit, tools) should see that topic.
+    """
+    return (record,) if isinstance(record, StepEvent) else record.events()
+
+
 Record = (
     SagaRequest
     | SagaAbort
     | SagaResolve
     | StepEvent
+    | StepsCommitted
     | Decision
     | SagaStatus
     | ParticipantAnnouncement
 )
-TxRecord = SagaRequest | SagaAbort | SagaResolve | StepEvent | Decision | SagaStatus
+TxRecord = (
+    SagaRequest | SagaAbort | SagaResolve | StepEvent | StepsCommitted | Decision | SagaStatus
+)
 """The records of one transaction, keyed by its ``tx_id``."""
 RECORD_TYPES: dict[str, type[Record]] = {
     cls.TYPE: cls
@@ -288,5 +331,6 @@ RECORD_TYPES: dict[str, type[Record]] = {
         SagaStatus,
         SagaResolve,
         ParticipantAnnouncement,
+        StepsCommitted,
     )
 }

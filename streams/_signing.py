@@ -78,6 +78,7 @@ from saga.streams._records import (
     SagaRequest,
     SagaResolve,
     StepEvent,
+    StepsCommitted,
     StepStatus,
 )
 
@@ -143,6 +144,8 @@ def allowed_signers(
             # as compensated (nothing to undo), so that its sequential predecessor, which
             # waits for that event, compensates. It could roll the saga back anyway.
             return frozenset({participant_principal(record.participant), COORDINATOR})
+        return frozenset({participant_principal(record.participant)})
+    if isinstance(record, StepsCommitted):
         return frozenset({participant_principal(record.participant)})
     if isinstance(record, ParticipantAnnouncement):
         return frozenset({participant_principal(record.name)})

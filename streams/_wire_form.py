@@ -28,6 +28,7 @@ from saga.streams._records import (
     SagaStatus,
     StepEvent,
     StepProgress,
+    StepsCommitted,
 )
 
 __all__ = ["to_dict"]
@@ -102,6 +103,16 @@ def _step_dict(r: StepEvent) -> dict[str, Any]:
     return data
 
 
+def _committed_dict(r: StepsCommitted) -> dict[str, Any]:
+    return {
+        "v": WIRE_VERSION,
+        "type": r.TYPE,
+        "participant": r.participant,
+        "at_ms": r.at_ms,
+        "steps": [[tx_id, step] for tx_id, step in r.steps],
+    }
+
+
 def _decision_dict(r: Decision) -> dict[str, Any]:
     return {
         "v": WIRE_VERSION,
@@ -155,6 +166,7 @@ _TO_DICT: Final[dict[type, Callable[[Any], dict[str, Any]]]] = {
     SagaAbort: _abort_dict,
     SagaResolve: _resolve_dict,
     StepEvent: _step_dict,
+    StepsCommitted: _committed_dict,
     Decision: _decision_dict,
     SagaStatus: _status_dict,
     ParticipantAnnouncement: _announcement_dict,
