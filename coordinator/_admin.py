@@ -17,7 +17,7 @@ not sign does not count as a saga's status (as in :mod:`coordinator._restore`).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,7 +46,7 @@ from saga.streams import (
 )
 from saga.streams._signing import HEADER_KEY_ID, Keyring
 from saga.streams.kafka import KafkaSettings, Message, partition_for
-from saga.streams.log import Log
+from saga.streams.log import Log, LogConsumer
 
 __all__ = [
     "REDRIVEN_BY",
@@ -75,7 +75,8 @@ class HistoryEntry:
     """One record of a transaction, on any topic.
 
     ``kind`` is the record's wire type (``saga.request``, ``saga.step``,
-    ``saga.decision``, ``saga.status``, ``saga.abort``, ``saga.resolve``), or
+    ``saga.committed``, ``saga.decision``, ``saga.status``, ``saga.abort``,
+    ``saga.resolve``), or
     ``dlq`` for a dead letter, ``redrive`` for a record an operator copied back
     from the DLQ (header :data:`REDRIVEN_FROM`), ``tombstone`` for a status
     tombstone, ``invalid`` for bytes that do not decode (``summary`` says why).
@@ -85,6 +86,11 @@ class HistoryEntry:
     the record: verified when keys were given (``"forged: <why>"`` if not valid),
     else as the key id claims it (``"<principal> (unverified)"``); ``None`` when
     unsigned.
+
+    A ``saga.committed`` (a participant's acknowledgement of several committed steps,
+    keyed by the first transaction it lists) is one entry, in the history of every
+    transaction it lists; its ``summary`` names that transaction's steps as
+    ``committed`` at the record's time.
     """
 
     topic: str
@@ -124,6 +130,9 @@ def history(
     All topics share one partition count and are keyed by ``tx_id``, so only
     partition ``partition_for(tx_id, n)`` of each is read, from its low to its high
     watermark (dead letters keep the original key, so they are found the same way).
+    A ``saga.committed`` record lists the steps of several transactions of one
+    partition under the first one's key: on the events topic and the DLQ, one that
+    lists ``tx_id`` is part of its history too, whatever its key.
     A topic that does not exist (or may not be read) is passed over. Stops after
     ``timeout`` seconds with what was read (an open Kafka transaction holds
     read_committed readers before its records).
@@ -148,12 +157,54 @@ def history(
                 start.append((topic, partition, low))
         if start:
             reader.assign(start)
-        found = read_to(reader, ends, timeout, key)
+        found = _read_history(reader, ends, timeout, tx_id, (topics.events, topics.dlq))
     finally:
         reader.close()
-    entries = [_entry(m, topics.dlq, keys) for m in found]
+    entries = [_entry(m, topics.dlq, keys, tx_id) for m in found]
     entries.sort(key=lambda e: (e.timestamp_ms or 0, order.get(e.topic, 99), e.offset))
     return entries
+
+
+def _read_history(
+    reader: LogConsumer,
+    ends: Mapping[tuple[str, int], int],
+    timeout: float,
+    tx_id: str,
+    listing: Collection[str],
+) -> list[Message]:
+    """As :func:`coordinator._reading.read_to` with the key ``tx_id``, and also the records
+    of the topics ``listing`` that are a ``saga.committed`` listing ``tx_id``."""
+    key = tx_id.encode()
+    found: list[Message] = []
+    todo = set(ends)
+    deadline = time.monotonic() + timeout
+    while todo and time.monotonic() < deadline:
+        for m in reader.poll_batch(2000, 0.2):
+            if m.key == key or (m.topic in listing and _lists(m.value, tx_id)):
+                found.append(m)
+            if m.offset + 1 >= ends.get(m.partition_key, 0):
+                todo.discard(m.partition_key)
+        # Transaction markers occupy offsets too: the position tells when we are done.
+        for where, pos in reader.position(list(todo)).items():
+            if pos is not None and pos >= ends[where]:
+                todo.discard(where)
+    return found
+
+
+def _lists(value: bytes | None, tx_id: str) -> bool:
+    """Whether ``value`` looks like a ``saga.committed`` listing ``tx_id``; never raises.
+
+    Loose (the entry decodes it properly, or shows why not): a JSON object of that type
+    whose ``steps`` has an entry ``[tx_id, ...]``. Cheap for the other records of the
+    partition: a value without ``tx_id`` in it (nor a JSON escape) is not parsed.
+    """
+    if value is None or (tx_id.encode() not in value and b"\\u" not in value):
+        return False
+    record = _loose_json(value)
+    if record is None or record.get("type") != "saga.committed":
+        return False
+    steps = record.get("steps")
+    return isinstance(steps, list) and any(isinstance(s, list) and s[:1] == [tx_id] for s in steps)
 
 
 def _signer(m: Message, keys: Keyring | None) -> str | None:
@@ -185,7 +236,9 @@ def _cut(text: str) -> str:
     return line if len(line) <= _SUMMARY_CHARS else line[: _SUMMARY_CHARS - 3] + "..."
 
 
-def _entry(m: Message, dlq_topic: str, keys: Keyring | None) -> HistoryEntry:
+def _entry(
+    m: Message, dlq_topic: str, keys: Keyring | None, tx_id: str | None = None
+) -> HistoryEntry:
     headers = _text_headers(m.headers)
     signer = _signer(m, keys)
 
@@ -209,7 +262,7 @@ def _entry(m: Message, dlq_topic: str, keys: Keyring | None) -> HistoryEntry:
     record: dict[str, Any] | None
     try:
         decoded = to_dict(decode_keyed(m.key, m.value, *RECORD_TYPES.values()))
-        record, kind, summary = decoded, str(decoded.get("type")), summarize(decoded)
+        record, kind, summary = decoded, str(decoded.get("type")), summarize(decoded, tx_id)
     except InvalidRecord as exc:
         record = _loose_json(m.value)
         kind, summary = "invalid", f"does not decode: {exc.reason}"
@@ -232,9 +285,15 @@ def _dead_letter_summary(headers: dict[str, str]) -> str:
     )
 
 
-def summarize(record: dict[str, Any]) -> str:
-    """One line about a decoded record (a :func:`streams.to_dict` of it)."""
+def summarize(record: dict[str, Any], tx_id: str | None = None) -> str:
+    """One line about a decoded record (a :func:`streams.to_dict` of it).
+
+    A ``saga.committed`` lists the steps of several transactions: with ``tx_id``
+    (a history's transaction), the line is about that one's steps.
+    """
     kind = record.get("type")
+    if kind == "saga.committed":
+        return _summarize_committed(record, tx_id)
     if kind == "saga.request":
         steps = ", ".join(
             f"{i}:{s.get('participant')}.{s.get('action')}"
@@ -257,6 +316,24 @@ def summarize(record: dict[str, Any]) -> str:
             record.get("note")
         )
     return str(kind)
+
+
+def _summarize_committed(record: dict[str, Any], tx_id: str | None) -> str:
+    steps = [(str(s[0]), s[1]) for s in record.get("steps", ()) if len(s) == 2]
+    participant = record.get("participant")
+    mine = [step for tx, step in steps if tx == tx_id]
+    if not mine:
+        listed = ", ".join(f"{tx}:{step}" for tx, step in steps)
+        return f"{participant} committed {_steps(len(steps))}: {listed}"
+    which = "step" if len(mine) == 1 else "steps"
+    line = f"{which} {', '.join(map(str, mine))} {participant} committed"
+    others = len(steps) - len(mine)
+    more = f"{others} more step" if others == 1 else f"{others} more steps"
+    return line if not others else f"{line} (one record with {more})"
+
+
+def _steps(n: int) -> str:
+    return f"{n} step" if n == 1 else f"{n} steps"
 
 
 # ---------------------------------------------------------------- sagas by state

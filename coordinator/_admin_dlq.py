@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
+
 from saga.coordinator._reading import read_to
 from saga.streams import ConfigurationError
 from saga.streams._signing import HEADER_PROOF, HEADER_SIGNATURE
@@ -61,14 +63,29 @@ class DeadLetter:
         """``<partition>:<offset>``, how the commands name a dead letter."""
         return f"{self.partition}:{self.offset}"
 
+    @property
+    def tx_ids(self) -> tuple[str, ...]:
+        """The transactions the rejected record names: its key, and for a
+        ``saga.committed`` (steps of several transactions under the first one's key)
+        every transaction it lists, each once, in order."""
+        named = [_text(self.key)[0]] if self.key is not None else []
+        for tx_id in _listed(self.value):
+            if tx_id not in named:
+                named.append(tx_id)
+        return tuple(named)
+
     def to_json(self, *, full: bool = False) -> dict[str, Any]:
-        """A JSON-ready dict; ``full`` adds the key and value as text (or hex)."""
+        """A JSON-ready dict; ``full`` adds the key and value as text (or hex).
+
+        ``tx_id`` is the key; ``tx_ids`` every transaction the record names
+        (:attr:`tx_ids`: more than the key for a ``saga.committed``)."""
         shown: dict[str, Any] = {
             "dlq": self.where,
             "partition": self.partition,
             "offset": self.offset,
             "timestamp_ms": self.timestamp_ms,
             "tx_id": _text(self.key)[0] if self.key is not None else None,
+            "tx_ids": list(self.tx_ids),
             "source_topic": self.source_topic,
             "source_partition": self.source_partition,
             "source_offset": self.source_offset,
@@ -83,6 +100,23 @@ class DeadLetter:
                 shown[f"{name}_encoding"] = encoding
             shown["headers"] = self.headers
         return shown
+
+
+def _listed(value: bytes | None) -> list[str]:
+    """The ``tx_id`` of each step a ``saga.committed`` value lists (loosely: the value
+    may break the contract, that may be why it is here); ``[]`` for any other value."""
+    if value is None or (b"saga.committed" not in value and b"\\u" not in value):
+        return []
+    try:
+        record = orjson.loads(value)
+    except orjson.JSONDecodeError:
+        return []
+    if not isinstance(record, dict) or record.get("type") != "saga.committed":
+        return []
+    steps = record.get("steps")
+    if not isinstance(steps, list):
+        return []
+    return [s[0] for s in steps if isinstance(s, list) and s and isinstance(s[0], str)]
 
 
 def _text(data: bytes) -> tuple[str, str]:

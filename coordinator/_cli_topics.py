@@ -84,7 +84,10 @@ def topics_delete(
 @click.command("schema")
 @click.argument("record_type", required=False)
 def schema_cmd(record_type: str | None) -> None:
-    """Print the JSON Schema of a record type (saga.request, saga.step, ...), or list them."""
+    """Print the JSON Schema of a record type (saga.request, saga.step, ...), or list them.
+
+    saga.committed is the events topic's record of several steps one participant committed
+    at once: each step it lists stands for that step's saga.step event `committed`."""
     from saga.streams import SCHEMA_NAMES
 
     if record_type is None:

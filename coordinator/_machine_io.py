@@ -17,7 +17,9 @@ from saga.streams import (
     SagaResolve,
     SagaStatus,
     StepEvent,
+    StepsCommitted,
 )
+from saga.streams.kafka import partition_for
 
 # ---------------------------------------------------------------- inputs
 
@@ -106,6 +108,20 @@ def input_of(
     if isinstance(record, StepEvent):
         return StepReported(record, now_ms)
     return None
+
+
+def acknowledged(
+    record: StepsCommitted, now_ms: int, partition: int, partitions: int
+) -> tuple[StepReported, ...] | str:
+    """One ``committed`` report per step of a ``saga.committed`` read on ``partition``.
+
+    Or why it is not acted on: a step of a transaction of another partition would be
+    settled by an owner that does not hold its saga (a participant never lists one).
+    """
+    for tx_id, _ in record.steps:
+        if partition_for(tx_id.encode(), partitions) != partition:
+            return f"saga.committed lists {tx_id}, whose records belong on another partition"
+    return tuple(StepReported(event, now_ms) for event in record.events())
 
 
 def tx_of(inp: Input) -> str:

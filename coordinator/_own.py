@@ -1,7 +1,7 @@
 """The coordinator's own records, known by the place Kafka gave them.
 
 With keys, the coordinator reads back what it writes: its status records, to move a
-forged one to the DLQ (``_service._forged_status``), and its decisions. Each one
+forged one to the DLQ (:meth:`OwnRecords.forged`), and its decisions. Each one
 used to pass a signature check (a digest of a signature made here, see
 ``Keyring.remember_own``), which still meant rebuilding the signed bytes, hashing the
 leaf and folding the batch proof of every record: about a tenth of a millisecond per
@@ -26,9 +26,11 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from saga.streams._errors import SagaError
+from saga.streams._signing import COORDINATOR, Keyring
 from saga.streams.kafka import Message
 
 _Place = tuple[str, int, int]
+_COORDINATOR = frozenset({COORDINATOR})
 
 
 class OwnRecords:
@@ -66,3 +68,15 @@ class OwnRecords:
             return False
         self.recognised += 1
         return True
+
+    def forged(self, message: Message, keys: Keyring) -> str | None:
+        """Why status record ``message`` is not this coordinator's (it goes to the DLQ), or None.
+
+        With keys, the coordinator reads the status topic too, only for this: its own
+        records are known by their place, anything else passes a signature check; a
+        forged one (which clients and restores do not believe anyway) is moved to the
+        DLQ with the reason, like every other record that cannot be acted on.
+        """
+        if self.read_back(message):
+            return None
+        return keys.check(message.topic, message.key, message.value, message.headers, _COORDINATOR)

@@ -36,6 +36,7 @@ from saga.coordinator._machine import (
     input_of,
     tx_of,
 )
+from saga.coordinator._machine_io import StepReported, acknowledged
 from saga.coordinator._observe import CoordinatorObserver
 from saga.coordinator._own import OwnRecords
 from saga.coordinator._restore import restore
@@ -61,7 +62,7 @@ from saga.streams._faults import NO_FAULTS, Faults
 from saga.streams._lifecycle import Clock, Stoppable, wall_clock_ms
 from saga.streams._routing import Headers
 from saga.streams._signed_log import signing
-from saga.streams._signing import CLIENT, COORDINATOR, OPERATOR, Keyring, allowed_signers
+from saga.streams._signing import CLIENT, OPERATOR, Keyring, allowed_signers
 from saga.streams.kafka import (
     KafkaSettings,
     Message,
@@ -72,7 +73,6 @@ from saga.streams.log import KafkaLog, Log, LogTransactionalProducer
 
 log = logging.getLogger("saga.coordinator")
 
-_ONLY_COORDINATOR = frozenset({COORDINATOR})
 _OWN_RECORDS_REMEMBERED = 200_000  # see Keyring.remember_own
 
 
@@ -240,7 +240,7 @@ class CoordinatorService(Stoppable):
         self._next_refresh_ms = self.clock() + self.retention_ms // 4
         topics = [self.topics.requests, self.topics.events, self.topics.decisions]
         if self._keys is not None:
-            # Read only to move forged status records to the DLQ (see _forged_status).
+            # Read only to move forged status records to the DLQ (see OwnRecords.forged).
             topics.append(self.topics.status)
         if self._keys is None:
             log.warning(
@@ -405,7 +405,10 @@ class CoordinatorService(Stoppable):
         messages = [m for m in messages if m.partition in self._partitions]
         for m in messages:
             if m.topic == self.topics.status:
-                if self._forged_status(m, rejected):
+                assert self._keys is not None and self._own is not None
+                if (reason := self._own.forged(m, self._keys)) is not None:
+                    self.stats.unauthenticated += 1
+                    rejected.append((m, reason))
                     # The topic is compacted: put the real status back on top of the forged one.
                     saga = current(m.partition, (m.key or b"").decode("utf-8", "replace"))
                     if saga is not None and saga.request_seen:
@@ -419,9 +422,9 @@ class CoordinatorService(Stoppable):
                 continue
             if inp is None:
                 continue
-            if isinstance(inp, tuple):  # a saga.committed record: one input per step
+            if isinstance(inp, tuple):  # a saga.committed: one input per step
                 for each in inp:
-                    feed(m.partition, tx_of(each), each, m)
+                    feed(m.partition, each.event.tx_id, each, m)
                 continue
             wait = None
             if isinstance(inp, RequestReceived):
@@ -482,28 +485,9 @@ class CoordinatorService(Stoppable):
         settle(self._partitions, forgotten, changed, self.chores.forget_at, self.chores.merged)
         self.stats.forgotten += len(forgotten)
 
-    def _forged_status(self, m: Message, rejected: list[tuple[Message, str]]) -> bool:
-        """Whether the status record ``m`` is not the coordinator's; if so, it goes to the DLQ.
-
-        With keys, the coordinator reads the status topic too, only for this: its own
-        records pass one signature check each; a forged one (which clients and restores
-        do not believe anyway) is moved to the DLQ with the reason, like every other
-        record that cannot be acted on.
-        """
-        assert self._keys is not None and self._own is not None
-        if self._own.read_back(m):
-            return False
-        reason = self._keys.check(m.topic, m.key, m.value, m.headers, _ONLY_COORDINATOR)
-        if reason is None:
-            return False
-        self.stats.unauthenticated += 1
-        rejected.append((m, reason))
-        return True
-
     def _to_input(
         self, m: Message, now: int, rejected: list[tuple[Message, str]]
-    ) -> Input | tuple[Input, ...] | None:
-        """What record ``m`` asks (a ``saga.committed``: one input per step), or None."""
+    ) -> Input | tuple[StepReported, ...] | None:
         try:
             if m.topic == self.topics.requests:
                 record = decode_keyed(m.key, m.value, SagaRequest, SagaAbort, SagaResolve)
@@ -531,20 +515,11 @@ class CoordinatorService(Stoppable):
         if isinstance(record, SagaRequest):
             return RequestReceived(record, now, *self.known.check(record))
         if isinstance(record, StepsCommitted):
-            elsewhere = [
-                tx_id
-                for tx_id, _ in record.steps
-                if partition_for(tx_id.encode(), self._partition_count) != m.partition
-            ]
-            if elsewhere:
-                # Acted on here, those steps would be settled by an owner that does not
-                # hold their sagas; a participant never lists them together.
-                rejected.append(
-                    (m, f"saga.committed lists {elsewhere[0]}, which belongs on another partition")
-                )
+            steps = acknowledged(record, now, m.partition, self._partition_count)
+            if isinstance(steps, str):
+                rejected.append((m, steps))
                 return None
-            steps = (input_of(event, now, None) for event in record.events())
-            return tuple(inp for inp in steps if inp is not None)
+            return steps
         return input_of(record, now, None)
 
     def _commit_batch(

@@ -50,6 +50,7 @@ from dataclasses import replace
 
 from tenacity import RetryCallState, Retrying, retry_if_exception_type, stop_never, wait_exponential
 
+from saga.participants._acks import acknowledgements
 from saga.participants._announce import DEFAULT_HEARTBEAT_MS, Announcer, storage_kind
 from saga.participants._barrier import PredecessorApplied, Requested, SuccessorCompensated
 from saga.participants._observe import ParticipantObserver, ParticipantStats
@@ -92,10 +93,6 @@ from saga.streams.kafka import KafkaSettings, Message, partition_for
 from saga.streams.log import KafkaLog, Log
 
 log = logging.getLogger("saga.participant")
-
-ACKS_PER_RECORD = 500
-"""Most steps one ``saga.committed`` record lists (the schema allows 1,000): a few tens
-of kilobytes at most, far below the record size limit."""
 
 # A neighbour's step event remembered: when seen, the event, the record it came in.
 _Seen = tuple[int, StepEvent, Message]
@@ -316,13 +313,8 @@ class ParticipantRuntime(Stoppable):
         reports = self._execute(items) if items else []
         if items:  # (a batch with no work has no local commit to crash after)
             self._faults.hit("participant.after_local_commit")
-        committed: dict[int, list[tuple[str, int]]] = {}  # by events partition
-        for r in reports:
-            if r.status is StepStatus.COMMITTED and r.reason is None:
-                # Acknowledged together (saga.committed): one record per partition.
-                part = partition_for(r.tx_id.encode(), self._partition_count)
-                committed.setdefault(part, []).append((r.tx_id, r.step))
-                continue
+        events, acks = acknowledgements(self.name, now, reports, self._partition_count)
+        for r in events:
             event = StepEvent(
                 tx_id=r.tx_id,
                 step=r.step,
@@ -336,11 +328,10 @@ class ParticipantRuntime(Stoppable):
             headers = self._router.event_route(r.tx_id, r.step, r.status)
             headers += self.observer.event_headers(r) or ()
             self._producer.produce(self.topics.events, r.tx_id, encode(event), headers)
-        for steps in committed.values():
-            for at in range(0, len(steps), ACKS_PER_RECORD):
-                ack = StepsCommitted(self.name, now, tuple(steps[at : at + ACKS_PER_RECORD]))
-                route = event_headers(())  # no other participant acts on it
-                self._producer.produce(self.topics.events, ack.tx_id, encode(ack), route)
+        for ack, single in acks:
+            headers = event_headers(())  # no other participant acts on it
+            headers += (self.observer.event_headers(single) or ()) if single else ()
+            self._producer.produce(self.topics.events, ack.tx_id, encode(ack), headers)
         # The events must be in the log before the offsets say the inputs are done.
         self._producer.flush(30)
         offsets: dict[tuple[str, int], int] = {}

@@ -26,7 +26,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,7 +35,7 @@ from typing import Any, Literal
 import sqlalchemy as sa
 
 from saga.coordinator import SagaClient
-from saga.streams import Decision, StepEvent, decode
+from saga.streams import Decision, StepEvent, StepsCommitted, decode, step_events
 from saga.streams._signing import (
     CLIENT,
     COORDINATOR,
@@ -332,11 +332,22 @@ class SagaSystem:
         ]
 
     def events(self, tx_id: str) -> list[StepEvent]:
-        return [
-            r
-            for r in self.read_topic(self.settings.topics.events)
-            if isinstance(r, StepEvent) and r.tx_id == tx_id
-        ]
+        """The step events of ``tx_id`` on the events topic (see :func:`step_events_of`)."""
+        return [e for e in self.step_events() if e.tx_id == tx_id]
+
+    def step_events(self) -> list[StepEvent]:
+        """Every step event on the events topic (see :func:`step_events_of`)."""
+        return step_events_of(self.read_topic(self.settings.topics.events))
+
+
+def step_events_of(records: Iterable[object]) -> list[StepEvent]:
+    """The step events that records read from the events topic stand for, in order.
+
+    A ``saga.step`` is itself; a ``saga.committed`` (one per participant batch and
+    events partition) is one ``committed`` event per step it lists, whatever its key;
+    anything else (poison) is passed over.
+    """
+    return [e for r in records if isinstance(r, StepEvent | StepsCommitted) for e in step_events(r)]
 
 
 def bank_schema(engine: sa.Engine, schema: str) -> None:

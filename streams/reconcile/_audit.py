@@ -9,6 +9,13 @@ Invalid records are counted and left out of the audit (neither a transaction's
 record, nor stuck, nor replayed), as every consumer leaves them out; what makes
 a record invalid is described in :mod:`._parse`.
 
+Step events come as ``saga.step`` records or inside ``saga.committed`` ones (one
+participant's ``committed`` acknowledgements of a batch): :mod:`._parse` gives one
+``event`` row per step either way, so every check below sees a listed step exactly
+as a ``committed`` ``saga.step`` of it. A transaction's ``events`` counts step
+events; ``event_records`` counts the records of the events topic (each counted on
+its key's transaction).
+
 Per step, the statuses its participant reported are kept as bit masks
 (``steps`` are at most 64), so the checks are bit operations; the events list
 is looked at only for transactions whose masks say it matters.
@@ -89,7 +96,10 @@ _AGGREGATES: Final = {
         THEN named_struct('action', CASE WHEN redriven IS NOT NULL THEN 'redrive' ELSE kind END,
         'tx_id', rkey, 'topic', src, 'part', part, 'off', off, 'at_ms', at_ms,
         'by', actor, 'step', step, 'text', coalesce(redriven, note, reason)) END)""",
+    # Step events (a saga.committed gives one per step it lists) and the records of
+    # the events topic they came in (`lead`: one row per record).
     "n_events": "count_if(kind = 'event')",
+    "n_event_records": "count_if(kind = 'event' AND src = 'events' AND lead)",
     "n_decisions": "count_if(kind = 'decision')",
     "bad_requests": "count_if(kind = 'invalid' AND src = 'requests')",
     "bad_events": "count_if(kind = 'invalid' AND src = 'events')",
@@ -97,6 +107,11 @@ _AGGREGATES: Final = {
     "forged_requests": "count_if(forged AND src = 'requests')",
     "forged_events": "count_if(forged AND src = 'events')",
     "forged_decisions": "count_if(forged AND src = 'decisions')",
+    # Invalid records whose parse says why (a saga.committed listing another partition's
+    # tx_id): how many, and the first by topic, partition and offset.
+    "n_explained": "count_if(kind = 'invalid' AND reason IS NOT NULL)",
+    "first_explained": """min(CASE WHEN kind = 'invalid' AND reason IS NOT NULL
+        THEN named_struct('src', src, 'part', part, 'off', off, 'reason', reason) END)""",
     # The first request and decision by offset: all records of a transaction share
     # one partition (key = tx_id), and consumers act on the first.
     "req": """min(CASE WHEN kind = 'request' THEN named_struct('off', off, 'part', part,
@@ -376,6 +391,7 @@ def classify(frame: Any, *, as_of_ms: int) -> Any:
             "n_requests AS requests",
             "n_decisions AS decisions",
             "n_events AS events",
+            "n_event_records AS event_records",
             "n_aborts",
             "n_resolves",
             "CASE WHEN ops IS NULL THEN 0 ELSE size(ops) END AS n_ops",
@@ -385,6 +401,10 @@ def classify(frame: Any, *, as_of_ms: int) -> Any:
             "forged_requests",
             "forged_events",
             "forged_decisions",
+            "n_explained AS explained",
+            """CASE WHEN first_explained IS NOT NULL THEN concat(first_explained.src, '[',
+                first_explained.part, ']@', first_explained.off, ': ',
+                first_explained.reason) END AS first_explained""",
             "req.created_ms AS created_ms",
             "req.deadline_ms AS deadline_ms",
             "dec.at_ms AS decided_ms",

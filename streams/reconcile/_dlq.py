@@ -16,7 +16,8 @@ A dead letter was rightly rejected when it
   ``saga.source.topic``), or
 * is keyed by something other than its ``tx_id``, or
 * was on a partition other than the one murmur2 gives its key (its transaction's
-  other records are elsewhere), or
+  other records are elsewhere), or is a ``saga.committed`` that lists a ``tx_id``
+  of another partition than its own (the coordinator acts on none of its steps), or
 * is a request whose deadline had passed when it was rejected
   (``saga.rejected.at_ms``): the coordinator rejects a request whose deadline
   passed more than its retention ago as expired, and such a request can never be
@@ -26,7 +27,8 @@ A dead letter was rightly rejected when it
 * is an abort of a transaction that has a decision.
 
 Any other dead letter is a valid record that was wrongly rejected: an I6
-violation, reported on its transaction.
+violation, reported on its transaction (a ``saga.committed``: on each transaction
+it lists, whose ``committed`` acknowledgement it carried).
 
 The first two count as ``invalid`` (the record does not decode), like the third.
 
@@ -63,6 +65,7 @@ from saga.streams._records import (
     SagaResolve,
     SagaStatus,
     StepEvent,
+    StepsCommitted,
     TxRecord,
 )
 from saga.streams._topics import Topics
@@ -143,19 +146,22 @@ class DlqVerdict:
     justified: int = 0
     forged: int = 0
     unauthenticated: int = 0
+    wrongly_rejected: int = 0
+    """Dead letters of valid records (one finding on each transaction they are about)."""
     by_component: Counter[str] = field(default_factory=Counter)
     findings: dict[str, list[str]] = field(default_factory=dict)
 
     @property
     def violations(self) -> int:
-        return sum(len(v) for v in self.findings.values())
+        """The wrongly rejected dead letters."""
+        return self.wrongly_rejected
 
 
 def _kinds(topics: Topics, source: str | None) -> tuple[type[Record], ...] | None:
     if source == topics.requests:
         return (SagaRequest, SagaAbort, SagaResolve)
     if source == topics.events:
-        return (StepEvent,)
+        return (StepEvent, StepsCommitted)
     if source == topics.decisions:
         return (Decision,)
     if source == topics.status:
@@ -215,7 +221,8 @@ def judge(
             verdict.justified += 1
             continue
         key = letter.key.decode("utf-8", "replace") if letter.key is not None else None
-        if key != record.tx_id or _misplaced(letter, partitions) or _expired(letter, record):
+        misplaced = _misplaced(letter, partitions, record)
+        if key != record.tx_id or misplaced or _expired(letter, record):
             verdict.justified += 1
             continue
         candidates.append((letter, record))
@@ -231,7 +238,9 @@ def judge(
         if why is None:
             verdict.justified += 1
         else:
-            verdict.findings.setdefault(record.tx_id, []).append(why)
+            verdict.wrongly_rejected += 1
+            for tx_id in _transactions(record):
+                verdict.findings.setdefault(tx_id, []).append(why)
     return verdict
 
 
@@ -262,11 +271,23 @@ def _authenticated(
     return kept
 
 
-def _misplaced(letter: DeadLetter, partitions: int | None) -> bool:
+def _misplaced(letter: DeadLetter, partitions: int | None, record: TxRecord) -> bool:
+    """The record was not on its key's partition, or (a ``saga.committed``) lists a
+    ``tx_id`` that belongs on another partition than the one it was on."""
     source = letter.source
     if partitions is None or source is None or letter.key is None:
         return False
-    return partition_for(letter.key, partitions) != source[1]
+    if partition_for(letter.key, partitions) != source[1]:
+        return True
+    return any(partition_for(tx_id, partitions) != source[1] for tx_id in _transactions(record))
+
+
+def _transactions(record: TxRecord) -> tuple[str, ...]:
+    """The transactions ``record`` is about: a ``saga.committed``'s listed ones, in order
+    and once each; any other record's ``tx_id``."""
+    if isinstance(record, StepsCommitted):
+        return tuple(dict.fromkeys(tx_id for tx_id, _ in record.steps))
+    return (record.tx_id,)
 
 
 def _expired(letter: DeadLetter, record: TxRecord) -> bool:

@@ -13,7 +13,11 @@
 7. Write ``summary.json`` and ``replay.jsonl``.
 
 ``invalid_records`` in the summary counts, per topic, the records the audit
-left out: those that fail its checks and those the coordinator rejected. With a
+left out: those that fail its checks and those the coordinator rejected;
+``invalid_explained`` counts those whose parse says why (a ``saga.committed``
+listing a ``tx_id`` of another partition) and shows the first. ``records``
+counts the records read (a ``saga.committed`` is one event record, however many
+steps it lists; the findings' ``events`` count step events). With a
 key folder (``keys_dir``) a record not signed by a principal allowed to write it
 is one of them (:mod:`._signatures`); ``signatures`` in the summary counts those
 apart, with the dead letters the coordinator did not sign (``dlq_forged``) and
@@ -205,7 +209,12 @@ def _audit_and_replay(
     with spark_boundary("reading the log"):
         union = (
             _audit.parse_requests(*read_topic(topics.requests))
-            .unionByName(_audit.parse_events(*read_topic(topics.events)))
+            .unionByName(
+                _audit.parse_events(
+                    *read_topic(topics.events),
+                    partitions=len(log.ranges.get(topics.events, {})) or None,
+                )
+            )
             .unionByName(_audit.parse_decisions(*read_topic(topics.decisions)))
         )
         frame = _audit.per_transaction(
@@ -323,13 +332,13 @@ def _finish(
     final = _audit.classify(merged, as_of_ms=as_of)
 
     with spark_boundary("auditing the log"):
-        totals = _totals(final)
+        totals, first_explained = _totals(final)
         records = {
             "requests": totals["n_requests"]
             + totals["n_aborts"]
             + totals["n_resolves"]
             + totals["bad_requests"],
-            "events": totals["n_events"] + totals["bad_events"],
+            "events": totals["n_event_records"] + totals["bad_events"],
             "decisions": totals["n_decisions"] + totals["bad_decisions"],
             "dlq": verdict.records,
         }
@@ -415,6 +424,7 @@ def _finish(
             "events": totals["bad_events"],
             "decisions": totals["bad_decisions"],
         },
+        "invalid_explained": {"count": totals["explained"], "first": first_explained},
         "signatures": {
             "keys_dir": str(config.keys_dir) if config.keys_dir is not None else None,
             "forged_records": {
@@ -479,8 +489,9 @@ def _verdict(classes: Mapping[str, int], failed_checks: list[dict[str, Any]], co
     return ", ".join(parts)
 
 
-def _totals(final: Any) -> dict[str, int]:
-    """Every count of the summary, in one pass over the classified transactions."""
+def _totals(final: Any) -> tuple[dict[str, int], str | None]:
+    """Every count of the summary, in one pass over the classified transactions, and the
+    first invalid record whose parse said why (``topic[partition]@offset: reason``)."""
     from pyspark.sql import functions as F
 
     sums = {
@@ -488,6 +499,7 @@ def _totals(final: Any) -> dict[str, int]:
         "n_aborts": "n_aborts",
         "n_resolves": "n_resolves",
         "n_events": "events",
+        "n_event_records": "event_records",
         "n_decisions": "decisions",
         "bad_requests": "bad_requests",
         "bad_events": "bad_events",
@@ -495,6 +507,7 @@ def _totals(final: Any) -> dict[str, int]:
         "forged_requests": "forged_requests",
         "forged_events": "forged_events",
         "forged_decisions": "forged_decisions",
+        "explained": "explained",
         "n_ops": "n_ops",
     }
     exprs = [F.expr(f"coalesce(sum({column}), 0)").alias(name) for name, column in sums.items()]
@@ -507,8 +520,10 @@ def _totals(final: Any) -> dict[str, int]:
         F.expr(f"count_if(array_contains(invariants, '{i}'))").alias(f"inv_{i}")
         for i in _audit.INVARIANTS
     ]
-    row = final.agg(*exprs).first()
-    return {k: int(v or 0) for k, v in row.asDict().items()}
+    exprs.append(F.expr("min(first_explained)").alias("first_explained"))
+    found = final.agg(*exprs).first().asDict()
+    first = found.pop("first_explained")
+    return {k: int(v or 0) for k, v in found.items()}, first
 
 
 def _dead_letters(spark: Any, config: ReconcileConfig, log: LogRange) -> list[_dlq.DeadLetter]:

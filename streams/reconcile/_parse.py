@@ -23,6 +23,18 @@ takes it in two parts.
   enums; lengths (``saga``, names, ``reason``) and bounds (1-64 steps, step 0-63,
   ``deadline_ms >= created_ms``) hold; the record key is the ``tx_id``
   (consumers ignore a record keyed otherwise).
+* A ``saga.committed`` (one participant's ``committed`` acknowledgements of one
+  batch, :class:`streams._records.StepsCommitted`) is checked the same way, each
+  listed ``[tx_id, step]`` pair exactly (a string and an integer literal, read from
+  a ``VARIANT`` so that ``"0"`` or ``1.0`` do not pass for a step; 1 to 1,000
+  pairs, none listed twice; the key is the first ``tx_id``), and every ``tx_id``
+  it lists must belong on the partition the record sits on (murmur2, as
+  :func:`streams.kafka.partition_for` computes it, in SQL: :func:`partition_sql`),
+  as the coordinator requires: one listing a ``tx_id`` of another partition is
+  ``invalid``, with that as its ``reason``. A valid one comes out as one
+  ``committed`` event row per pair, exactly as if each had been a ``saga.step``
+  of that step, participant and ``at_ms`` at the record's offset (``lead`` marks
+  the first row of each record, so records can still be counted).
 * On the rest the coordinator's verdict stands: a record of requests, events
   or decisions that has a dead letter from the coordinator (``saga.component``
   ``coordinator``) at its ``(saga.source.topic, saga.source.partition,
@@ -37,8 +49,9 @@ takes it in two parts.
 
 Signed records: with a key folder, a record is also invalid unless a principal
 allowed to write it signed it (:mod:`._signatures`: requests and aborts
-``client`` or ``operator``, a step event of P ``participant-P``, a decision
-``coordinator``); ``forged`` marks those records (counted apart in the summary).
+``client`` or ``operator``, a step event or a ``saga.committed`` of P
+``participant-P``, a decision ``coordinator``); ``forged`` marks those records
+(counted apart in the summary).
 
 Invalid records are counted and left out of the audit (neither a transaction's
 record, nor stuck, nor replayed), as every consumer leaves them out. A record
@@ -64,6 +77,7 @@ __all__ = [
     "parse_decisions",
     "parse_events",
     "parse_requests",
+    "partition_sql",
 ]
 
 EVENT_STATUSES: Final = ("applied", "failed", "committed", "compensated", "compensation_failed")
@@ -76,6 +90,8 @@ _TX_ID: Final = f"(?s)^[A-Za-z0-9._:-]{{1,{MAX_KEY_BYTES}}}(?!.)"
 """A ``tx_id`` (also the record key, so at most ``MAX_KEY_BYTES`` ASCII characters)."""
 _NAME: Final = f"(?s)^[A-Za-z0-9._-]{{1,{MAX_NAME_CHARS}}}(?!.)"
 """A participant or action name."""
+_MAX_ACKS: Final = 1000
+"""Most ``[tx_id, step]`` pairs one ``saga.committed`` lists (its schema's ``maxItems``)."""
 _JSON_OPTIONS: Final = {"allowSingleQuotes": "false", "allowNonNumericNumbers": "false"}
 """Strict JSON, as the codec reads it (Spark allows single quotes and NaN by default)."""
 
@@ -104,6 +120,7 @@ _UNION_COLUMNS: Final = (
     ("confirm", "boolean"),
     ("isolation", "string"),
     ("actions", "array<string>"),
+    ("lead", "boolean"),
 )
 
 _REQUESTS_SCHEMA: Final = (
@@ -114,8 +131,10 @@ _REQUESTS_SCHEMA: Final = (
 )
 _EVENTS_SCHEMA: Final = (
     "v BIGINT, type STRING, tx_id STRING, step BIGINT, participant STRING, status STRING, "
-    "reason STRING, at_ms BIGINT, confirm BOOLEAN"
+    "reason STRING, at_ms BIGINT, confirm BOOLEAN, steps VARIANT"
 )
+"""``saga.step`` and ``saga.committed``; ``steps`` (the latter's pairs) as a ``VARIANT``,
+which keeps each value's JSON type."""
 _DECISIONS_SCHEMA: Final = (
     "v BIGINT, type STRING, tx_id STRING, outcome STRING, reason STRING, at_ms BIGINT"
 )
@@ -182,6 +201,74 @@ _EVENT_VALID: Final = f"""coalesce(
     AND (r.confirm IS NOT NULL OR NOT array_contains(keys, 'confirm')), false)"""
 """A step event. ``confirm`` is optional and boolean: ``from_json`` gives NULL for
 ``null``, a string or a number there, which the schema rejects too."""
+
+_ACKS: Final = """CASE WHEN r.type = 'saga.committed' THEN transform(
+    transform(try_cast(r.steps AS ARRAY<VARIANT>), e -> try_cast(e AS ARRAY<VARIANT>)),
+    p -> named_struct('n', size(p),
+        'tx', CASE WHEN schema_of_variant(get(p, 0)) = 'STRING'
+                   THEN try_variant_get(get(p, 0), '$', 'string') END,
+        'step', CASE WHEN schema_of_variant(get(p, 1)) = 'BIGINT'
+                     THEN try_variant_get(get(p, 1), '$', 'bigint') END)) END"""
+"""SQL: a ``saga.committed``'s ``steps`` as ``(n, tx, step)`` structs (NULL for any other
+record): ``n`` the pair's length, ``tx`` its first value only if a JSON string, ``step``
+its second only if a JSON integer (``schema_of_variant`` says ``BIGINT`` for an integer
+literal, ``DECIMAL`` for ``1.0``, ``STRING`` for ``"1"``)."""
+
+_COMMITTED_VALID: Final = f"""coalesce(
+    whole AND r.v = 1 AND r.type = 'saga.committed'
+    AND {_keys_within("v", "type", "participant", "at_ms", "steps")}
+    AND r.participant RLIKE '{_NAME}' AND r.at_ms >= 0
+    AND size(acks) BETWEEN 1 AND {_MAX_ACKS}
+    AND forall(acks, a -> a.n = 2 AND a.tx RLIKE '{_TX_ID}' AND a.step BETWEEN 0 AND 63)
+    AND size(array_distinct(transform(acks, a -> struct(a.tx, a.step)))) = size(acks)
+    AND k = try_element_at(acks, 1).tx, false)"""
+"""A ``saga.committed``, but for where its ``tx_id``s belong (``acks``: :data:`_ACKS`)."""
+
+
+def _mul(a: str) -> str:
+    """SQL: ``a * m`` in 32 bits (murmur2's ``m``); ``a`` is below 2**32, so the
+    product stays below 2**63: no ``BIGINT`` overflow, even with ANSI mode on."""
+    return f"((({a}) * 1540483477L) & 4294967295L)"
+
+
+def _let(value: str, name: str, body: str) -> str:
+    """SQL: ``body`` with ``name`` bound to ``value`` (a ``BIGINT``), computed once."""
+    return f"aggregate(array({value}), 0L, (_, {name}) -> {body})"
+
+
+def partition_sql(key: str, partitions: int) -> str:
+    """SQL: the partition among ``partitions`` of the records keyed by ``key``, an SQL
+    string of ASCII characters (a ``tx_id``), as :func:`streams.kafka.partition_for`
+    gives it: Kafka's murmur2 of the key's bytes, made positive, modulo ``partitions``.
+
+    Spark SQL has no murmur2 (its ``hash`` is murmur3), so this spells it out with
+    32-bit values held in ``BIGINT`` (masked after each product, never overflowing):
+    4-byte little-endian blocks, then the 1 to 3 bytes left, then the final mix.
+    """
+    n = f"length({key})"
+
+    def byte(at: str) -> str:
+        return f"CAST(ascii(substr({key}, {at}, 1)) & 255 AS BIGINT)"
+
+    word = (
+        f"({byte('4 * i + 1')} | shiftleft({byte('4 * i + 2')}, 8) "
+        f"| shiftleft({byte('4 * i + 3')}, 16) | shiftleft({byte('4 * i + 4')}, 24))"
+    )
+    blocks = f"IF({n} >= 4, sequence(0, {n} div 4 - 1), array())"
+    mixed = (
+        f"transform(transform({blocks}, i -> {_mul(word)}), "
+        f"k -> {_mul('k ^ shiftrightunsigned(k, 24)')})"
+    )
+    body = f"aggregate({mixed}, 2538058380L ^ {n}, (h, k) -> {_mul('h')} ^ k)"
+    end = f"({n} - {n} % 4)"
+    third = f"CASE WHEN {n} % 4 = 3 THEN shiftleft({byte(end + ' + 3')}, 16) ELSE 0L END"
+    second = f"CASE WHEN {n} % 4 >= 2 THEN shiftleft({byte(end + ' + 2')}, 8) ELSE 0L END"
+    rest = _mul(f"h ^ ({third}) ^ ({second}) ^ {byte(end + ' + 1')}")
+    tail = f"CASE WHEN {n} % 4 = 0 THEN h ELSE {rest} END"
+    mixed_tail = _let(body, "h", _let(tail, "t", _mul("t ^ shiftrightunsigned(t, 13)")))
+    final = _let(mixed_tail, "u", "u ^ shiftrightunsigned(u, 15)")
+    return f"CAST(pmod({final} & 2147483647L, {partitions}) AS INT)"
+
 
 _DECISION_VALID: Final = f"""coalesce(
     {_common("saga.decision")}
@@ -288,6 +375,7 @@ def _union_row(frame: Any, src: str, **columns: str) -> Any:
         "forged": "forged",
         "redriven": "redriven",
         "rkey": "k",
+        "lead": "true",
         **columns,
     }
     return frame.select(
@@ -341,31 +429,81 @@ def parse_requests(raw: Any, rejected: Any = None, signer: SignerColumn | None =
     )
 
 
-def parse_events(raw: Any, rejected: Any = None, signer: SignerColumn | None = None) -> Any:
-    """``saga.step`` records of the events topic, or ``invalid``.
+def parse_events(
+    raw: Any,
+    rejected: Any = None,
+    signer: SignerColumn | None = None,
+    *,
+    partitions: int | None = None,
+) -> Any:
+    """``saga.step`` and ``saga.committed`` records of the events topic, or ``invalid``.
+
+    A valid ``saga.committed`` gives one ``event`` row per ``[tx_id, step]`` it lists,
+    ``committed`` at its ``at_ms`` from its participant, as a ``saga.step`` of each
+    would; ``lead`` is true on the first row of each record (one row for any other
+    record). ``partitions`` (the topics' partition count): a ``saga.committed`` that
+    lists a ``tx_id`` of another partition than its own is ``invalid``, its ``reason``
+    saying which (without it, that rule is not applied).
 
     ``confirm``: the event's optional ``confirm`` (false when absent): an ``applied``
     step that said true expects a ``committed`` event once the commit is decided.
     ``signer``: only events signed by the participant they name are valid.
     """
     checked = _parsed(raw, _EVENTS_SCHEMA, rejected, signer).selectExpr(
-        "*", f"NOT {_BY_PARTICIPANT} AS forged"
+        "*", f"NOT {_BY_PARTICIPANT} AS forged", f"{_ACKS} AS acks"
     )
-    checked = checked.selectExpr(
-        "*", f"CASE WHEN NOT forged AND {_EVENT_VALID} THEN 'event' ELSE 'invalid' END AS kind"
+    checked = checked.selectExpr("*", f"NOT forged AND {_COMMITTED_VALID} AS batch")
+    if partitions is not None:
+        home = partition_sql("a.tx", partitions)
+        elsewhere = f"""CASE WHEN batch THEN try_element_at(filter(
+            transform(acks, a -> named_struct('tx', a.tx, 'home', {home})),
+            a -> a.home != part), 1) END"""
+    else:
+        elsewhere = "CAST(NULL AS STRUCT<tx: STRING, home: INT>)"
+    checked = checked.selectExpr("*", f"{elsewhere} AS elsewhere").selectExpr(
+        "*",
+        f"""CASE WHEN NOT forged AND {_EVENT_VALID} THEN 'event'
+            WHEN batch AND elsewhere IS NULL THEN 'event' ELSE 'invalid' END AS kind""",
+    )
+    # One row per step event: a saga.committed's pairs, else the record itself. The
+    # record's parsed value (up to 1,000 pairs) is dropped first, not copied per pair.
+    expanded = checked.selectExpr(
+        "k",
+        "part",
+        "off",
+        "forged",
+        "redriven",
+        "kind",
+        "r.participant AS participant",
+        "CASE WHEN batch THEN 'committed' ELSE r.status END AS status",
+        "r.at_ms AS at_ms",
+        """CASE WHEN kind = 'event' THEN r.reason WHEN elsewhere IS NOT NULL THEN
+            concat('saga.committed lists ', elsewhere.tx, ', which belongs on partition ',
+                   elsewhere.home, ', not ', part) END AS reason""",
+        "r.confirm AS confirm",
+        """explode(CASE
+            WHEN kind = 'event' AND batch THEN transform(acks, (a, i) ->
+                named_struct('tx', a.tx, 'step', CAST(a.step AS INT), 'lead', i = 0))
+            WHEN kind = 'event' THEN
+                array(named_struct('tx', r.tx_id, 'step', CAST(r.step AS INT), 'lead', true))
+            ELSE array(named_struct('tx', CAST(NULL AS STRING), 'step', CAST(NULL AS INT),
+                                    'lead', true)) END) AS e""",
     )
     valid = "kind = 'event'"
     return _union_row(
-        checked,
+        expanded,
         "events",
-        tx=f"CASE WHEN {valid} THEN r.tx_id END",
+        tx=f"CASE WHEN {valid} THEN e.tx END",
         kind="kind",
-        step=f"CASE WHEN {valid} THEN r.step END",
-        participant=f"CASE WHEN {valid} THEN r.participant END",
-        status=f"CASE WHEN {valid} THEN r.status END",
-        at_ms=f"CASE WHEN {valid} THEN r.at_ms END",
-        reason=f"CASE WHEN {valid} THEN r.reason END",
-        confirm=f"CASE WHEN {valid} THEN coalesce(r.confirm, false) END",
+        step=f"CASE WHEN {valid} THEN e.step END",
+        participant=f"CASE WHEN {valid} THEN participant END",
+        status=f"CASE WHEN {valid} THEN status END",
+        at_ms=f"CASE WHEN {valid} THEN at_ms END",
+        reason="reason",
+        confirm=f"CASE WHEN {valid} THEN coalesce(confirm, false) END",
+        lead="e.lead",
+        # An operator's redrive is of the record: shown once, not once per pair.
+        redriven="CASE WHEN e.lead THEN redriven END",
     )
 
 

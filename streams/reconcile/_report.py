@@ -73,6 +73,14 @@ def render(
         str(sum(invalid.values())),
         ", ".join(f"{k} {v}" for k, v in invalid.items()),
     )
+    explained = summary.get("invalid_explained") or {}
+    if explained.get("count"):
+        table.add_row(
+            "  with a reason",
+            str(explained["count"]),
+            f"first: {explained['first']}"[:160],
+            style="yellow",
+        )
     signatures = summary.get("signatures") or {}
     if signatures.get("keys_dir"):
         forged = signatures["forged_records"]

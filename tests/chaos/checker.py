@@ -43,7 +43,8 @@ be (``e``: 1 after ``commit``, 0 after ``rollback``). The counts:
     ``applied`` event said ``confirm``, and ``applied`` for any other: a commit leaves
     such a step alone and reports nothing), or a status that is not final; or that were
     not final when their recovery window ended, even if something (a replay) finished
-    them later.
+    them later. A ``saga.committed`` record counts as the ``committed`` event of each
+    step it lists (:meth:`tests.chaos.log.LogView.take_event`).
 """
 
 from __future__ import annotations

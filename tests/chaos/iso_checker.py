@@ -6,7 +6,10 @@ saga's effect on a record became visible no earlier than its decision was produc
 (``lb``: the decision record's Kafka timestamp; no participant acts on a decision
 before it exists) and no later than the step's final event was produced (``ub``:
 the ``committed`` event of a step whose ``applied`` event said ``confirm``, else the
-``applied`` event itself; events are produced after the local commit).
+``applied`` event itself; events are produced after the local commit). A step's
+``committed`` event may come as a ``saga.committed`` record listing it (one per
+participant batch): its Kafka timestamp is then the step's (not its ``at_ms``, taken
+when the batch began, before the local commit).
 
 Read committed means a reader sees only effects of committed sagas, and each of them
 only once it could have been applied. So:

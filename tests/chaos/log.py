@@ -7,7 +7,8 @@
   start: the original bytes and position of each transaction's first decision
   (the duplicates and the barrier trio need them).
 * :func:`read_log` reads requests, events, decisions, the DLQ and the status topic
-  to their end, for the checker.
+  to their end, for the checker. On the events topic a ``saga.committed`` record
+  counts as the ``committed`` event of each step it lists (:func:`take_event`).
 
 Signed records (the suite's default, :mod:`streams._signing`): the sender signs
 what the run writes as the ``client`` (a duplicate goes out as the original
@@ -33,11 +34,13 @@ from saga.streams import (
     SagaRequest,
     SagaStatus,
     StepEvent,
+    StepsCommitted,
     decode_as,
+    step_events,
 )
 from saga.streams._errors import SagaError
 from saga.streams._signing import COORDINATOR, UNSIGNED_HEADER_PREFIX, Keyring, allowed_signers
-from saga.streams.kafka import Consumer, KafkaSettings, Message, Producer
+from saga.streams.kafka import Consumer, KafkaSettings, Message, Producer, partition_for
 
 INJECTED_HEADER = f"{UNSIGNED_HEADER_PREFIX}chaos"
 """Header on the records the run repeats on purpose (value ``duplicate``); under
@@ -375,12 +378,48 @@ class LogView:
     decision_reasons: dict[str, str] = field(default_factory=dict)
     event_ms: dict[tuple[str, int, str], int] = field(default_factory=dict)
     """``(tx_id, step, status)`` -> the Kafka timestamp of its first event: produced after
-    the participant's local commit, so the step's effect was in its store by then."""
+    the participant's local commit, so the step's effect was in its store by then. A step
+    acknowledged by a ``saga.committed`` record gets that record's timestamp (not its
+    ``at_ms``: the participant takes that when its batch starts, before the commit)."""
+    acks: int = 0
+    """How many valid ``saga.committed`` records the events topic holds."""
 
     def drop(self, m: Message, why: str) -> None:
         """Note that the requests-topic record ``m`` was not taken, and why."""
         name = (m.key or b"").decode(errors="replace")
         self.dropped.setdefault(name, f"partition {m.partition} offset {m.offset}: {why}")
+
+    def take_event(self, m: Message, keys: Keyring | None = None, partitions: int = 0) -> bool:
+        """Take the events-topic record ``m`` as the coordinator does; whether it was forged.
+
+        A ``saga.step`` is one event, a ``saga.committed`` one ``committed`` event per
+        step it lists, each at the record's timestamp. Ignored (as the coordinator moves
+        them to the DLQ): an invalid record, one keyed other than its ``tx_id`` (for a
+        ``saga.committed``, its first one), one not signed by its participant (with
+        ``keys``), and, given the topic's ``partitions``, a ``saga.committed`` listing a
+        transaction of another partition than the one it is on.
+        """
+        try:
+            record = decode_as(m.value, StepEvent, StepsCommitted)
+        except InvalidRecord:
+            return False
+        assert isinstance(record, StepEvent | StepsCommitted)
+        if not authentic(keys, m, allowed_signers(record)):
+            return True
+        if not _keyed(m, record.tx_id):
+            return False
+        if isinstance(record, StepsCommitted):
+            if partitions and any(
+                partition_for(tx_id, partitions) != m.partition for tx_id, _ in record.steps
+            ):
+                return False
+            self.acks += 1
+        for event in step_events(record):
+            self.events[(event.tx_id, event.step)].add(str(event.status))
+            _earliest(self.event_ms, (event.tx_id, event.step, str(event.status)), m)
+            if event.confirm:
+                self.confirms.add((event.tx_id, event.step))
+        return False
 
     def missing(self, tx_id: str) -> str:
         """Why an acknowledged request of ``tx_id`` is not in :attr:`requests`."""
@@ -398,10 +437,19 @@ def _keyed(m: Message, tx_id: str) -> bool:
     return m.key is not None and m.key.decode(errors="replace") == tx_id
 
 
+def _partition_count(settings: KafkaSettings, topic: str) -> int:
+    consumer = Consumer(settings, group_id=None, client_id="chaos.reader")
+    try:
+        return consumer.list_partitions(topic)
+    finally:
+        consumer.close()
+
+
 def read_log(settings: KafkaSettings, keys: Keyring | None = None) -> LogView:
     """Read the whole log of ``settings.prefix`` as it is now (with ``keys``: only the
     records signed by a principal allowed to write them, as consumers take them)."""
     t = settings.topics
+    partitions = _partition_count(settings, t.events)
     view = LogView()
     forged = 0
     n = 0
@@ -429,20 +477,9 @@ def read_log(settings: KafkaSettings, keys: Keyring | None = None) -> LogView:
     n = 0
     for m in read_messages(settings, t.events):
         n += 1
-        try:
-            event = decode_as(m.value, StepEvent)
-        except InvalidRecord:
-            continue
-        assert isinstance(event, StepEvent)
-        if not authentic(keys, m, allowed_signers(event)):
-            forged += 1
-            continue
-        if _keyed(m, event.tx_id):
-            view.events[(event.tx_id, event.step)].add(str(event.status))
-            _earliest(view.event_ms, (event.tx_id, event.step, str(event.status)), m)
-            if event.confirm:
-                view.confirms.add((event.tx_id, event.step))
+        forged += view.take_event(m, keys, partitions)
     view.records["events"] = n
+    view.records["events.saga.committed"] = view.acks
     n = 0
     for m in read_messages(settings, t.decisions):
         n += 1

@@ -4,16 +4,19 @@ Some are harmless garbage (not JSON, not UTF-8, a tombstone); others are valid
 records that would do damage if a consumer acted on them: a request that moves
 money from a hot account, or a step event or a rollback for a real transaction
 in flight, each keyed by another transaction (so consumers must ignore it, and
-the coordinator must move it to the DLQ).
+the coordinator must move it to the DLQ). A ``saga.committed`` record (steps a
+participant committed) is poison too when keyed by another transaction, when it
+lists no step, or when it lists a transaction of another partition than its key's
+(:func:`misplaced_ack`): the coordinator moves the whole record to the DLQ.
 
 With signed records (the suite's default) poison goes out unsigned, and
 :func:`forged` adds records that are well formed but not signed by one allowed to
-write them (the hostile profile): a step event signed by another participant, a
-rollback decision signed by the client, a decision changed after the coordinator
-signed it, aborts signed by a stranger's key and by a participant, and a final
-status signed by the client, each for a real transaction in flight: the
-coordinator (which with keys reads the status topic too) moves each to the DLQ,
-and nobody acts on it.
+write them (the hostile profile): a step event and a ``saga.committed`` signed by
+another participant, a rollback decision signed by the client, a decision changed
+after the coordinator signed it, aborts signed by a stranger's key and by a
+participant, and a final status signed by the client, each for a real transaction
+in flight: the coordinator (which with keys reads the status topic too) moves each
+to the DLQ, and nobody acts on it.
 """
 
 from __future__ import annotations
@@ -32,11 +35,13 @@ from saga.streams import (
     SagaStatus,
     Step,
     StepEvent,
+    StepsCommitted,
     StepStatus,
     encode,
 )
 from saga.streams._records import Mode
 from saga.streams._signing import Keyring
+from saga.streams.kafka import partition_for
 from tests.chaos.workload import FIELD, PARTICIPANTS, TARGET
 
 Poison = tuple[str, str, str | None, bytes | None]  # (label, topic kind, key, value)
@@ -72,6 +77,7 @@ def batch(tag: str, real_tx: str, now_ms: int) -> list[Poison]:
     valid = _request(f"{p}-r", now_ms)
     applied = encode(StepEvent(real_tx, 1, PARTICIPANTS["redis"], StepStatus.APPLIED, now_ms))
     rollback = encode(Decision(real_tx, Outcome.ROLLBACK, "step 0 failed: forged", now_ms))
+    ack = encode(StepsCommitted(PARTICIPANTS["redis"], now_ms, ((real_tx, 1),)))
     return [
         (
             "request: invalid JSON",
@@ -104,6 +110,13 @@ def batch(tag: str, real_tx: str, now_ms: int) -> list[Poison]:
         ),
         ("event: a request", "events", f"{p}-r", orjson.dumps(valid)),
         ("event: keyed by another tx", "events", f"{p}-other", applied),
+        ("event: saga.committed keyed by another tx", "events", f"{p}-other", ack),
+        (
+            "event: saga.committed without steps",
+            "events",
+            real_tx,
+            orjson.dumps({**orjson.loads(ack), "steps": []}),
+        ),
         ("decision: not UTF-8", "decisions", real_tx, b"\x80\x81\x82 rollback"),
         (
             "decision: unknown outcome",
@@ -217,6 +230,25 @@ def misplaced(tag: str, now_ms: int) -> list[Poison]:
     return [("request: on the wrong partition", "requests", tx, orjson.dumps(_request(tx, now_ms)))]
 
 
+def misplaced_ack(tag: str, real_tx: str, now_ms: int, partitions: int) -> list[Poison]:
+    """A ``saga.committed`` keyed ``real_tx`` (on its partition) that also lists a
+    transaction of another partition: none with a single partition."""
+    here = partition_for(real_tx, partitions)
+    other = next(
+        (
+            tx
+            for tx in (f"poison-{tag}-elsewhere-{i}" for i in range(1000))
+            if partition_for(tx, partitions) != here
+        ),
+        None,
+    )
+    if other is None:
+        return []
+    ack = StepsCommitted(PARTICIPANTS["redis"], now_ms, ((real_tx, 1), (other, 0)))
+    label = "event: saga.committed listing another partition's tx"
+    return [(label, "events", real_tx, encode(ack))]
+
+
 Forged = tuple[str, str, str, bytes, list[tuple[str, bytes]]]
 """(label, topic kind, key, value, headers): a well-formed record with a bad signature."""
 
@@ -237,6 +269,7 @@ def forged(
         return signers[by].sign(topics[kind], real_tx, value)
 
     applied = encode(StepEvent(real_tx, 1, PARTICIPANTS["redis"], StepStatus.APPLIED, now_ms))
+    ack = encode(StepsCommitted(PARTICIPANTS["redis"], now_ms, ((real_tx, 1),)))
     rollback = encode(Decision(real_tx, Outcome.ROLLBACK, "step 0 failed: forged", now_ms))
     tampered = encode(Decision(real_tx, Outcome.ROLLBACK, "step 0 failed: genuine", now_ms))
     abort = encode(SagaAbort(real_tx, "forged abort", now_ms))
@@ -260,6 +293,13 @@ def forged(
             real_tx,
             applied,
             signed(other, "events", applied),
+        ),
+        (
+            "forged: saga.committed signed by another participant",
+            "events",
+            real_tx,
+            ack,
+            signed(other, "events", ack),
         ),
         (
             "forged: rollback decision signed by the client",

@@ -338,6 +338,12 @@ class System:
                 self.poison.append(record)
             self.records.add(f"poison.{kind}")
             sent += 1
+        for label, kind, key, value in poison.misplaced_ack(tag, real, now, self.partitions):
+            record = self.sender.send(topic[kind], key, value, label=label, sign=False)
+            with self._lock:
+                self.poison.append(record)
+            self.records.add(f"poison.{kind}")
+            sent += 1
         for label, kind, key, value in poison.misplaced(tag, now):
             wrong = (partition_for(key or "", self.partitions) + 1) % self.partitions
             record = self.sender.send(

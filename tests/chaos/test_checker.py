@@ -13,7 +13,18 @@ from typing import Any
 
 import pytest
 
-from saga.streams import Mode, SagaRequest, SagaState, SagaStatus, Step
+from saga.streams import (
+    Mode,
+    SagaRequest,
+    SagaState,
+    SagaStatus,
+    Step,
+    StepEvent,
+    StepsCommitted,
+    StepStatus,
+    encode,
+)
+from saga.streams.kafka import Message, partition_for
 from tests.chaos.checker import COUNTS, CheckInput, check
 from tests.chaos.log import DeadLetter, DecisionRecord, Delivery, LogView
 from tests.chaos.stores import LedgerRow
@@ -230,7 +241,7 @@ def test_forged_records_fail_their_signature_and_duplicates_keep_theirs(tmp_path
     verify = Keyring.load(folder)
 
     records = poison.forged("t-real", 1_000, signers, topics)
-    assert len({label for label, *_ in records}) == len(records) == 6
+    assert len({label for label, *_ in records}) == len(records) == 7
     for label, kind, key, value, headers in records:
         allowed = allowed_signers(decode(value))
         why = verify.check(topics[kind], key.encode(), value, headers, allowed)
@@ -241,3 +252,103 @@ def test_forged_records_fail_their_signature_and_duplicates_keep_theirs(tmp_path
     again = [*signed, (INJECTED_HEADER, b"duplicate")]
     allowed = allowed_signers(decode(value))
     assert verify.check(topics["requests"], b"t-real", value, again, allowed) is None
+
+
+def _event_message(
+    record: StepEvent | StepsCommitted, at: int, *, key: str | None = None, partition: int = 0
+) -> Message:
+    """``record`` as read from the events topic, written at ``at`` (Kafka's timestamp)."""
+    tx = record.tx_id if key is None else key
+    return Message("p.events", partition, 0, tx.encode(), encode(record), (), at)
+
+
+def _applied(tx: str, step: int, at: int) -> Message:
+    event = StepEvent(tx, step, "bank-redis", StepStatus.APPLIED, at - 5, confirm=True)
+    return _event_message(event, at)
+
+
+def test_a_step_committed_by_a_saga_committed_record_is_finished() -> None:
+    """Steps acknowledged together (one ``saga.committed`` of a participant batch) count
+    as each step's ``committed`` event, at the record's Kafka timestamp (``at_ms`` is
+    taken when the batch starts); read through the reader of the events topic."""
+    inp = clean()
+    log = inp.log
+    log.events.pop(("t-ok", 0))
+    log.events.pop(("t-ok", 1))
+    for step in (0, 1):
+        assert not log.take_event(_applied("t-ok", step, 100 + step))
+    assert nonzero(inp) == {"unfinished_sagas": 1}  # confirm said: `committed` must come
+    ack = StepsCommitted("bank-redis", 7, (("t-ok", 0), ("t-ok", 1)))
+    assert not log.take_event(_event_message(ack, 150))
+    assert nonzero(inp) == {}
+    assert log.events[("t-ok", 1)] == {"applied", "committed"}
+    assert log.event_ms[("t-ok", 0, "committed")] == log.event_ms[("t-ok", 1, "committed")] == 150
+    assert log.acks == 1
+    # an old-style `committed` saga.step still counts, and the earliest one is the step's
+    old = StepEvent("t-ok", 1, "bank-redis", StepStatus.COMMITTED, 7)
+    assert not log.take_event(_event_message(old, 140))
+    assert log.event_ms[("t-ok", 1, "committed")] == 140
+
+
+def test_a_saga_committed_the_coordinator_refuses_commits_nothing(tmp_path: Any) -> None:
+    """Keyed other than its first tx, listing a tx of another partition, or signed by
+    another participant: the coordinator moves such a record to the DLQ, and the
+    checker does not count it as any step's event."""
+    from saga.streams._signing import Keyring, create_key
+
+    inp = clean()
+    log = inp.log
+    log.events.pop(("t-ok", 1))
+    assert not log.take_event(_applied("t-ok", 1, 100))
+    partitions = 16
+    here = partition_for("t-ok", partitions)
+    elsewhere = next(
+        tx for tx in (f"t-x{i}" for i in range(100)) if partition_for(tx, partitions) != here
+    )
+    ack = StepsCommitted("bank-redis", 7, (("t-ok", 1),))
+    assert not log.take_event(_event_message(ack, 150, key="t-funds"))
+    spread = StepsCommitted("bank-redis", 7, (("t-ok", 1), (elsewhere, 0)))
+    assert not log.take_event(_event_message(spread, 150, partition=here), None, partitions)
+
+    for p in ("participant-bank-sql", "participant-bank-redis"):
+        create_key(tmp_path, p)
+    verify = Keyring.load(tmp_path)
+    forged = _event_message(ack, 150, partition=here)
+    headers = Keyring.load(tmp_path, "participant-bank-sql").sign(
+        forged.topic, forged.key, forged.value
+    )
+    assert log.take_event(replace(forged, headers=tuple(headers)), verify, partitions)
+    assert nonzero(inp) == {"unfinished_sagas": 1}
+    assert ("t-ok", 1, "committed") not in log.event_ms and log.acks == 0
+
+    headers = Keyring.load(tmp_path, "participant-bank-redis").sign(
+        forged.topic, forged.key, forged.value
+    )
+    assert not log.take_event(replace(forged, headers=tuple(headers)), verify, partitions)
+    assert nonzero(inp) == {} and log.acks == 1
+
+
+def test_the_saga_committed_poison_is_refused_by_the_coordinators_checks() -> None:
+    """Each ``saga.committed`` poison record breaks the contract or the partition rule."""
+    from saga.streams import InvalidRecord, decode_keyed
+    from tests.chaos import poison
+
+    acks = [
+        (label, key, value)
+        for label, kind, key, value in poison.batch("t", "t-real", 1_000)
+        if kind == "events" and "saga.committed" in label
+    ]
+    assert len(acks) == 2
+    for _, key, value in acks:
+        with pytest.raises(InvalidRecord):
+            decode_keyed((key or "").encode(), value, StepEvent, StepsCommitted)
+    assert poison.misplaced_ack("t", "t-real", 1_000, 1) == []
+    [(_, kind, key, value)] = poison.misplaced_ack("t", "t-real", 1_000, 8)
+    assert kind == "events" and key == "t-real" and value is not None
+    record = decode_keyed(key.encode(), value, StepEvent, StepsCommitted)
+    assert isinstance(record, StepsCommitted)
+    assert {partition_for(tx, 8) for tx, _ in record.steps} != {partition_for("t-real", 8)}
+    log = LogView()
+    message = Message("p.events", partition_for(key, 8), 0, key.encode(), value, (), 5)
+    assert not log.take_event(message, None, 8)
+    assert not log.events

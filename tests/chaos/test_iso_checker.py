@@ -11,7 +11,8 @@ from collections import defaultdict
 
 import pytest
 
-from saga.streams import Mode, SagaRequest, SagaState, SagaStatus
+from saga.streams import Mode, SagaRequest, SagaState, SagaStatus, StepsCommitted, encode
+from saga.streams.kafka import Message
 from tests.chaos.iso_checker import COUNTS, IsoInput, _subset_sums, check, reason_kind
 from tests.chaos.iso_workload import (
     ACCOUNTS,
@@ -163,3 +164,19 @@ def test_subset_sums_and_reasons() -> None:
     assert reason_kind("step 1 failed: slots/k6 is held by saga x (step 0) until its decision")
     assert reason_kind("aborted by operator: x") == "aborted"
     assert reason_kind("accounts/h0 balance would be -1, below the minimum 0") == "bound (escrow)"
+
+
+def test_committed_events_from_a_saga_committed_record_bound_the_effect() -> None:
+    """A's steps acknowledged by one ``saga.committed`` (a participant's batch): their
+    upper bound is the record's Kafka timestamp (110), not its ``at_ms`` (taken when the
+    batch began, before the local commit), so A's write read at 105 is no dirty read."""
+    inp = clean()
+    log = inp.log
+    for i in range(len(A.steps)):
+        log.events[("A", i)].discard("committed")
+        del log.event_ms[("A", i, "committed")]
+    assert nonzero(inp) == {"unfinished_sagas": 1}
+    ack = StepsCommitted("bank-sql", 95, tuple(("A", i) for i in range(len(A.steps))))
+    assert not log.take_event(Message("p.events", 0, 9, b"A", encode(ack), (), 110))
+    assert nonzero(inp) == {}
+    assert {log.event_ms[("A", i, "committed")] for i in range(len(A.steps))} == {110}

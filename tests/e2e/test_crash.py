@@ -60,11 +60,8 @@ def wait_killed(proc: Proc, what: str) -> None:
 
 
 def events_of(system: SagaSystem, participant: str) -> list[StepEvent]:
-    return [
-        r
-        for r in system.read_topic(system.settings.topics.events)
-        if isinstance(r, StepEvent) and r.participant == participant
-    ]
+    """``participant``'s step events (its ``saga.committed`` records as one per step)."""
+    return [e for e in system.step_events() if e.participant == participant]
 
 
 def committed_offsets(system: SagaSystem, group: str, topic: str) -> dict[int, int | None]:

@@ -151,9 +151,7 @@ def lost_requests(system: SagaSystem, client: Any, transfers: list[Transfer]) ->
 
     def all_applied() -> bool:
         applied = {
-            (e.tx_id, e.step)
-            for e in system.read_topic(system.settings.topics.events)
-            if not isinstance(e, tuple) and e.status is StepStatus.APPLIED
+            (e.tx_id, e.step) for e in system.step_events() if e.status is StepStatus.APPLIED
         }
         return wanted <= applied
 

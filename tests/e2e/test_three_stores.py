@@ -233,17 +233,9 @@ def test_kill_9_of_a_participant_mid_load(setup: tuple[SagaSystem, Stores], vict
     system.coordinator()
     procs = {name: start(system, stores, name) for name in ("ledger", "inventory", "loyalty")}
     sent = _load(system, 150, seed=11)
-    events_topic = system.settings.topics.events
     # kill once the victim has reported some, but not all, of its steps
     eventually(
-        lambda: (
-            sum(
-                1
-                for r in system.read_topic(events_topic)
-                if getattr(r, "participant", None) == victim
-            )
-            >= 20
-        ),
+        lambda: sum(1 for e in system.step_events() if e.participant == victim) >= 20,
         timeout=120,
         message=f"{victim} reported nothing",
     )

@@ -42,12 +42,15 @@ from saga.streams import (
     Step,
     StepEvent,
     StepProgress,
+    StepsCommitted,
     StepStatus,
     Topics,
     decode,
     decode_as,
+    decode_keyed,
     encode,
     schema,
+    step_events,
     to_dict,
 )
 
@@ -102,6 +105,13 @@ VALID: dict[str, dict[str, Any]] = {
         "reason": "key exists",
         "at_ms": 1200,
     },
+    "saga.committed": {
+        "v": 1,
+        "type": "saga.committed",
+        "participant": "pg",
+        "at_ms": 1250,
+        "steps": [["tx-1", 0], ["tx-9", 2]],
+    },
     "saga.decision": {
         "v": 1,
         "type": "saga.decision",
@@ -138,14 +148,18 @@ VALID: dict[str, dict[str, Any]] = {
         "host": "db-1",
     },
 }
-TX_SCHEMAS = tuple(name for name in SCHEMA_NAMES if name != "saga.participant")
-"""The records of a transaction, keyed by its tx_id (an announcement is keyed name/instance)."""
+TX_SCHEMAS = tuple(
+    name for name in SCHEMA_NAMES if name not in ("saga.participant", "saga.committed")
+)
+"""The records of one transaction, keyed by their tx_id field (an announcement is keyed
+name/instance; a saga.committed by the first tx_id of its steps)."""
 
 CLASSES: dict[str, type[Record]] = {
     "saga.request": SagaRequest,
     "saga.abort": SagaAbort,
     "saga.resolve": SagaResolve,
     "saga.step": StepEvent,
+    "saga.committed": StepsCommitted,
     "saga.decision": Decision,
     "saga.status": SagaStatus,
     "saga.participant": ParticipantAnnouncement,
@@ -257,7 +271,15 @@ STATUSES = st.builds(
     deadline_ms=MS,
     fingerprint=st.none() | st.from_regex(r"[0-9a-f]{32}", fullmatch=True),
 )
-RECORDS = requests() | ABORTS | RESOLVES | STEP_EVENTS | DECISIONS | STATUSES
+COMMITTED = st.builds(
+    StepsCommitted,
+    participant=NAMES,
+    at_ms=MS,
+    steps=st.lists(
+        st.tuples(TX_IDS, st.integers(0, MAX_STEPS - 1)), min_size=1, max_size=20, unique=True
+    ).map(tuple),
+)
+RECORDS = requests() | ABORTS | RESOLVES | STEP_EVENTS | COMMITTED | DECISIONS | STATUSES
 
 # Generating up to 64 steps with nested args is slow on a busy machine; the
 # wall clock says nothing about correctness here.
@@ -793,6 +815,7 @@ def test_schema_names_are_the_record_types() -> None:
         "saga.status",
         "saga.resolve",
         "saga.participant",
+        "saga.committed",
     )
     assert set(SCHEMA_NAMES) == set(RECORD_TYPES)
 
@@ -813,7 +836,8 @@ def test_schema_file_is_draft_07_and_compiles(name: str) -> None:
     assert document["additionalProperties"] is False
     assert document["properties"]["v"]["const"] == 1
     assert document["properties"]["type"]["const"] == name
-    assert {"v", "type", "tx_id" if name in TX_SCHEMAS else "name"} <= set(document["required"])
+    key = {"saga.participant": "name", "saga.committed": "steps"}.get(name, "tx_id")
+    assert {"v", "type", key} <= set(document["required"])
     assert set(document["required"]) <= set(document["properties"])
     validate = fastjsonschema.compile(document)
     validate(VALID[name])
@@ -847,6 +871,50 @@ def test_schema_properties_match_the_record_fields(name: str) -> None:
 @pytest.mark.parametrize("name", TX_SCHEMAS)
 def test_schema_tx_id_pattern_is_the_records_pattern(name: str) -> None:
     assert schema(name)["properties"]["tx_id"]["pattern"] == TX_ID_PATTERN
+
+
+def test_committed_steps_tx_id_pattern_is_the_records_pattern() -> None:
+    entry = schema("saga.committed")["properties"]["steps"]["items"]["items"]
+    assert entry[0]["pattern"] == TX_ID_PATTERN
+    assert (entry[1]["minimum"], entry[1]["maximum"]) == (0, MAX_STEPS - 1)
+
+
+def test_committed_steps_stand_for_one_committed_event_each() -> None:
+    record = decode_keyed(b"tx-1", raw(VALID["saga.committed"]), StepEvent, StepsCommitted)
+    assert record == StepsCommitted("pg", 1250, (("tx-1", 0), ("tx-9", 2)))
+    assert isinstance(record, StepsCommitted) and record.tx_id == "tx-1"
+    assert step_events(record) == (
+        StepEvent("tx-1", 0, "pg", StepStatus.COMMITTED, 1250),
+        StepEvent("tx-9", 2, "pg", StepStatus.COMMITTED, 1250),
+    )
+    event = StepEvent("tx-1", 0, "pg", StepStatus.APPLIED, 1)
+    assert step_events(event) == (event,)
+    assert decode(encode(record)) == record
+
+
+@pytest.mark.parametrize(
+    ("steps", "expected"),
+    [
+        ([], "data.steps must contain at least 1 items"),
+        ([["tx-1", 0]] * 1001, "data.steps must contain less than or equal to 1000 items"),
+        ([["tx-1", 0], ["tx-1", 0]], "saga.committed: a step is listed twice"),
+        ([["tx-1", 1.0]], "saga.committed: a step must be an integer literal"),
+        ([["tx-1", 64]], "must be smaller than or equal to 63"),
+        ([["tx 1", 0]], "must match pattern"),
+        ([["tx-1"]], "must contain at least 2 items"),
+        ([["tx-1", 0, 0]], "must contain only specified items"),
+        ([{"tx_id": "tx-1", "step": 0}], "data.steps[0] must be array"),
+    ],
+)
+def test_bad_committed_steps_are_rejected(steps: Any, expected: str) -> None:
+    reason = reason_of(raw(valid("saga.committed", steps=steps)))
+    assert reason.startswith("saga.committed") and expected in reason, reason
+
+
+def test_committed_steps_are_keyed_by_their_first_tx_id() -> None:
+    value = raw(VALID["saga.committed"])
+    reason = reason_of(value, lambda v: decode_keyed(b"tx-9", v, StepsCommitted))
+    assert reason == "record key 'tx-9' differs from its tx_id 'tx-1'"
 
 
 def test_schema_returns_a_fresh_copy() -> None:

@@ -32,6 +32,7 @@ from saga.streams import (
     SagaStatus,
     Step,
     StepEvent,
+    StepsCommitted,
     StepStatus,
     decode_as,
     encode,
@@ -232,6 +233,58 @@ def test_a_commit_with_nothing_to_confirm_writes_its_decision_and_final_status_t
     report(log, clock, tx, StepStatus.COMMITTED, 0, 1)
     stepper.step()
     assert len([m for m in log.records(TOPICS.status) if m.key == tx.encode()]) == 2
+
+
+def acknowledge(
+    log: InMemoryLog, clock: ManualClock, participant: str, *steps: tuple[str, int]
+) -> None:
+    """A participant's saga.committed for ``steps``, keyed by the first tx_id."""
+    ack = StepsCommitted(participant, clock(), steps)
+    with log.producer() as producer:
+        producer.produce(TOPICS.events, ack.tx_id, encode(ack))
+
+
+def test_steps_committed_together_count_as_one_committed_event_each(
+    log: InMemoryLog, clock: ManualClock, coordinators: Running
+) -> None:
+    service, stepper = coordinators.start()
+    first, second, elsewhere = tx_on(0), tx_on(0, 1), tx_on(1)
+    submit(log, clock, first, second, elsewhere)
+    stepper.step()
+    for tx in (first, second, elsewhere):
+        report(log, clock, tx, StepStatus.APPLIED, 0, 1, confirm=True)
+    stepper.step()
+    assert sorted(decisions(log)) == sorted(
+        (tx, Outcome.COMMIT) for tx in (first, second, elsewhere)
+    )
+    assert state(log, first) is SagaState.COMMITTING
+    acknowledge(log, clock, "bank", (first, 0), (second, 0))
+    acknowledge(log, clock, "shop", (first, 1))
+    # one of another partition's transactions among them: the whole record is refused
+    acknowledge(log, clock, "shop", (second, 1), (elsewhere, 1))
+    # bank speaking for shop's step: ignored (the machine's owner check), not committed
+    acknowledge(log, clock, "bank", (elsewhere, 1))
+    stepper.step(2)
+    assert state(log, first) is SagaState.COMMITTED
+    assert state(log, second) is SagaState.COMMITTING
+    assert [p.status for p in statuses(log)[second].steps] == [
+        StepStatus.COMMITTED,
+        StepStatus.APPLIED,
+    ]
+    assert state(log, elsewhere) is SagaState.COMMITTING
+    letters = dead_letters(log)
+    assert [error for _, error in letters] == [
+        f"saga.committed lists {elsewhere}, whose records belong on another partition"
+    ]
+    assert service.stats.dlq == 1
+    acknowledge(log, clock, "shop", (second, 1))
+    acknowledge(log, clock, "shop", (elsewhere, 1))
+    acknowledge(log, clock, "bank", (elsewhere, 0))
+    stepper.step(2)
+    assert {tx: state(log, tx) for tx in (second, elsewhere)} == {
+        second: SagaState.COMMITTED,
+        elsewhere: SagaState.COMMITTED,
+    }
 
 
 def test_a_failed_step_rolls_back_and_an_abort_before_a_decision_too(

@@ -44,10 +44,12 @@ from saga.streams import (
     SagaRequest,
     Step,
     StepEvent,
+    StepsCommitted,
     StepStatus,
     TransientError,
     decode_as,
     encode,
+    step_events,
 )
 from saga.streams._faults import NO_FAULTS, Faults
 from saga.streams._routing import decision_headers
@@ -193,18 +195,19 @@ def reported(log: InMemoryLog, tx: str | None = None) -> list[tuple[int, StepSta
     out: list[tuple[int, StepStatus]] = []
     for m in log.records(TOPICS.events):
         try:
-            event = decode_as(m.value, StepEvent)
+            record = decode_as(m.value, StepEvent, StepsCommitted)
         except InvalidRecord:
             continue  # a poison record of the test
-        assert isinstance(event, StepEvent)
-        if event.participant == "bank" and (tx is None or event.tx_id == tx):
-            out.append((event.step, event.status))
+        assert isinstance(record, StepEvent | StepsCommitted)
+        for event in step_events(record):
+            if event.participant == "bank" and (tx is None or event.tx_id == tx):
+                out.append((event.step, event.status))
     return out
 
 
 def applied_events(log: InMemoryLog, tx: str) -> list[StepEvent]:
     """The `applied` events ``bank`` reported for ``tx``, in order."""
-    events = [decode_as(m.value, StepEvent) for m in log.records(TOPICS.events)]
+    events = [decode_as(m.value, StepEvent, StepsCommitted) for m in log.records(TOPICS.events)]
     return [
         e
         for e in events

@@ -72,6 +72,7 @@ PINNED: dict[str, list[str]] = {
         "StepEvent",
         "StepProgress",
         "StepStatus",
+        "StepsCommitted",
         "StorageKind",
         "SubmitUncertain",
         "Topics",
@@ -83,6 +84,7 @@ PINNED: dict[str, list[str]] = {
         "encode",
         "read_registry",
         "schema",
+        "step_events",
         "to_dict",
     ],
     "saga.streams.reconcile": [

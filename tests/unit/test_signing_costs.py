@@ -229,8 +229,10 @@ def test_batch_signing_costs_a_fraction_of_an_ed25519_operation_per_saga_and_pro
     assert all(n == 1 for n in costs.checks.values()), costs.table("repeated checks")
     # What is checked: the coordinator, its inputs (its own status records and decisions,
     # read back, are known by the places their delivery reports named: coordinator._own);
-    # each participant its request and its decision; the client its final status.
-    assert costs.checked[(COORDINATOR, "events")] == 6 * SAGAS
+    # each participant its request and its decision; the client its final status. The
+    # events: 3 `applied` per saga, and the `committed` ones together (saga.committed:
+    # one record per participant batch and partition).
+    assert 3 * SAGAS < costs.checked[(COORDINATOR, "events")] <= 3 * SAGAS + SAGAS // 10
     assert costs.checked[(COORDINATOR, "requests")] == SAGAS
     assert costs.checked[(COORDINATOR, "status")] == 0
     assert costs.checked[(COORDINATOR, "decisions")] == 0
