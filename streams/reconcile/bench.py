@@ -6,7 +6,9 @@
    Kafka sink (the JVM's murmur2 partitioner, like every saga producer): per
    saga a request and its events and decision, in a fixed mix of kinds
    (:data:`MIX`) — most commit or roll back cleanly, a few are in flight, stuck,
-   failed a compensation or break an invariant.
+   failed a compensation or break an invariant. The ``committed`` steps are
+   acknowledged as participants do: one ``saga.committed`` per participant,
+   batch of :data:`ACK_BATCH` sagas and events partition.
 2. Runs ``python -m streams.reconcile`` on it in a fresh process (so the Spark
    start-up is measured as a user sees it) and reads its ``summary.json``.
 3. Prints the throughput — records per second of the audit, which excludes the
@@ -32,8 +34,9 @@ from typing import Any, Final
 import click
 
 from saga.streams.kafka import KafkaSettings, create_topics, delete_topics
+from saga.streams.reconcile._parse import partition_sql
 
-__all__ = ["MIX", "expected_classes", "generate", "main"]
+__all__ = ["ACK_BATCH", "MIX", "expected_classes", "generate", "main"]
 
 MIX: Final = (
     # (kind, per 1000 sagas, class the job must find)
@@ -46,6 +49,15 @@ MIX: Final = (
     ("double_decision", 5, "violation"),
 )
 _SLOTS: Final = sum(share for _, share, _ in MIX)
+ACK_BATCH: Final = 200
+"""Consecutive sagas whose ``committed`` steps a participant acknowledges together, in
+one ``saga.committed`` per events partition (a participant's batch)."""
+_COMMITTED: Final = {
+    # kind: the steps reported committed, as (step, participant, ms after created)
+    "commit": ((0, "bank", 30), (1, "shop", 31)),
+    "unfinished": ((0, "bank", 30),),  # shop never reports its step (it has to confirm)
+    "double_decision": ((0, "bank", 30), (1, "shop", 31)),
+}
 
 
 def _kind_of(i: int) -> str:
@@ -68,8 +80,9 @@ def expected_classes(sagas: int) -> dict[str, int]:
     return counts
 
 
-def generate(spark: Any, settings: KafkaSettings, sagas: int, now_ms: int) -> int:
-    """Write the synthetic log of ``sagas`` sagas; returns the number of records."""
+def generate(spark: Any, settings: KafkaSettings, sagas: int, now_ms: int, partitions: int) -> int:
+    """Write the synthetic log of ``sagas`` sagas on topics of ``partitions`` partitions;
+    returns the number of records."""
 
     t = settings.topics
     cases = "CASE " + " ".join(
@@ -78,6 +91,7 @@ def generate(spark: Any, settings: KafkaSettings, sagas: int, now_ms: int) -> in
     )
     base = spark.range(sagas).selectExpr("id", f"id % {_SLOTS} AS slot")
     base = base.selectExpr(
+        "id",
         "concat('tx-', lpad(cast(id AS STRING), 9, '0')) AS tx",
         f"{cases} END AS kind",
         f"{now_ms} - 600000 AS created",
@@ -116,8 +130,6 @@ def generate(spark: Any, settings: KafkaSettings, sagas: int, now_ms: int) -> in
             request,
             *applied,
             decision("commit", "created + 20"),
-            event(0, "bank", "committed", "created + 30"),
-            event(1, "shop", "committed", "created + 31"),
         ],
         "rollback": [
             request,
@@ -135,7 +147,6 @@ def generate(spark: Any, settings: KafkaSettings, sagas: int, now_ms: int) -> in
             event(0, "bank", "applied", "created + 10", confirm=True),
             event(1, "shop", "applied", "created + 11", confirm=True),
             decision("commit", "created + 20"),
-            event(0, "bank", "committed", "created + 30"),
         ],
         "compensation_failed": [
             request,
@@ -150,8 +161,6 @@ def generate(spark: Any, settings: KafkaSettings, sagas: int, now_ms: int) -> in
             *applied,
             decision("commit", "created + 20"),
             decision("rollback", "created + 21"),
-            event(0, "bank", "committed", "created + 30"),
-            event(1, "shop", "committed", "created + 31"),
         ],
     }
     records = "CASE " + " ".join(
@@ -160,6 +169,7 @@ def generate(spark: Any, settings: KafkaSettings, sagas: int, now_ms: int) -> in
     frame = base.selectExpr("tx", f"explode({records} END) AS r").selectExpr(
         "r.topic AS topic", "CAST(tx AS BINARY) AS key", "CAST(r.value AS BINARY) AS value"
     )
+    frame = frame.unionByName(_acknowledgements(base, t.events, partitions))
     frame = frame.persist()
     count = int(frame.count())
     (
@@ -172,6 +182,43 @@ def generate(spark: Any, settings: KafkaSettings, sagas: int, now_ms: int) -> in
     )
     frame.unpersist()
     return count
+
+
+def _acknowledgements(base: Any, topic: str, partitions: int) -> Any:
+    """The ``saga.committed`` records of ``base``'s committed steps: per participant, batch
+    of :data:`ACK_BATCH` sagas and events partition, keyed by the first ``tx_id`` listed
+    (so on that partition, with every ``tx_id`` it lists)."""
+    from pyspark.sql import functions as F
+
+    steps = "CASE " + " ".join(
+        f"WHEN kind = '{kind}' THEN array("
+        + ", ".join(
+            f"named_struct('step', {step}, 'participant', '{who}', 'after', {after})"
+            for step, who, after in acked
+        )
+        + ")"
+        for kind, acked in _COMMITTED.items()
+    )
+    acked = base.selectExpr("id", "tx", "created", f"explode({steps} END) AS a").selectExpr(
+        "tx",
+        "a.step AS step",
+        "a.participant AS participant",
+        "created + a.after AS at",
+        f"{partition_sql('tx', partitions)} AS part",
+        f"id div {ACK_BATCH} AS batch",
+    )
+    batches = acked.groupBy("participant", "part", "batch").agg(
+        F.expr("array_sort(collect_list(named_struct('tx', tx, 'step', step)))").alias("steps"),
+        F.expr("max(at)").alias("at"),
+    )
+    return batches.selectExpr(
+        f"'{topic}' AS topic",
+        "CAST(steps[0].tx AS BINARY) AS key",
+        """CAST(concat('{"v":1,"type":"saga.committed","participant":"', participant,
+            '","at_ms":', CAST(at AS STRING), ',"steps":[', array_join(transform(steps,
+            s -> concat('["', s.tx, '",', CAST(s.step AS STRING), ']')), ','), ']}')
+            AS BINARY) AS value""",
+    )
 
 
 @click.command("bench", context_settings={"help_option_names": ["-h", "--help"]})
@@ -211,7 +258,7 @@ def main(
         spark = start_spark(config, check_jars(jars_dir))
         t = time.monotonic()
         try:
-            records = generate(spark, settings, sagas, now_ms)
+            records = generate(spark, settings, sagas, now_ms, partitions)
         finally:
             spark.stop()
         gen_s = time.monotonic() - t
