@@ -61,6 +61,7 @@ from saga.streams import (
     Step,
     StepEvent,
     StepProgress,
+    StepsCommitted,
     StepStatus,
     decode_keyed,
     encode,
@@ -392,6 +393,39 @@ def test_a_forged_applied_event_does_not_commit_a_saga_its_participant_rejects(
         else "record is signed by participant-bank, not by participant-shop"
     )
     assert dead_letters(log) == [(TOPICS.events, expected)]
+    assert coordinator.stats.unauthenticated == 1
+
+
+@pytest.mark.parametrize("forger", ["nobody", "bank"])
+def test_a_forged_committed_acknowledgement_does_not_finish_a_saga(
+    log: InMemoryLog, clock: ManualClock, keys: Keys, running: Running, forger: str
+) -> None:
+    """A saga.committed names the participant that must have signed it, as a step event."""
+    coordinator, c = running.coordinator()
+    tx = tx_on(1)
+    send(log, keys.client, TOPICS.requests, request(tx, clock))
+    applied = [
+        event(tx, i, p, StepStatus.APPLIED, clock, confirm=True)
+        for i, p in ((0, "bank"), (1, "shop"))
+    ]
+    send(log, keys.bank, TOPICS.events, applied[0])
+    send(log, keys.shop, TOPICS.events, applied[1])
+    c.step()
+    assert real_decisions(log, keys) == [(tx, Outcome.COMMIT)]
+    send(log, keys.bank, TOPICS.events, StepsCommitted("bank", clock(), ((tx, 0),)))
+    forged = StepsCommitted("shop", clock(), ((tx, 1),))
+    send(log, None if forger == "nobody" else keys.bank, TOPICS.events, forged)
+    c.step()
+    assert real_state(log, keys, tx) is SagaState.COMMITTING, "the forged ack finished the saga"
+    expected = (
+        "record is not signed: expected a signature by participant-shop"
+        if forger == "nobody"
+        else "record is signed by participant-bank, not by participant-shop"
+    )
+    assert dead_letters(log) == [(TOPICS.events, expected)]
+    send(log, keys.shop, TOPICS.events, forged)
+    c.step()
+    assert real_state(log, keys, tx) is SagaState.COMMITTED
     assert coordinator.stats.unauthenticated == 1
 
 
@@ -839,10 +873,18 @@ def test_events_not_acted_on_are_not_verified(
         Decision("tx-1", Outcome.COMMIT, "forged", 1),
         SagaStatus("tx-1", "s", SagaState.COMMITTED, (), None, 1, 1, 2),
         StepEvent("tx-1", 1, "shop", StepStatus.APPLIED, 1),
+        StepsCommitted("shop", 1, (("tx-1", 1),)),
         SagaAbort("tx-1", "forged", 1),
         SagaRequest("tx-1", "s", Mode.PARALLEL, (shop_step(),), 2, 1),
     ],
-    ids=["decision", "status", "another participant's event", "abort", "request"],
+    ids=[
+        "decision",
+        "status",
+        "another participant's event",
+        "another's commits",
+        "abort",
+        "request",
+    ],
 )
 def test_a_participant_key_signs_nothing_but_its_own_events(keys: Keys, record: Record) -> None:
     topic = TOPICS.events
