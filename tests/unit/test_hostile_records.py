@@ -22,6 +22,7 @@ from saga.streams import (
     SagaAbort,
     SagaRequest,
     StepEvent,
+    StepsCommitted,
     decode,
     decode_keyed,
     encode,
@@ -276,3 +277,17 @@ def test_any_step_event_is_handled(status: str, reason: str | None, step: int) -
     except InvalidRecord:
         return
     assert isinstance(record, StepEvent)
+
+
+@given(steps=ANY_JSON | st.lists(st.lists(ANY_JSON, max_size=3), max_size=5))
+@settings(max_examples=400, suppress_health_check=[HealthCheck.too_slow])
+def test_any_committed_steps_list_is_handled(steps: Any) -> None:
+    value = {"v": 1, "type": "saga.committed", "participant": "bank", "at_ms": 1, "steps": steps}
+    _accepts_everything_it_decoded(_dumps(value))
+    try:
+        record = decode(_dumps(value))
+    except InvalidRecord:
+        return
+    assert isinstance(record, StepsCommitted)
+    assert all(type(step) is int and 0 <= step <= 63 for _, step in record.steps)
+    assert len(set(record.steps)) == len(record.steps) == len(record.events())
