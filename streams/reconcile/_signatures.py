@@ -2,10 +2,10 @@
 
 With a key folder (``--keys-dir`` / ``SAGA_KEYS_DIR``) a record counts only when it
 carries a valid signature (:mod:`streams._signing`) of a principal allowed to
-write it: requests and aborts ``client`` or ``operator``, a step event of
-participant P ``participant-P``, a decision ``coordinator``. Any other record is
-``invalid``, exactly like one that breaks the wire contract: left out of the
-audit, never stuck, never replayed.
+write it: requests and aborts ``client`` or ``operator``, a step event or a
+``saga.committed`` of participant P ``participant-P``, a decision ``coordinator``.
+Any other record is ``invalid``, exactly like one that breaks the wire contract:
+left out of the audit, never stuck, never replayed.
 
 How it runs: the public key files (never a private key) are broadcast once; a
 Python UDF gives each record's signer (``NULL``: unsigned, unknown key or bad

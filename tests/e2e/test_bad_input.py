@@ -71,7 +71,9 @@ REASONS = {
     ),
     "invalid JSON event": "is not valid JSON",
     "event with an unknown status": "status",
-    "a request on the events topic": "expected saga.step on this topic, got saga.request",
+    "a request on the events topic": (
+        "expected saga.step or saga.committed on this topic, got saga.request"
+    ),
     "event keyed by another tx": "differs from its tx_id",
     "not UTF-8 decision": "not valid UTF-8",
     "decision with an unknown outcome": "outcome",

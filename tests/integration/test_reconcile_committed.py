@@ -189,8 +189,8 @@ def test_steps_committed_together_audit_like_committed_events(
     explained = summary["invalid_explained"]
     assert explained["count"] == 1
     assert f"saga.committed lists {far}, which belongs on partition" in explained["first"]
-    # Records, not step events: 15 applied, 1 committed event, 7 saga.committed.
-    assert summary["records"]["events"] == 15 + 1 + 7
+    # Records, not step events: 15 applied, 1 committed event, 6 saga.committed.
+    assert summary["records"]["events"] == 15 + 1 + 6
     assert summary["dlq"] == {
         "records": 2,
         "invalid": 0,
