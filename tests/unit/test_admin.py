@@ -20,11 +20,13 @@ from saga.streams import (
     Step,
     StepEvent,
     StepProgress,
+    StepsCommitted,
     StepStatus,
     encode,
+    to_dict,
 )
 from saga.streams.kafka import Message, send_to_dlq
-from saga.streams.testing import InMemoryLog, ManualClock
+from saga.streams.testing import InMemoryLog, ManualClock, key_on
 
 pytestmark = pytest.mark.unit
 
@@ -162,3 +164,18 @@ def test_list_sagas_filters_by_state_age_saga_and_participant(log: InMemoryLog) 
     standing = _admin.standing(log, "done", timeout=2)
     assert standing is not None and standing.state is SagaState.COMMITTED
     assert _admin.standing(log, "gone", timeout=2) is None
+
+
+def test_history_shows_a_saga_committed_under_another_transactions_key(log: InMemoryLog) -> None:
+    # the commits of `tx` acknowledged in a record keyed by `first`, on the same partition
+    first, tx, other = key_on(1, 3), key_on(1, 3, 1), key_on(1, 3, 2)
+    ack = StepsCommitted("bank", 1_250, ((first, 0), (tx, 0), (tx, 1)))
+    _write(log, TOPICS.events, first, encode(ack), 1_250)
+    _write(log, TOPICS.events, other, encode(StepsCommitted("bank", 1_260, ((other, 0),))), 1_260)
+
+    entries = _admin.history(log, tx, timeout=2)
+
+    assert [e.kind for e in entries] == ["saga.committed"]
+    assert "steps 0, 1 bank committed" in entries[0].summary
+    assert tx not in _admin.summarize(to_dict(ack), first)
+    assert _admin.summarize(to_dict(ack)) == f"bank committed 3 steps: {first}:0, {tx}:0, {tx}:1"
