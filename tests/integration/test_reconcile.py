@@ -46,7 +46,6 @@ from saga.streams.kafka import (
     partition_for,
 )
 from saga.streams.reconcile import ReconcileConfig, parse_check, parse_ledger, parse_table, run
-from saga.streams.reconcile._spark import check_jars, start_spark
 from tests._infra import Services
 from tests._system import fresh_topics
 
@@ -487,20 +486,6 @@ def write_ledgers(
 
 
 # ---------------------------------------------------------------- fixtures
-
-
-@pytest.fixture(scope="module")
-def spark(services: Services, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    config = ReconcileConfig(
-        settings=KafkaSettings(bootstrap=services.kafka_bootstrap),
-        out=tmp_path_factory.mktemp("unused"),
-        master="local[2]",
-        driver_memory="1g",
-        shuffle_partitions=4,
-    )
-    session = start_spark(config, check_jars(services.spark_jars_dir))
-    yield session
-    session.stop()
 
 
 @pytest.fixture

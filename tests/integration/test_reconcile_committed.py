@@ -24,7 +24,6 @@ from saga.streams._signing import Keyring, create_key
 from saga.streams.kafka import KafkaSettings, Producer, partition_for
 from saga.streams.reconcile import ReconcileConfig, run
 from saga.streams.reconcile._parse import partition_sql
-from saga.streams.reconcile._spark import check_jars, start_spark
 from tests._infra import Services
 from tests._system import fresh_topics
 from tests.integration.test_reconcile import (
@@ -46,20 +45,6 @@ if TYPE_CHECKING:
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
 ACKED = OLD + 3_000  # when the participants acknowledged the commits
-
-
-@pytest.fixture(scope="module")
-def spark(services: Services, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    config = ReconcileConfig(
-        settings=KafkaSettings(bootstrap=services.kafka_bootstrap),
-        out=tmp_path_factory.mktemp("unused"),
-        master="local[2]",
-        driver_memory="1g",
-        shuffle_partitions=4,
-    )
-    session = start_spark(config, check_jars(services.spark_jars_dir))
-    yield session
-    session.stop()
 
 
 @pytest.fixture

@@ -57,7 +57,6 @@ from saga.streams.kafka import (
 )
 from saga.streams.reconcile import ReconcileConfig, run
 from saga.streams.reconcile._audit import parse_decisions, parse_events, parse_requests
-from saga.streams.reconcile._spark import check_jars, start_spark
 from tests._infra import Services
 from tests._system import fresh_topics
 
@@ -328,20 +327,6 @@ def test_the_checks_spark_makes_agree_with_the_codec(
 
 
 # ---------------------------------------------------------------- the job on Kafka
-
-
-@pytest.fixture(scope="module")
-def spark(services: Services, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    config = ReconcileConfig(
-        settings=KafkaSettings(bootstrap=services.kafka_bootstrap),
-        out=tmp_path_factory.mktemp("unused"),
-        master="local[2]",
-        driver_memory="1g",
-        shuffle_partitions=4,
-    )
-    session = start_spark(config, check_jars(services.spark_jars_dir))
-    yield session
-    session.stop()
 
 
 @pytest.fixture

@@ -38,9 +38,7 @@ from saga.streams import (
     encode,
 )
 from saga.streams.kafka import KafkaSettings, Producer
-from saga.streams.reconcile import ReconcileConfig
 from saga.streams.reconcile._sources import jdbc_level
-from saga.streams.reconcile._spark import check_jars, start_spark
 from tests._infra import Services
 from tests._system import fresh_topics
 from tests.integration.test_reconcile import (
@@ -58,20 +56,6 @@ if TYPE_CHECKING:
     from pymongo.database import Database
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
-
-
-@pytest.fixture(scope="module")
-def spark(services: Services, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    config = ReconcileConfig(
-        settings=KafkaSettings(bootstrap=services.kafka_bootstrap),
-        out=tmp_path_factory.mktemp("unused"),
-        master="local[2]",
-        driver_memory="1g",
-        shuffle_partitions=4,
-    )
-    session = start_spark(config, check_jars(services.spark_jars_dir))
-    yield session
-    session.stop()
 
 
 @pytest.fixture

@@ -37,7 +37,6 @@ from saga.streams.reconcile import ReconcileConfig, run
 from saga.streams.reconcile._dlq import DeadLetter, TxFacts, judge, rejected_at
 from saga.streams.reconcile._replay import Resend, replay_headers, replayable
 from saga.streams.reconcile._signatures import Verifier
-from saga.streams.reconcile._spark import check_jars, start_spark
 from tests._infra import Services
 from tests._system import fresh_topics
 
@@ -113,20 +112,6 @@ def status(tx: str) -> bytes:
             "deadline_ms": OLD + 30_000,
         }
     )
-
-
-@pytest.fixture(scope="module")
-def spark(services: Services, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    config = ReconcileConfig(
-        settings=KafkaSettings(bootstrap=services.kafka_bootstrap),
-        out=tmp_path_factory.mktemp("unused"),
-        master="local[2]",
-        driver_memory="1g",
-        shuffle_partitions=4,
-    )
-    session = start_spark(config, check_jars(services.spark_jars_dir))
-    yield session
-    session.stop()
 
 
 @pytest.fixture
