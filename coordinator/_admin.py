@@ -17,7 +17,7 @@ not sign does not count as a saga's status (as in :mod:`coordinator._restore`).
 from __future__ import annotations
 
 import time
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,7 +46,7 @@ from saga.streams import (
 )
 from saga.streams._signing import HEADER_KEY_ID, Keyring
 from saga.streams.kafka import KafkaSettings, Message, partition_for
-from saga.streams.log import Log, LogConsumer
+from saga.streams.log import Log
 
 __all__ = [
     "REDRIVEN_BY",
@@ -157,38 +157,17 @@ def history(
                 start.append((topic, partition, low))
         if start:
             reader.assign(start)
-        found = _read_history(reader, ends, timeout, tx_id, (topics.events, topics.dlq))
+        listing = (topics.events, topics.dlq)  # where a saga.committed may list tx_id
+
+        def lists(m: Message) -> bool:
+            return m.topic in listing and _lists(m.value, tx_id)
+
+        found = read_to(reader, ends, timeout, key, lists)
     finally:
         reader.close()
     entries = [_entry(m, topics.dlq, keys, tx_id) for m in found]
     entries.sort(key=lambda e: (e.timestamp_ms or 0, order.get(e.topic, 99), e.offset))
     return entries
-
-
-def _read_history(
-    reader: LogConsumer,
-    ends: Mapping[tuple[str, int], int],
-    timeout: float,
-    tx_id: str,
-    listing: Collection[str],
-) -> list[Message]:
-    """As :func:`coordinator._reading.read_to` with the key ``tx_id``, and also the records
-    of the topics ``listing`` that are a ``saga.committed`` listing ``tx_id``."""
-    key = tx_id.encode()
-    found: list[Message] = []
-    todo = set(ends)
-    deadline = time.monotonic() + timeout
-    while todo and time.monotonic() < deadline:
-        for m in reader.poll_batch(2000, 0.2):
-            if m.key == key or (m.topic in listing and _lists(m.value, tx_id)):
-                found.append(m)
-            if m.offset + 1 >= ends.get(m.partition_key, 0):
-                todo.discard(m.partition_key)
-        # Transaction markers occupy offsets too: the position tells when we are done.
-        for where, pos in reader.position(list(todo)).items():
-            if pos is not None and pos >= ends[where]:
-                todo.discard(where)
-    return found
 
 
 def _lists(value: bytes | None, tx_id: str) -> bool:

@@ -4,7 +4,7 @@ the status view's reads of the status topic on demand (:func:`read_range`)."""
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 
 from saga.streams import TransientError
@@ -16,10 +16,15 @@ Partition = tuple[str, int]
 
 
 def read_to(
-    reader: LogConsumer, ends: Mapping[Partition, int], timeout: float, key: bytes | None = None
+    reader: LogConsumer,
+    ends: Mapping[Partition, int],
+    timeout: float,
+    key: bytes | None = None,
+    also: Callable[[Message], bool] | None = None,
 ) -> list[Message]:
     """Poll ``reader`` until each partition's position reaches its end in ``ends``, or for
-    ``timeout`` seconds; the records keyed ``key`` (every record when ``None``), as read.
+    ``timeout`` seconds; the records keyed ``key`` (every record when ``None``) and those
+    ``also`` accepts, as read.
 
     ``reader`` must be assigned the partitions of ``ends`` already.
     """
@@ -28,7 +33,7 @@ def read_to(
     deadline = time.monotonic() + timeout
     while todo and time.monotonic() < deadline:
         for m in reader.poll_batch(2000, 0.2):
-            if key is None or m.key == key:
+            if key is None or m.key == key or (also is not None and also(m)):
                 found.append(m)
             if m.offset + 1 >= ends.get(m.partition_key, 0):
                 todo.discard(m.partition_key)
