@@ -26,8 +26,9 @@ def acknowledgements(
 ) -> tuple[list[Report], list[tuple[StepsCommitted, Report | None]]]:
     """The reports still sent as step events, and the ``saga.committed`` records of the rest.
 
-    A record comes with its report when it lists one step: it carries that step's
-    trace context then, as its step event would have.
+    A record comes with a report when it lists the steps of one saga: it carries that
+    saga's trace context then, as its step events would have; one listing several
+    sagas carries none.
     """
     events: list[Report] = []
     by_partition: dict[int, list[Report]] = {}
@@ -41,5 +42,6 @@ def acknowledgements(
         for at in range(0, len(committed), ACKS_PER_RECORD):
             chunk = committed[at : at + ACKS_PER_RECORD]
             steps = tuple(dict.fromkeys((r.tx_id, r.step) for r in chunk))
-            acks.append((StepsCommitted(name, at_ms, steps), chunk[0] if len(chunk) == 1 else None))
+            one_saga = len({tx_id for tx_id, _ in steps}) == 1
+            acks.append((StepsCommitted(name, at_ms, steps), chunk[0] if one_saga else None))
     return events, acks

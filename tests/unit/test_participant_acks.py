@@ -34,8 +34,17 @@ def test_commits_go_together_per_partition_and_everything_else_as_events() -> No
         StepsCommitted("bank", 7, ((a, 0), (b, 0))),
         StepsCommitted("bank", 7, ((c, 3),)),
     ]
-    # a record of one step carries that step's report (its trace context)
+    # a record of one saga's steps carries its report (the saga's trace context)
     assert [single for _, single in acks] == [None, Report(c, 3, StepStatus.COMMITTED)]
+    _, acks = acknowledgements(
+        "bank",
+        7,
+        [Report(a, 0, StepStatus.COMMITTED), Report(a, 2, StepStatus.COMMITTED)],
+        PARTITIONS,
+    )
+    assert acks == [
+        (StepsCommitted("bank", 7, ((a, 0), (a, 2))), Report(a, 0, StepStatus.COMMITTED))
+    ]
 
 
 def test_a_large_batch_is_split_into_records_of_at_most_the_limit() -> None:
