@@ -27,6 +27,7 @@ from saga.coordinator._admin_dlq import (
     REDRIVEN_BY,
     REDRIVEN_FROM,
     DeadLetter,
+    _listed,
     _log_of,
     _text_headers,
     dead_letter,
@@ -173,17 +174,13 @@ def history(
 def _lists(value: bytes | None, tx_id: str) -> bool:
     """Whether ``value`` looks like a ``saga.committed`` listing ``tx_id``; never raises.
 
-    Loose (the entry decodes it properly, or shows why not): a JSON object of that type
-    whose ``steps`` has an entry ``[tx_id, ...]``. Cheap for the other records of the
-    partition: a value without ``tx_id`` in it (nor a JSON escape) is not parsed.
+    Loose (the entry decodes it properly, or shows why not), as :func:`_listed` reads it.
+    Cheap for the other records of the partition: a value without ``tx_id`` in it (nor
+    a JSON escape) is not parsed.
     """
     if value is None or (tx_id.encode() not in value and b"\\u" not in value):
         return False
-    record = _loose_json(value)
-    if record is None or record.get("type") != "saga.committed":
-        return False
-    steps = record.get("steps")
-    return isinstance(steps, list) and any(isinstance(s, list) and s[:1] == [tx_id] for s in steps)
+    return tx_id in _listed(value)
 
 
 def _signer(m: Message, keys: Keyring | None) -> str | None:
