@@ -175,19 +175,20 @@ def test_duplicated_request_and_decision_take_effect_once(system: SagaSystem) ->
         assert final.state is SagaState.COMMITTED
         decision = system.decisions(request.tx_id)[0]
         producer = system.producer()
+
+        def committed_events() -> int:
+            return sum(e.status is StepStatus.COMMITTED for e in system.events(request.tx_id))
+
+        # Built-in steps at read_committed were confirmed by the commit (3 `committed`
+        # events); the participants answer a replayed commit, then a replayed request, by
+        # reporting each step `committed` again, and write nothing again. One at a time:
+        # a participant that reads both in one batch acknowledges each step once.
         producer.produce(system.settings.topics.decisions, decision.tx_id, encode(decision))
+        producer.flush(10)
+        eventually(lambda: committed_events() >= 6, timeout=60, message="no answer to the commit")
         producer.produce(system.settings.topics.requests, request.tx_id, encode(request))
         producer.flush(10)
-        # Built-in steps at read_committed were confirmed by the commit (3 `committed`
-        # events); the participants answer the replayed request and the replayed commit
-        # by reporting each step `committed` again, and write nothing again.
-        eventually(
-            lambda: (
-                sum(e.status is StepStatus.COMMITTED for e in system.events(request.tx_id)) >= 9
-            ),
-            timeout=60,
-            message="the replayed request and commit were not both answered",
-        )
+        eventually(lambda: committed_events() >= 9, timeout=60, message="no answer to the request")
     assert set(ledger(system, request.tx_id).values()) == {("committed", True)}
     assert balances(system) == {"alice": 80, "bob": 70}
     assert orders(system) == ["o-6"]
