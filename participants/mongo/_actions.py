@@ -326,7 +326,7 @@ class _Record(_Document):
             current = self._number(doc, name)
             on_field = [r for r in reservations(doc) if r.field == name and r.step_id != me]
             check_increment(self.where, name, current, action.by, action.min, action.max, on_field)
-            change[reservation_path(me)] = Reservation(me, scope.tx_id, name, action.by).to_bson()
+            change[reservation_path(me, name)] = action.by
             reserves = me
         ops = bound_ops(name, action.min, action.max)
         marker = doc.get(MARKER_FIELD)
@@ -349,7 +349,7 @@ class _Record(_Document):
         self._stage(
             "update",
             expect=marker,
-            set={reservation_path(me): reservation},
+            set={reservation_path(me, name): action.by},
             ops=bound_ops(name, action.min, action.max),
             reserve=spec,
             reserves=me,
@@ -458,8 +458,8 @@ class _Record(_Document):
         if marker is None:
             return False
         name = self._counter(action.field)
-        path = reservation_path(me)
-        guard: Document = {f"{path}.step": me}
+        path = reservation_path(me, name)
+        guard: Document = {path: action.by}
         ops: Document = {}
         if commit:
             guard[name] = INTEGER

@@ -14,7 +14,6 @@ from saga.participants.mongo._holds import (
     RETRY,
     Hold,
     held_reason,
-    reservation_path,
     reservations,
     reserved_reason,
 )
@@ -133,9 +132,17 @@ class _Document:
         return None
 
     def _dropping(self, doc: Document, me: str) -> list[str]:
-        """What to unset to drop ``me``'s reservation (the whole field with the last one)."""
-        others = [r for r in reservations(doc) if r.step_id != me]
-        return [reservation_path(me)] if others else [RESERVATIONS_FIELD]
+        """What to unset to drop ``me``'s reservation: its own field, or the field's group
+        with the last reservation on that field, or the whole field with the last one."""
+        found = reservations(doc)
+        others = {r.path.rpartition(".")[0] for r in found if r.step_id != me}
+        if not others:
+            return [RESERVATIONS_FIELD]
+        paths = []
+        for mine in (r for r in found if r.step_id == me):
+            group = mine.path.rpartition(".")[0]
+            paths.append(mine.path if group in others or group == RESERVATIONS_FIELD else group)
+        return paths
 
     # -- values
 

@@ -25,7 +25,11 @@ from saga.participants.mongo._errors import (
     _Refused,
     _Stale,
 )
-from saga.participants.mongo._holds import fits_reservation, reservation_path
+from saga.participants.mongo._holds import (
+    fits_reservation,
+    legacy_reservation_path,
+    reservation_path,
+)
 from saga.participants.mongo._ledger import _now_ms, _split_step_id, _TxView
 from saga.participants.mongo._shared import _StepRecord
 from saga.participants.mongo._unitbase import _UnitBase
@@ -251,7 +255,9 @@ class _UnitRecovery(_UnitBase):
         spec = staged.reserve
         if spec is None or current is None or fits_reservation(current, spec):
             return True
-        undo = {"$unset": {reservation_path(str(spec["step"])): ""}}
+        step_id = str(spec["step"])
+        paths = (reservation_path(step_id, str(spec["field"])), legacy_reservation_path(step_id))
+        undo: Document = {"$unset": dict.fromkeys(paths, "")}
         undo["$set"] = {MARKER_FIELD: marker + FENCED}
         collection = self.storage.db[staged.target]
         session = self.transaction_session()

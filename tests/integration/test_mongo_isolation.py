@@ -24,7 +24,7 @@ from saga.participants._storage import DecisionArrived, Report
 from saga.participants.mongo import MongoStorage
 from saga.participants.mongo import _adapter as mongo_adapter
 from saga.participants.mongo._batch import BatchWrites
-from saga.participants.mongo._holds import RESERVED_PROJECTION
+from saga.participants.mongo._holds import RESERVED_PROJECTION, Reservation, reservations
 from saga.participants.mongo._unit import _MongoUnit
 from saga.streams import Isolation, Mode, Outcome, StepStatus, TransientError
 from tests._infra import Services
@@ -118,6 +118,11 @@ class Store:
         doc = self.db["accounts"].find_one({"_id": key})
         return None if doc is None else doc["balance"]
 
+    def reserved(self, key: Any) -> list[Reservation]:
+        """The open reservations on ``accounts/key`` (a release or commit made without a
+        read may leave an empty group behind)."""
+        return reservations(self.db["accounts"].find_one({"_id": key}))
+
     def qty(self) -> Any:
         doc = self.db["orders"].find_one({"_id": "k"})
         return None if doc is None else doc["qty"]
@@ -175,7 +180,7 @@ def test_no_dirty_spend_and_no_broken_bound(store: Store) -> None:
         ("t1", 0, COMPENSATED),
     ]
     assert store.find("accounts", "x") == {"_id": "x", "balance": 0}
-    assert not store.db["accounts"].find_one({"_id": "x"}).get("_saga_res")  # no reservation
+    assert not store.reserved("x")  # no reservation
 
 
 def test_escrow_counts_open_debits_of_other_sagas(store: Store) -> None:
@@ -315,7 +320,7 @@ def test_reservations_of_many_sagas_on_one_hot_record_all_go_through(store: Stor
     decisions = [commit(f"t{i}") if i % 2 else rollback(f"t{i}") for i in range(8)]
     assert [r.status for r in store.run(*decisions)] == [COMPENSATED, COMMITTED] * 4
     assert store.balance("x") == 40
-    assert not store.db["accounts"].find_one({"_id": "x"}).get("_saga_res")  # no reservation
+    assert not store.reserved("x")  # no reservation
 
 
 def test_repeated_decisions_take_effect_once(store: Store) -> None:
@@ -429,6 +434,55 @@ def test_a_commit_known_wrong_never_shows_its_amount_twice(
     assert store.balance("x") == 60 and set(seen) <= {60}
 
 
+def test_a_reservation_is_one_number_grouped_by_field(store: Store) -> None:
+    """A hot record carries one number per open reservation (FerretDB's cost per command
+    grows with the document), and the last one settled leaves no reservation behind."""
+    assert status(store.run(inc("t1", "x", 5), inc("t2", "x", -3, min=-10))) == [
+        ("t1", 0, APPLIED),
+        ("t2", 0, APPLIED),
+    ]
+    doc = store.db["accounts"].find_one({"_id": "x"})
+    assert doc["_saga_res"] == {"balance": {"bank:t1:0": 5, "bank:t2:0": -3}}
+    assert status(store.run(commit("t1"), rollback("t2"))) == [
+        ("t1", 0, COMMITTED),
+        ("t2", 0, COMPENSATED),
+    ]
+    assert store.balance("x") == 5 and not store.reserved("x")
+
+
+def test_reservations_in_the_earlier_shape_count_and_settle(store: Store) -> None:
+    """A document written by an earlier version (``_saga_res.<step id>: {step, tx, field,
+    by}``) while its sagas were open: the escrow check counts its reservations, and their
+    decisions commit or release them where they are."""
+    store.db["accounts"].update_one({"_id": "y"}, {"$set": {"balance": 100}})
+    assert status(store.run(inc("t1", "y", -60, min=0), inc("t2", "y", -30, min=0))) == [
+        ("t1", 0, APPLIED),
+        ("t2", 0, APPLIED),
+    ]
+    earlier = {
+        step_id.replace(".", "%2E"): {
+            "step": step_id,
+            "tx": step_id.split(":")[1],
+            "field": "balance",
+            "by": by,
+        }
+        for step_id, by in (("bank:t1:0", -60), ("bank:t2:0", -30))
+    }
+    store.db["accounts"].update_one({"_id": "y"}, {"$set": {"_saga_res": earlier}})
+    later = store.make(shared=type(store.storage.shared)())  # a process after the upgrade
+    refused = one(later.execute([inc("t3", "y", -20, min=0)]))
+    assert (refused.status, refused.reason) == (
+        StepStatus.FAILED,
+        "accounts/y balance would be -10 once the open reservations of other sagas (-90) "
+        "commit, below the minimum 0",
+    )
+    assert status(later.execute([commit("t1"), rollback("t2")])) == [
+        ("t1", 0, COMMITTED),
+        ("t2", 0, COMPENSATED),
+    ]
+    assert store.balance("y") == 40 and not store.reserved("y")
+
+
 def test_a_document_changed_by_another_process_is_read_again(store: Store) -> None:
     """An update made without reading (this process knew the document's marker) finds the
     document written by another process since: it is put back, and the step runs again,
@@ -444,7 +498,7 @@ def test_a_document_changed_by_another_process_is_read_again(store: Store) -> No
         ("t3", 0, COMMITTED),
     ]
     assert store.balance("z") == 13.6
-    assert not store.db["accounts"].find_one({"_id": "z"}).get("_saga_res")
+    assert not store.reserved("z")
 
 
 def test_none_compensations_refuse_to_overwrite_a_held_or_changed_record(store: Store) -> None:
@@ -498,7 +552,7 @@ def test_a_crash_inside_an_unread_reservation_that_does_not_fit_undoes_it(
         StepStatus.FAILED,
         "accounts/x balance would be -5, below the minimum 0",
     )
-    assert not store.db["accounts"].find_one({"_id": "x"}).get("_saga_res")
+    assert not store.reserved("x")
     assert store.balance("x") == 5
 
 
