@@ -12,7 +12,6 @@ a compensation that would lose an update or break a bound ends ``compensation_fa
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import pymongo
@@ -20,127 +19,33 @@ import pymongo.monitoring
 import pytest
 
 from saga.participants._barrier import LedgerStatus, PredecessorApplied, Requested
-from saga.participants._storage import DecisionArrived, Report
+from saga.participants._storage import Report
 from saga.participants.mongo import MongoStorage
-from saga.participants.mongo import _adapter as mongo_adapter
 from saga.participants.mongo._batch import BatchWrites
-from saga.participants.mongo._holds import RESERVED_PROJECTION, Reservation, reservations
 from saga.participants.mongo._unit import _MongoUnit
-from saga.streams import Isolation, Mode, Outcome, StepStatus, TransientError
-from tests._infra import Services
-from tests.integration._mongo_commands import Commands
+from saga.streams import Mode, StepStatus
+from tests.integration._mongo_store import (
+    APPLIED,
+    COMMITTED,
+    COMPENSATED,
+    DEADLINE,
+    NONE,
+    NOW,
+    RC,
+    Store,
+    commit,
+    inc,
+    one,
+    rollback,
+    status,
+    step,
+    store,
+    update,
+)
 
 pytestmark = pytest.mark.integration
 
-NOW = 1_700_000_000_000
-DEADLINE = NOW + 60_000
-RC = Isolation.READ_COMMITTED
-NONE = Isolation.NONE
-Db = pymongo.database.Database[dict[str, Any]]
-
-
-def step(
-    tx_id: str,
-    action: str,
-    args: dict[str, Any],
-    *,
-    level: Isolation = RC,
-    step: int = 0,
-    n_steps: int = 1,
-) -> Requested:
-    return Requested(
-        tx_id=tx_id,
-        step=step,
-        action=action,
-        args=args,
-        mode=Mode.PARALLEL,
-        n_steps=n_steps,
-        deadline_ms=DEADLINE,
-        now_ms=NOW,
-        isolation=level,
-    )
-
-
-def inc(tx_id: str, key: Any, by: int, **extra: Any) -> Requested:
-    level = extra.pop("level", RC)
-    args = {"target": "accounts", "key": key, "field": "balance", "by": by, **extra}
-    return step(tx_id, "increment", args, level=level)
-
-
-def update(tx_id: str, key: Any, qty: int, level: Isolation = RC) -> Requested:
-    return step(tx_id, "update", {"target": "orders", "key": key, "set": {"qty": qty}}, level=level)
-
-
-def commit(tx_id: str) -> DecisionArrived:
-    return DecisionArrived(tx_id, Outcome.COMMIT, NOW + 1_000)
-
-
-def rollback(tx_id: str) -> DecisionArrived:
-    return DecisionArrived(tx_id, Outcome.ROLLBACK, NOW + 1_000)
-
-
-def status(reports: list[Report]) -> list[tuple[str, int, StepStatus]]:
-    return [(r.tx_id, r.step, r.status) for r in reports]
-
-
-def one(reports: list[Report]) -> Report:
-    [got] = reports
-    return got
-
-
-class Store:
-    """One participant ``bank`` on a fresh database, and plain pymongo beside it."""
-
-    def __init__(self, url: str, db: Db) -> None:
-        self.url = url
-        self.db = db
-        self.made: list[MongoStorage] = []
-        self.storage = self.make()
-        self.storage.setup()
-        db["accounts"].insert_many([{"_id": "x", "balance": 0}, {"_id": "y", "balance": 50}])
-        db["orders"].insert_one({"_id": "k", "item": "book", "qty": 5})
-
-    def make(self, **options: Any) -> MongoStorage:
-        storage = MongoStorage(
-            "bank", self.url, ["accounts", "orders"], database=self.db.name, **options
-        )
-        self.made.append(storage)
-        return storage
-
-    def run(self, *items: Any) -> list[Report]:
-        return self.storage.execute(list(items))
-
-    def find(self, target: str, key: Any) -> dict[str, Any] | None:
-        """What a plain reader of the collection sees, business fields only."""
-        return self.db[target].find_one({"_id": key}, RESERVED_PROJECTION)
-
-    def balance(self, key: Any) -> Any:
-        doc = self.db["accounts"].find_one({"_id": key})
-        return None if doc is None else doc["balance"]
-
-    def reserved(self, key: Any) -> list[Reservation]:
-        """The open reservations on ``accounts/key`` (a release or commit made without a
-        read may leave an empty group behind)."""
-        return reservations(self.db["accounts"].find_one({"_id": key}))
-
-    def qty(self) -> Any:
-        doc = self.db["orders"].find_one({"_id": "k"})
-        return None if doc is None else doc["qty"]
-
-
-@pytest.fixture
-def store(services: Services, mongo_db: Db) -> Iterator[Store]:
-    made = Store(services.mongo_url, mongo_db)
-    try:
-        yield made
-    finally:
-        for storage in made.made:
-            storage.close()
-
-
-APPLIED = StepStatus.APPLIED
-COMMITTED = StepStatus.COMMITTED
-COMPENSATED = StepStatus.COMPENSATED
+__all__ = ["store"]  # the fixture
 
 
 def held(where: str, tx_id: str, at: int = 0) -> str:
@@ -370,135 +275,6 @@ def test_a_crash_between_a_commit_and_its_record_commits_once(
     assert store.find("accounts", "x") == {"_id": "x", "balance": 100}
     assert store.find("accounts", "n") == {"_id": "n", "balance": 3}
     assert list(store.db["saga_ledger_holds"].find({})) == []
-
-
-def test_the_hot_path_of_an_increment(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Once this process has written a document, a reservation is one update of it (no
-    read), its commit a read and an update (FerretDB), then each ledger entry's update by _id."""
-    commands = Commands()
-    real = mongo_adapter.MongoClient
-    monkeypatch.setattr(
-        mongo_adapter,
-        "MongoClient",
-        lambda *args, **kwargs: real(*args, event_listeners=[commands], **kwargs),
-    )
-    storage = store.make()
-    first = [inc("t0", "x", 1), inc("t1", "y", 1)]
-    assert [r.status for r in storage.execute(first)] == [APPLIED] * 2
-    assert [r.status for r in storage.execute([commit("t0"), commit("t1")])] == [COMMITTED] * 2
-    commands.seen.clear()
-    assert [r.status for r in storage.execute([inc("t2", "x", 5), inc("t3", "y", -5, min=0)])] == [
-        APPLIED
-    ] * 2
-    assert commands.seen == [
-        ("insert", "saga_ledger_tx", ["bank:t2", "bank:t3"]),
-        ("findAndModify", "accounts", ["x"]),
-        ("findAndModify", "accounts", ["y"]),
-        ("insert", "saga_ledger", ["bank:t2:0", "bank:t3:0"]),
-    ]
-    commands.seen.clear()
-    assert [r.status for r in storage.execute([commit("t2"), commit("t3")])] == [COMMITTED] * 2
-    assert commands.seen == [
-        ("find", "accounts", ["x"]),
-        ("findAndModify", "accounts", ["x"]),
-        ("find", "accounts", ["y"]),
-        ("findAndModify", "accounts", ["y"]),
-        ("update", "saga_ledger", ["bank:t2:0"]),  # the batch's ledger updates, by _id
-        ("update", "saga_ledger", ["bank:t3:0"]),  # (_batch.flush_updates)
-    ]
-    assert (store.balance("x"), store.balance("y")) == (6, 46)
-    assert commands.scans == []
-
-
-def test_a_commit_known_wrong_never_shows_its_amount_twice(
-    store: Store, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A commit of a reservation another process committed since: no reader ever sees the
-    amount added twice by a write put back after (the chaos tier saw 641, 700, 641)."""
-    assert status(store.run(inc("t1", "x", 1)) + store.run(commit("t1")))[-1][2] is COMMITTED
-    assert one(store.run(inc("t2", "x", 59))).status is APPLIED  # this process knows x
-    other = store.make(shared=type(store.storage.shared)())  # another process
-    assert one(other.execute([commit("t2")])).status is COMMITTED
-    seen: list[Any] = []
-    real = pymongo.collection.Collection.find_one_and_update
-
-    def spy(self: Any, *args: Any, **kwargs: Any) -> Any:
-        found = real(self, *args, **kwargs)
-        seen.append(store.balance("x"))  # what a reader sees right after each write
-        return found
-
-    monkeypatch.setattr(pymongo.collection.Collection, "find_one_and_update", spy)
-    with pytest.raises(TransientError):  # its memory of t2's ledger is stale too
-        store.run(commit("t2"))
-    assert one(store.run(commit("t2"))).status is COMMITTED  # the runtime's retry
-    assert store.balance("x") == 60 and set(seen) <= {60}
-
-
-def test_a_reservation_is_one_number_grouped_by_field(store: Store) -> None:
-    """A hot record carries one number per open reservation (FerretDB's cost per command
-    grows with the document), and the last one settled leaves no reservation behind."""
-    assert status(store.run(inc("t1", "x", 5), inc("t2", "x", -3, min=-10))) == [
-        ("t1", 0, APPLIED),
-        ("t2", 0, APPLIED),
-    ]
-    doc = store.db["accounts"].find_one({"_id": "x"})
-    assert doc["_saga_res"] == {"balance": {"bank:t1:0": 5, "bank:t2:0": -3}}
-    assert status(store.run(commit("t1"), rollback("t2"))) == [
-        ("t1", 0, COMMITTED),
-        ("t2", 0, COMPENSATED),
-    ]
-    assert store.balance("x") == 5 and not store.reserved("x")
-
-
-def test_reservations_in_the_earlier_shape_count_and_settle(store: Store) -> None:
-    """A document written by an earlier version (``_saga_res.<step id>: {step, tx, field,
-    by}``) while its sagas were open: the escrow check counts its reservations, and their
-    decisions commit or release them where they are."""
-    store.db["accounts"].update_one({"_id": "y"}, {"$set": {"balance": 100}})
-    assert status(store.run(inc("t1", "y", -60, min=0), inc("t2", "y", -30, min=0))) == [
-        ("t1", 0, APPLIED),
-        ("t2", 0, APPLIED),
-    ]
-    earlier = {
-        step_id.replace(".", "%2E"): {
-            "step": step_id,
-            "tx": step_id.split(":")[1],
-            "field": "balance",
-            "by": by,
-        }
-        for step_id, by in (("bank:t1:0", -60), ("bank:t2:0", -30))
-    }
-    store.db["accounts"].update_one({"_id": "y"}, {"$set": {"_saga_res": earlier}})
-    later = store.make(shared=type(store.storage.shared)())  # a process after the upgrade
-    refused = one(later.execute([inc("t3", "y", -20, min=0)]))
-    assert (refused.status, refused.reason) == (
-        StepStatus.FAILED,
-        "accounts/y balance would be -10 once the open reservations of other sagas (-90) "
-        "commit, below the minimum 0",
-    )
-    assert status(later.execute([commit("t1"), rollback("t2")])) == [
-        ("t1", 0, COMMITTED),
-        ("t2", 0, COMPENSATED),
-    ]
-    assert store.balance("y") == 40 and not store.reserved("y")
-
-
-def test_a_document_changed_by_another_process_is_read_again(store: Store) -> None:
-    """An update made without reading (this process knew the document's marker) finds the
-    document written by another process since: it is put back, and the step runs again,
-    reading; fractions are added in decimal, after a read."""
-    store.db["accounts"].insert_one({"_id": "z", "balance": 10.5})
-    assert one(store.run(inc("t1", "z", 1))).status is APPLIED
-    assert one(store.run(commit("t1"))).status is COMMITTED  # this process knows z now
-    other = store.make(shared=type(store.storage.shared)())  # another process
-    assert one(other.execute([inc("t2", "z", 2)])).status is APPLIED
-    assert one(store.run(inc("t3", "z", 0.1))).status is APPLIED
-    assert status(other.execute([commit("t2")]) + store.run(commit("t3"))) == [
-        ("t2", 0, COMMITTED),
-        ("t3", 0, COMMITTED),
-    ]
-    assert store.balance("z") == 13.6
-    assert not store.reserved("z")
 
 
 def test_none_compensations_refuse_to_overwrite_a_held_or_changed_record(store: Store) -> None:

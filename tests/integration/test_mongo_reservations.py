@@ -1,0 +1,160 @@
+"""How the MongoDB storage writes reservations under ``read_committed``, against the real
+MongoDB-wire server (FerretDB locally): the commands of the hot path, a reservation's
+shape in the document (and the earlier one, still read), and writes made without a
+read meeting a document another process changed."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pymongo
+import pytest
+
+from saga.participants.mongo import _adapter as mongo_adapter
+from saga.streams import StepStatus, TransientError
+from tests.integration._mongo_commands import Commands
+from tests.integration._mongo_store import (
+    APPLIED,
+    COMMITTED,
+    COMPENSATED,
+    Store,
+    commit,
+    inc,
+    one,
+    rollback,
+    status,
+    store,
+)
+
+pytestmark = pytest.mark.integration
+
+__all__ = ["store"]  # the fixture
+
+
+def test_the_hot_path_of_an_increment(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once this process has written a document, a reservation is one update of it (no
+    read), its commit a read and an update (FerretDB), then each ledger entry's update by _id."""
+    commands = Commands()
+    real = mongo_adapter.MongoClient
+    monkeypatch.setattr(
+        mongo_adapter,
+        "MongoClient",
+        lambda *args, **kwargs: real(*args, event_listeners=[commands], **kwargs),
+    )
+    storage = store.make()
+    first = [inc("t0", "x", 1), inc("t1", "y", 1)]
+    assert [r.status for r in storage.execute(first)] == [APPLIED] * 2
+    assert [r.status for r in storage.execute([commit("t0"), commit("t1")])] == [COMMITTED] * 2
+    commands.seen.clear()
+    assert [r.status for r in storage.execute([inc("t2", "x", 5), inc("t3", "y", -5, min=0)])] == [
+        APPLIED
+    ] * 2
+    assert commands.seen == [
+        ("insert", "saga_ledger_tx", ["bank:t2", "bank:t3"]),
+        ("findAndModify", "accounts", ["x"]),
+        ("findAndModify", "accounts", ["y"]),
+        ("insert", "saga_ledger", ["bank:t2:0", "bank:t3:0"]),
+    ]
+    commands.seen.clear()
+    assert [r.status for r in storage.execute([commit("t2"), commit("t3")])] == [COMMITTED] * 2
+    assert commands.seen == [
+        ("find", "accounts", ["x"]),
+        ("findAndModify", "accounts", ["x"]),
+        ("find", "accounts", ["y"]),
+        ("findAndModify", "accounts", ["y"]),
+        ("update", "saga_ledger", ["bank:t2:0"]),  # the batch's ledger updates, by _id
+        ("update", "saga_ledger", ["bank:t3:0"]),  # (_batch.flush_updates)
+    ]
+    assert (store.balance("x"), store.balance("y")) == (6, 46)
+    assert commands.scans == []
+
+
+def test_a_commit_known_wrong_never_shows_its_amount_twice(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A commit of a reservation another process committed since: no reader ever sees the
+    amount added twice by a write put back after (the chaos tier saw 641, 700, 641)."""
+    assert status(store.run(inc("t1", "x", 1)) + store.run(commit("t1")))[-1][2] is COMMITTED
+    assert one(store.run(inc("t2", "x", 59))).status is APPLIED  # this process knows x
+    other = store.make(shared=type(store.storage.shared)())  # another process
+    assert one(other.execute([commit("t2")])).status is COMMITTED
+    seen: list[Any] = []
+    real = pymongo.collection.Collection.find_one_and_update
+
+    def spy(self: Any, *args: Any, **kwargs: Any) -> Any:
+        found = real(self, *args, **kwargs)
+        seen.append(store.balance("x"))  # what a reader sees right after each write
+        return found
+
+    monkeypatch.setattr(pymongo.collection.Collection, "find_one_and_update", spy)
+    with pytest.raises(TransientError):  # its memory of t2's ledger is stale too
+        store.run(commit("t2"))
+    assert one(store.run(commit("t2"))).status is COMMITTED  # the runtime's retry
+    assert store.balance("x") == 60 and set(seen) <= {60}
+
+
+def test_a_reservation_is_one_number_grouped_by_field(store: Store) -> None:
+    """A hot record carries one number per open reservation (FerretDB's cost per command
+    grows with the document), and the last one settled leaves no reservation behind."""
+    assert status(store.run(inc("t1", "x", 5), inc("t2", "x", -3, min=-10))) == [
+        ("t1", 0, APPLIED),
+        ("t2", 0, APPLIED),
+    ]
+    doc = store.db["accounts"].find_one({"_id": "x"})
+    assert doc["_saga_res"] == {"balance": {"bank:t1:0": 5, "bank:t2:0": -3}}
+    assert status(store.run(commit("t1"), rollback("t2"))) == [
+        ("t1", 0, COMMITTED),
+        ("t2", 0, COMPENSATED),
+    ]
+    assert store.balance("x") == 5 and not store.reserved("x")
+
+
+def test_reservations_in_the_earlier_shape_count_and_settle(store: Store) -> None:
+    """A document written by an earlier version (``_saga_res.<step id>: {step, tx, field,
+    by}``) while its sagas were open: the escrow check counts its reservations, and their
+    decisions commit or release them where they are."""
+    store.db["accounts"].update_one({"_id": "y"}, {"$set": {"balance": 100}})
+    assert status(store.run(inc("t1", "y", -60, min=0), inc("t2", "y", -30, min=0))) == [
+        ("t1", 0, APPLIED),
+        ("t2", 0, APPLIED),
+    ]
+    earlier = {
+        step_id.replace(".", "%2E"): {
+            "step": step_id,
+            "tx": step_id.split(":")[1],
+            "field": "balance",
+            "by": by,
+        }
+        for step_id, by in (("bank:t1:0", -60), ("bank:t2:0", -30))
+    }
+    store.db["accounts"].update_one({"_id": "y"}, {"$set": {"_saga_res": earlier}})
+    later = store.make(shared=type(store.storage.shared)())  # a process after the upgrade
+    refused = one(later.execute([inc("t3", "y", -20, min=0)]))
+    assert (refused.status, refused.reason) == (
+        StepStatus.FAILED,
+        "accounts/y balance would be -10 once the open reservations of other sagas (-90) "
+        "commit, below the minimum 0",
+    )
+    assert status(later.execute([commit("t1"), rollback("t2")])) == [
+        ("t1", 0, COMMITTED),
+        ("t2", 0, COMPENSATED),
+    ]
+    assert store.balance("y") == 40 and not store.reserved("y")
+
+
+def test_a_document_changed_by_another_process_is_read_again(store: Store) -> None:
+    """An update made without reading (this process knew the document's marker) finds the
+    document written by another process since: it is put back, and the step runs again,
+    reading; fractions are added in decimal, after a read."""
+    store.db["accounts"].insert_one({"_id": "z", "balance": 10.5})
+    assert one(store.run(inc("t1", "z", 1))).status is APPLIED
+    assert one(store.run(commit("t1"))).status is COMMITTED  # this process knows z now
+    other = store.make(shared=type(store.storage.shared)())  # another process
+    assert one(other.execute([inc("t2", "z", 2)])).status is APPLIED
+    assert one(store.run(inc("t3", "z", 0.1))).status is APPLIED
+    assert status(other.execute([commit("t2")]) + store.run(commit("t3"))) == [
+        ("t2", 0, COMMITTED),
+        ("t3", 0, COMMITTED),
+    ]
+    assert store.balance("z") == 13.6
+    assert not store.reserved("z")
