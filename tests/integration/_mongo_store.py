@@ -14,11 +14,10 @@ from saga.participants._barrier import Requested
 from saga.participants._storage import DecisionArrived, Report
 from saga.participants.mongo import MongoStorage
 from saga.participants.mongo._holds import RESERVED_PROJECTION, Reservation, reservations
-from saga.streams import Isolation, Mode, Outcome, StepStatus
+from saga.streams import Isolation, Outcome, StepStatus
 from tests._infra import Services
+from tests.integration.test_sql_storage import NOW, requested
 
-NOW = 1_700_000_000_000
-DEADLINE = NOW + 60_000
 RC = Isolation.READ_COMMITTED
 NONE = Isolation.NONE
 Db = pymongo.database.Database[dict[str, Any]]
@@ -33,17 +32,7 @@ def step(
     step: int = 0,
     n_steps: int = 1,
 ) -> Requested:
-    return Requested(
-        tx_id=tx_id,
-        step=step,
-        action=action,
-        args=args,
-        mode=Mode.PARALLEL,
-        n_steps=n_steps,
-        deadline_ms=DEADLINE,
-        now_ms=NOW,
-        isolation=level,
-    )
+    return requested(tx_id, action, args, step=step, n_steps=n_steps, isolation=level)
 
 
 def inc(tx_id: str, key: Any, by: int, **extra: Any) -> Requested:

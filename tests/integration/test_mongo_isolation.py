@@ -28,9 +28,7 @@ from tests.integration._mongo_store import (
     APPLIED,
     COMMITTED,
     COMPENSATED,
-    DEADLINE,
     NONE,
-    NOW,
     RC,
     Store,
     commit,
@@ -42,6 +40,7 @@ from tests.integration._mongo_store import (
     store,
     update,
 )
+from tests.integration.test_sql_storage import DEADLINE, NOW
 
 pytestmark = pytest.mark.integration
 
