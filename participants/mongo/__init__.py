@@ -237,13 +237,14 @@ not exist yet, in its shadow document in ``<ledger_collection>_holds``, so that 
 and release is the step's one staged write, recorded with its ledger entry by the
 protocol above; a step of another saga on a held record fails at once naming the
 holder. A commit or release that removes what it acts on from the document it changes
-needs no intent (running it again finds nothing to do), and its ledger record joins the
-batch's others in one update. Where this process knows the marker it last recorded
-for a document, a reservation and its commit are written without reading the document
-first: the write is compare-and-set on that marker and checked on the document as it
-was, and a miss is put back and the step run again, reading. A write checked after it
-is made (FerretDB) is made so only when it changes reserved fields alone (a
-reservation, a release): a commit changes business fields, which a reader must never
+needs no intent (running it again finds nothing to do), and its ledger record is a
+decision document inserted with the batch's others (one ``insert_many``; a reader of the
+step document applies it, see ``_ledger._decision_doc``). Where this process knows the
+marker it last recorded for a document, a reservation and its commit are written without
+reading the document first: the write is compare-and-set on that marker and checked on
+the document as it was, and a miss is put back and the step run again, reading. A write
+checked after it is made (FerretDB) is made so only when it changes reserved fields alone
+(a reservation, a release): a commit changes business fields, which a reader must never
 see changed by a write that is then put back, so there a commit reads first. Under ``none`` apply
 writes at once, and a compensation first checks that it overwrites no one's work and
 breaks no recorded bound. Participants that write the same documents must share the

@@ -50,7 +50,10 @@ from saga.participants.mongo._ledger import (
     PARTICIPANT_NAME,
     TX_COLLECTION_SUFFIX,
     _check_tx_id,
+    _decided,
+    _decision_id,
     _entry_of,
+    _may_be_decided,
     _seen_doc,
     _step_id,
     _tx_doc_id,
@@ -236,7 +239,7 @@ class MongoStorage(LedgerStorage[MongoSession, None]):
 
     def close(self) -> None:
         self.batch.flush_records(quietly=True)
-        self.batch.drop_updates()
+        self.batch.drop_decisions()
         self.client.close()
 
     # -- work
@@ -249,7 +252,7 @@ class MongoStorage(LedgerStorage[MongoSession, None]):
         after them (*Batched intents* in the package doc; on a first attempt only). The
         step documents of the batch's new steps are inserted at its end; after a failure
         too, unless the connection is lost (then the next flush or reader does it). The
-        records of its idempotent decisions are updated at its end too (after a failure
+        records of its idempotent decisions are inserted at its end too (after a failure
         they are given up: those decisions run again, finding nothing left to write)."""
         batch = self.batch
         batch.deferring = attempt == 0 and not self.transactional
@@ -258,14 +261,14 @@ class MongoStorage(LedgerStorage[MongoSession, None]):
             batch.flush_intents()
         except BaseException as exc:
             batch.drop_intents()
-            batch.drop_updates()
+            batch.drop_decisions()
             if not isinstance(exc, mongo_errors.ConnectionFailure):
                 batch.flush_records(quietly=True)
             raise
         finally:
             batch.deferring = False
         batch.flush_records()
-        batch.flush_updates()
+        batch.flush_decisions()
 
     def open_unit(
         self, batch: None, item: WorkItem, previous: Unit[MongoSession] | None
@@ -350,14 +353,23 @@ class MongoStorage(LedgerStorage[MongoSession, None]):
     def ledger(self, tx_id: str | None = None) -> list[LedgerEntry]:
         """The recorded step entries as stored (unfinished writes are not resolved here)."""
         with self.boundary("read its ledger"):
+            ledger = self.ledger_collection
             if tx_id is None:
                 query = {"participant": self.name, "step": {"$gte": 0}, "status": {"$exists": True}}
-                docs = list(self.ledger_collection.find(query))
+                decided = {"participant": self.name, "decides": {"$gte": 0}}
+                decisions = {d["_id"]: d for d in ledger.find(decided)}
+                docs = [
+                    _decided(doc, decisions.get(_decision_id(doc["_id"])))
+                    for doc in ledger.find(query)
+                ]
             else:
                 found = self.tx_collection.find_one({"_id": _tx_doc_id(self.name, tx_id)})
                 docs = []
                 for step in [] if found is None else found.get("steps", []):
-                    doc = self.ledger_collection.find_one({"_id": _step_id(self.name, tx_id, step)})
+                    step_id = _step_id(self.name, tx_id, step)
+                    doc = ledger.find_one({"_id": step_id})
+                    if doc is not None and _may_be_decided(doc):
+                        doc = _decided(doc, ledger.find_one({"_id": _decision_id(step_id)}))
                     if doc is not None and "status" in doc:
                         docs.append(doc)
         docs.sort(key=lambda doc: (doc["tx_id"], doc["step"]))
@@ -368,7 +380,8 @@ class MongoStorage(LedgerStorage[MongoSession, None]):
         failed and not decided yet (its rollback may wait for its successor's
         compensation, and the predecessor's event, read again after a crash, reports it
         again). A commit leaves an applied step as it is, so a committed sequential saga
-        stays listed until its entries are pruned.
+        stays listed until its entries are pruned; so does one whose decision is recorded
+        in a decision document (its step document still says applied).
 
         The runtime calls this at start-up and after every partition assignment, so
         the storage also forgets the ledger state it remembered (see *Cache* in the

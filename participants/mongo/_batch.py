@@ -1,7 +1,7 @@
 """What one MongoDB storage's batch leaves to do together: the transaction documents of
 its new transactions (*Batched intents* in :mod:`saga.participants.mongo`), the step
 documents of its new steps (:class:`~saga.participants.mongo._shared._Unrecorded`) and
-the records of its decisions that wrote idempotently (:meth:`BatchWrites.defer_update`).
+the records of its decisions that wrote idempotently (:meth:`BatchWrites.defer_decision`).
 
 Units hand their deferred work to the storage's :class:`BatchWrites`; the storage
 flushes it when the batch ends, and units flush it earlier whenever something would
@@ -27,7 +27,7 @@ from saga.participants.mongo._errors import (
     _Refused,
     _Stale,
 )
-from saga.participants.mongo._ledger import _TxView
+from saga.participants.mongo._ledger import DECISION_SUFFIX, _TxView
 from saga.participants.mongo._shared import SharedState, _Lru, _StepRecord
 from saga.participants.mongo._values import Document
 from saga.participants.mongo._writes import DocumentWrite
@@ -82,7 +82,7 @@ class BatchWrites:
         self._intent_locks: set[Lock] = set()
         self._intent_txs: set[str] = set()
         self._unrecorded: dict[str, _StepRecord] = {}
-        self._updates: dict[str, tuple[str, Document]] = {}
+        self._decisions: dict[str, tuple[str, Document]] = {}
 
     # -- batched intents
 
@@ -164,12 +164,12 @@ class BatchWrites:
         self.shared.unrecorded.add(record)
 
     def record_now(self, step_id: str) -> None:
-        """Make sure the step document ``step_id`` is inserted, and its deferred update
-        made, before it is read or changed."""
+        """Make sure the step document ``step_id`` is inserted, and its deferred decision
+        record, before it is read or changed."""
         if step_id in self._unrecorded:
             self.flush_records()
-        if step_id in self._updates:
-            self.flush_updates()
+        if step_id in self._decisions:
+            self.flush_decisions()
 
     def flush_records(self, *, quietly: bool = False) -> None:
         """Insert the step documents deferred so far, in one ``insert_many``.
@@ -197,39 +197,45 @@ class BatchWrites:
         for record in records:
             self._unrecorded.pop(record.doc["_id"], None)
 
-    # -- deferred updates of step documents
+    # -- deferred decision records
 
-    def defer_update(self, tx_id: str, step_id: str, change: Document) -> None:
-        """Make the update ``change`` of step document ``step_id`` with the batch's others.
+    def defer_decision(self, tx_id: str, decision: Document) -> None:
+        """Insert the decision document ``decision`` (see
+        :func:`~saga.participants.mongo._ledger._decision_doc`) with the batch's others.
 
         For a decision whose write is idempotent (see :mod:`saga.participants.mongo._holds`):
-        until the update is made, its step reads as still applied in the store, and the
-        decision, should it come again after a crash, finds nothing left to write and
-        records itself. The updates of a batch are made together at its end, one
-        ``update_one`` by ``_id`` each (see :meth:`flush_updates`).
+        until its document is inserted, its step reads as still applied in the store, and
+        the decision, should it come again after a crash, finds nothing left to write and
+        records itself. The decision documents of a batch are inserted together at its
+        end, in one ``insert_many`` (see :meth:`flush_decisions`), where updating each step
+        document would cost FerretDB a command per step.
         """
-        self._updates[step_id] = (tx_id, change)
+        self._decisions[decision["_id"][: -len(DECISION_SUFFIX)]] = (tx_id, decision)
 
-    def flush_updates(self) -> None:
-        updates, self._updates = self._updates, {}
-        if not updates:
+    def flush_decisions(self) -> None:
+        decisions, self._decisions = self._decisions, {}
+        if not decisions:
             return
-        # One update_one by _id each: FerretDB serves an _id equality from its index, while
-        # an update_many with {"_id": {"$in": ids}} scans the whole ledger (a cost that grows
-        # with the retention), and a bulk of UpdateOne once left FerretDB's SQLite backend
-        # waiting for ever in the hostile chaos profile.
         try:
-            for step_id, (_, change) in updates.items():
-                self.ledger_collection.update_one({"_id": step_id}, change)
+            try:
+                self.ledger_collection.insert_many(
+                    [doc for _, doc in decisions.values()], ordered=False
+                )
+            except mongo_errors.BulkWriteError as exc:
+                # One already there was recorded by an earlier run of the same decision.
+                errors = exc.details.get("writeErrors") or []
+                if not errors or any(error.get("code") != _DUPLICATE_KEY for error in errors):
+                    raise
         except BaseException:
-            self._forget(tx_id for tx_id, _ in updates.values())
+            self._forget(tx_id for tx_id, _ in decisions.values())
             raise
 
-    def drop_updates(self) -> None:
-        """Give the deferred updates up after a failure: their decisions run again (and
-        find nothing left to write), and what the storage remembered of them is forgotten."""
-        updates, self._updates = self._updates, {}
-        self._forget(tx_id for tx_id, _ in updates.values())
+    def drop_decisions(self) -> None:
+        """Give the deferred decision records up after a failure: their decisions run again
+        (and find nothing left to write), and what the storage remembered of them is
+        forgotten."""
+        decisions, self._decisions = self._decisions, {}
+        self._forget(tx_id for tx_id, _ in decisions.values())
 
     def _forget(self, tx_ids: Iterable[str]) -> None:
         for tx_id in tx_ids:

@@ -38,6 +38,15 @@ def _tx_doc_id(participant: str, tx_id: str) -> str:
     return f"{participant}:{tx_id}"
 
 
+DECISION_SUFFIX: Final = "/d"
+"""A decision document's ``_id`` is its step document's plus this suffix (see
+:func:`_decision_doc`)."""
+
+
+def _decision_id(step_id: str) -> str:
+    return f"{step_id}{DECISION_SUFFIX}"
+
+
 def _split_step_id(step_id: str) -> tuple[str, str, int] | None:
     participant, sep, rest = step_id.partition(":")
     tx_id, sep2, step = rest.rpartition(":")
@@ -106,12 +115,52 @@ def _finished_ms(entry: LedgerEntry) -> int | None:
     (:func:`participants._barrier.finished_ms`), except that a ``read_committed`` step still
     applied has not: it holds or reserves a document until its decision, and pruning must
     never drop that. (Its document still carries ``finished_ms``, so that a decision can
-    record itself with ``$max`` alone: see ``BatchWrites.defer_update``.)"""
+    record itself without changing it: see :func:`_decision_doc`.)"""
     if entry.status is LedgerStatus.APPLIED and (
         isolation_of(entry.before) is Isolation.READ_COMMITTED
     ):
         return None
     return finished_ms(entry)
+
+
+def _decision_doc(step: Mapping[str, Any], changed: Document, finished: int) -> Document:
+    """The **decision document** recording the decision of an applied step whose write
+    was idempotent (``BatchWrites.defer_decision``): the entry fields ``changed`` and
+    ``finished_ms``, applying to step document ``step`` at its ``rev``.
+
+    A batch inserts its decision documents together, with one ``insert_many``, instead
+    of updating each step document: FerretDB spends about 1.4 ms of server CPU on an
+    update by ``_id`` and under 0.1 ms per document of a batched insert. Readers of a
+    step document read it through :func:`_decided`."""
+    return {
+        "_id": _decision_id(step["_id"]),
+        "participant": step["participant"],
+        "tx_id": step["tx_id"],
+        "decides": step["step"],
+        "rev": step["rev"],
+        "set": changed,
+        "finished_ms": finished,
+    }
+
+
+def _decided(doc: Document, decision: Mapping[str, Any] | None) -> Document:
+    """Step document ``doc`` with its decision document applied, if ``decision`` was made on
+    ``doc``'s revision (a later change of the step document holds the whole entry)."""
+    if decision is None or decision.get("rev") != doc.get("rev"):
+        return doc
+    merged = {**doc, **(decision.get("set") or {})}
+    finished = decision.get("finished_ms")
+    if finished is not None:
+        merged["finished_ms"] = max(int(doc.get("finished_ms") or 0), int(finished))
+    return merged
+
+
+def _may_be_decided(doc: Mapping[str, Any] | None) -> bool:
+    """Whether a decision document may apply to step document ``doc``: only an applied
+    step's decision is recorded so (see :func:`_decision_doc`)."""
+    if doc is None or doc.get("pending") is not None:
+        return False
+    return bool(doc.get("status") == LedgerStatus.APPLIED.value)
 
 
 def _entry_of(doc: Mapping[str, Any]) -> LedgerEntry:

@@ -7,8 +7,11 @@ from pymongo.collection import Collection
 
 from saga.participants.mongo._cas import _Cas
 from saga.participants.mongo._ledger import (
+    _decided,
+    _decision_id,
     _entry_of,
     _finished_ms,
+    _may_be_decided,
     _pending_key,
     _step_id,
     _tx_doc_id,
@@ -51,12 +54,19 @@ class LedgerPruner:
             gone = self.ledger.delete_many({"_id": {"$in": step_ids}})
             return gone.deleted_count
         steps: list[Document] = []
+        decisions: list[str] = []
         for step in doc.get("steps", []):
-            step_doc = self.ledger.find_one({"_id": _step_id(self.participant, tx_id, step)})
+            step_id = _step_id(self.participant, tx_id, step)
+            step_doc = self.ledger.find_one({"_id": step_id})
             if step_doc is None:
                 if _pending_key(step) in (doc.get("pending") or {}):
                     return 0  # an unresolved creation: its step's next reader settles it
                 continue
+            if _may_be_decided(step_doc):
+                decision = self.ledger.find_one({"_id": _decision_id(step_id)})
+                if decision is not None:
+                    decisions.append(decision["_id"])
+                    step_doc = _decided(step_doc, decision)
             steps.append(step_doc)
         finishes = [
             None
@@ -72,9 +82,12 @@ class LedgerPruner:
             for d in steps:
                 if "finished_ms" in d:
                     self.ledger.update_one({"_id": d["_id"]}, {"$unset": {"finished_ms": ""}})
+            for decision_id in decisions:
+                self.ledger.update_one({"_id": decision_id}, {"$unset": {"finished_ms": ""}})
             return 0
         if not self.cas.delete(self.txs, doc["_id"], {"rev": doc["rev"]}):
             return 0  # changed meanwhile: a later run looks again
         if steps:
-            self.ledger.delete_many({"_id": {"$in": [d["_id"] for d in steps]}})
+            ids = [d["_id"] for d in steps] + decisions
+            self.ledger.delete_many({"_id": {"$in": ids}})
         return len(steps) + sum(1 for name in ("rolled_back", "seen") if doc.get(name))

@@ -151,8 +151,7 @@ class _UnitRecovery(_UnitBase):
         view = self._view(tx_id, participant)
         if step not in view.steps:  # read even if unlisted: the marker says it was written
             self._batch.record_now(step_id)
-            session = self.transaction_session()
-            view.steps[step] = self._ledger.find_one({"_id": step_id}, session=session)
+            view.steps[step] = self._find_step(step_id)
         doc = view.steps[step]
         if doc is not None:
             pending = doc.get("pending")
@@ -202,7 +201,7 @@ class _UnitRecovery(_UnitBase):
                 except mongo_errors.DuplicateKeyError:
                     # Recorded meanwhile by someone else: take theirs.
                     view.steps.pop(step, None)
-                    view.steps[step] = self._ledger.find_one({"_id": created["_id"]})
+                    view.steps[step] = self._find_step(created["_id"])
                     return self._step(view, step)
                 view.steps[step] = created
                 self._recorded(view, step, staged, marker)

@@ -16,7 +16,10 @@ from saga.participants.mongo._batch import _DeferredIntent
 from saga.participants.mongo._cas import ABSENT
 from saga.participants.mongo._errors import _Speculation
 from saga.participants.mongo._ledger import (
+    _decided,
+    _decision_doc,
     _entry_fields,
+    _may_be_decided,
     _now_ms,
     _pending_key,
     _seen_doc,
@@ -298,23 +301,21 @@ class _MongoUnit(_UnitRecovery):
     def _record_later(
         self, view: _TxView, entry: LedgerEntry, current: Document, fields: Document
     ) -> None:
-        """Record a final entry with the batch's deferred updates (``BatchWrites.defer_update``);
-        an entry that is not final is recorded at once."""
+        """Record a final entry in a decision document inserted with the batch's others
+        (:func:`~saga.participants.mongo._ledger._decision_doc`); an entry that is not
+        final, or of a step that is not applied, is recorded at once."""
         rev = int(current["rev"])
         finished = fields["finished_ms"]
-        if finished is None:
+        if finished is None or not _may_be_decided(current):
             self._update_step(view, entry, {"$set": {**fields, "rev": rev + 1}})
             return
         changed = {k: v for k, v in fields.items() if k != "finished_ms" and current.get(k) != v}
-        known = current.get("finished_ms") is not None
-        change: Document = {
-            "$max": {"finished_ms": entry.updated_ms if known else finished},
-            "$inc": {"rev": 1},
-        }
-        if changed:
-            change["$set"] = changed
-        view.steps[entry.step] = {**current, **changed, "finished_ms": finished, "rev": rev + 1}
-        self._batch.defer_update(view.tx_id, current["_id"], change)
+        known = current.get("finished_ms")
+        if known is not None:
+            finished = max(int(known), entry.updated_ms)
+        decision = _decision_doc(current, changed, finished)
+        view.steps[entry.step] = _decided(current, decision)
+        self._batch.defer_decision(view.tx_id, decision)
 
     def _finalise(
         self,

@@ -26,7 +26,10 @@ from saga.participants.mongo._cas import _changed
 from saga.participants.mongo._errors import _Conflict, _Speculation, _Stale
 from saga.participants.mongo._ledger import (
     _check_tx_id,
+    _decided,
+    _decision_id,
     _entry_of,
+    _may_be_decided,
     _pending_key,
     _tx_doc_id,
     _TxView,
@@ -202,10 +205,19 @@ class _UnitBase(Unit[MongoSession]):
             doc = None
             if view.listed(step):  # a step is listed before its document is created
                 self._batch.record_now(view.step_id(step))
-                session = self.transaction_session()
-                doc = self._ledger.find_one({"_id": view.step_id(step)}, session=session)
+                doc = self._find_step(view.step_id(step))
             view.steps[step] = doc
         return view.steps[step]
+
+    def _find_step(self, step_id: str) -> Document | None:
+        """Step document ``step_id`` as stored, with its decision document applied
+        (:func:`~saga.participants.mongo._ledger._decided`)."""
+        session = self.transaction_session()
+        doc = self._ledger.find_one({"_id": step_id}, session=session)
+        if doc is not None and _may_be_decided(doc):
+            decision = self._ledger.find_one({"_id": _decision_id(step_id)}, session=session)
+            doc = _decided(doc, decision)
+        return doc
 
     def _step(self, view: _TxView, step: int) -> Document | None:
         """The step document (``None``: absent) once its unfinished write is resolved."""

@@ -24,7 +24,9 @@ Every ledger becomes rows of :data:`LEDGER_SCHEMA`, whatever its layout:
 * SQL ``saga_ledger`` (``participants._sql``): one row per
   ``(participant, tx_id, step)``;
 * MongoDB ``saga_ledger`` (``participants._mongo``): one document per step, with
-  ``pending`` while a write's intent is unresolved (no transactions);
+  ``pending`` while a write's intent is unresolved (no transactions), and the
+  decision documents that record some decisions beside their step documents
+  (spooled to a temporary SQLite file while the steps stream past);
 * Redis ``<prefix>:ledger:<participant>:tx:<tx_id>`` (``participants._redis``): a
   hash of step number to a JSON entry; the key layout is read from
   :mod:`participants._ledger`, where the adapter takes it from too.
@@ -187,26 +189,96 @@ def _mongo_ledger_rows(
 ) -> Iterator[tuple[Any, ...]]:
     client = _mongo_client(url)
     try:
-        names = ("participant", "tx_id", "step", "status", "effect", "updated_ms", "before")
-        fields = {n: 1 for n in names}
-        fields["pending.at_ms"] = 1
-        cursor = client[database][collection].find({"step": {"$gte": 0}}, fields, batch_size=5000)
-        for doc in cursor:
-            pending = doc.get("pending") is not None
-            before = doc.get("before")  # JSON text (MongoDB field names may not hold a dot)
-            yield (
-                label,
-                str(doc.get("participant")),
-                str(doc.get("tx_id")),
-                int(doc.get("step", -1)),
-                doc.get("status") or ("pending" if pending else None),
-                bool(doc.get("effect", False)),
-                int(doc.get("updated_ms") or 0),
-                pending,
-                level_of(json.loads(before) if isinstance(before, str) else before),
-            )
+        ledger = client[database][collection]
+        with _MongoDecisions(ledger) as decisions:
+            names = ("participant", "tx_id", "step", "status", "effect", "updated_ms", "before")
+            fields = {n: 1 for n in (*names, "rev")}
+            fields["pending.at_ms"] = 1
+            cursor = ledger.find({"step": {"$gte": 0}}, fields, batch_size=5000)
+            for doc in cursor:
+                pending = doc.get("pending") is not None
+                before = doc.get("before")  # JSON text (MongoDB field names may not hold a dot)
+                status, effect, updated_ms = (
+                    doc.get("status"),
+                    doc.get("effect"),
+                    doc.get("updated_ms"),
+                )
+                if status == "applied" and not pending:
+                    decided = decisions.get(str(doc["_id"]), doc.get("rev"))
+                    if decided is not None:
+                        status, effect, updated_ms = (
+                            old if new is None else new
+                            for old, new in zip((status, effect, updated_ms), decided, strict=True)
+                        )
+                yield (
+                    label,
+                    str(doc.get("participant")),
+                    str(doc.get("tx_id")),
+                    int(doc.get("step", -1)),
+                    status or ("pending" if pending else None),
+                    bool(effect or False),
+                    int(updated_ms or 0),
+                    pending,
+                    level_of(json.loads(before) if isinstance(before, str) else before),
+                )
     finally:
         client.close()
+
+
+class _MongoDecisions:
+    """The decision documents of a MongoDB ledger (``participants.mongo._ledger._decision_doc``:
+    the decision of an applied step, recorded beside its step document), spooled to a
+    SQLite file in a temporary folder so that this process's memory does not grow with
+    the ledger; :meth:`get` answers what the decision changed for one step document."""
+
+    def __init__(self, ledger: Any) -> None:
+        self._ledger = ledger
+        self._folder: tempfile.TemporaryDirectory[str] | None = None
+        self._db: Any = None
+
+    def __enter__(self) -> _MongoDecisions:
+        import sqlite3
+
+        from saga.participants.mongo._ledger import DECISION_SUFFIX
+
+        self._folder = tempfile.TemporaryDirectory(prefix="saga-reconcile-")
+        self._db = sqlite3.connect(os.path.join(self._folder.name, "decisions.db"))
+        self._db.execute(
+            "CREATE TABLE d (id TEXT PRIMARY KEY, rev INTEGER, status TEXT, effect INTEGER, "
+            "updated_ms INTEGER)"
+        )
+        projection = {"rev": 1, "set.status": 1, "set.effect": 1, "set.updated_ms": 1}
+        cursor = self._ledger.find({"decides": {"$gte": 0}}, projection, batch_size=5000)
+        rows = (
+            (
+                str(d["_id"])[: -len(DECISION_SUFFIX)],
+                d.get("rev"),
+                (d.get("set") or {}).get("status"),
+                (d.get("set") or {}).get("effect"),
+                (d.get("set") or {}).get("updated_ms"),
+            )
+            for d in cursor
+        )
+        while chunk := list(islice(rows, 5000)):
+            self._db.executemany("INSERT OR REPLACE INTO d VALUES (?, ?, ?, ?, ?)", chunk)
+        return self
+
+    def get(self, step_id: str, rev: Any) -> tuple[Any, Any, Any] | None:
+        """(status, effect, updated_ms) as the step's decision leaves them, or None when it
+        has none for this revision of the step document. A field the decision did not
+        change is None here (the caller keeps the step document's)."""
+        row = self._db.execute(
+            "SELECT rev, status, effect, updated_ms FROM d WHERE id = ?", (step_id,)
+        ).fetchone()
+        if row is None or row[0] != rev:
+            return None
+        return row[1], row[2], row[3]
+
+    def __exit__(self, *exc: object) -> None:
+        if self._db is not None:
+            self._db.close()
+        if self._folder is not None:
+            self._folder.cleanup()
 
 
 def _bson_kind(value: Any) -> str:

@@ -257,7 +257,7 @@ def test_a_crash_between_a_commit_and_its_record_commits_once(
     # t1's commit writes idempotently (no intent) and is recorded at the batch's end;
     # t2's creates accounts/n from its shadow document, through an intent.
     with monkeypatch.context() as patch:
-        patch.setattr(BatchWrites, "flush_updates", crash)
+        patch.setattr(BatchWrites, "flush_decisions", crash)
         with pytest.raises(RuntimeError):
             store.run(commit("t1"))
     with monkeypatch.context() as patch:
