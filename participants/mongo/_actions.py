@@ -441,12 +441,14 @@ class _Record(_Document):
         only if the document still carries that marker and the reservation, and the field
         holds an integer; else the step runs again, reading (see
         :mod:`~saga.participants.mongo._holds`). A commit is made so only where the
-        conditions are checked by the server (MongoDB): a client-side check (FerretDB)
+        server checks the conditions before it writes: MongoDB, or FerretDB when it looks
+        such a filter up by ``_id`` (the write is then ``filtered``); a client-side check
         comes after the write, and readers must never see a business field written by a
         write that is then put back."""
         if not isinstance(action, Increment) or isinstance(action.by, float):
             return False
-        if commit and self.session.checked_writes:
+        checked = self.session.checked_writes
+        if commit and checked and not self.session.narrows_by_id:
             # A client-side compare-and-set writes first and checks after: a commit that
             # missed would show its amount to readers until put back (added twice, when the
             # reservation was committed already). A commit changes business fields, so
@@ -473,5 +475,6 @@ class _Record(_Document):
             idempotent=True,
             optimistic=True,
             drops=(me,),
+            filtered=commit and checked,
         )
         return True

@@ -118,6 +118,12 @@ class MongoSession:
         self._unit.lock(target, key)
         return self._unit.known_marker(target, key)
 
+    @property
+    def narrows_by_id(self) -> bool:
+        """Whether the server looks a filter naming ``_id`` and more up by ``_id`` (see
+        ``MongoStorage.narrows_by_id``)."""
+        return self._unit.storage.narrows_by_id
+
     def reservation_sure(self, step_id: str) -> bool:
         """Whether this process wrote ``step_id``'s reservation and has not removed it."""
         return self._unit.storage.shared.reserved.get(step_id) is not None

@@ -53,7 +53,11 @@ class DocumentWrite:
     :class:`~saga.participants.mongo._cas._Cas`); kept in the intent, so that a write
     found done after a crash is undone instead of recorded when it does not pass.
     ``reserves``: the step whose reservation the write makes; ``drops``: the steps whose
-    reservations it removes (see ``SharedState.reserved``).
+    reservations it removes (see ``SharedState.reserved``). ``filtered``: the conditions
+    join the server's filter even where compare-and-set is otherwise checked client-side
+    (FerretDB), so that a write that would miss is never made; only where the server
+    narrows such a filter by ``_id`` (``MongoStorage.narrows_by_id``). Never kept in an
+    intent: only an idempotent write, which has none, is filtered.
     """
 
     target: str
@@ -71,6 +75,7 @@ class DocumentWrite:
     reserve: Mapping[str, Any] | None = None
     reserves: str | None = None
     drops: tuple[str, ...] = ()
+    filtered: bool = False
 
     def run(
         self,
@@ -103,6 +108,8 @@ class DocumentWrite:
                 change["$unset"] = dict.fromkeys(self.unset, "")
             for operator, operands in self.ops.items():
                 change[operator] = dict(operands)
+        if self.filtered:
+            return _SERVER_CAS.update(collection, self.key, expect, change, session)
         return cas.update(collection, self.key, expect, change, session, self.check())
 
     def check(self) -> Callable[[Document], bool] | None:
