@@ -19,6 +19,9 @@ documents of isolation, below):
   ``(participant, tx_id, step)``, ``_id = "<participant>:<tx_id>:<step>"``
   (participant names have no ``:``), with the ledger entry's fields, a revision
   counter ``rev`` and, while a change of a recorded step is unfinished, ``pending``;
+  beside it, ``_id = "<step id>/d"``, the **decision document** of a decision whose
+  write was idempotent (``_ledger._decision_doc``: the entry fields it changed, for
+  the step document's ``rev``), which every reader of the step applies;
 * ``saga_ledger_tx``: one **transaction document** per ``(participant, tx_id)``,
   ``_id = "<participant>:<tx_id>"``, with ``steps`` (the steps whose step
   document may exist: a step is listed *before* its document is created),
@@ -28,8 +31,8 @@ documents of isolation, below):
   ``pending`` (the intents of steps being created, below) and its own ``rev``.
 
 Pruning. Step documents carry ``finished_ms`` once finished
-(:func:`participants._barrier.finished_ms`), and so do transaction documents
-that hold only markers; both collections have a ``(participant, finished_ms)``
+(:func:`participants._barrier.finished_ms`), and so do decision documents and
+transaction documents that hold only markers; both collections have a ``(participant, finished_ms)``
 index (``saga_by_finish``). :meth:`MongoStorage.prune` removes a transaction's
 documents once all of them finished before the horizon (a ``read_committed`` step
 still applied has not: it holds or reserves until its decision). The seen
@@ -42,7 +45,11 @@ filter to SQLite only when it is exactly ``{"_id": <string or ObjectId>}``; any
 other filter, ``{"_id": k, "rev": r}`` included, makes it decode the whole
 collection. So a transaction's steps are found through its transaction document,
 unfinished writes through the marker on the business document, and
-compare-and-set conditions are checked as described under *Concurrency*.
+compare-and-set conditions are checked as described under *Concurrency*. (The
+FerretDB that ``infra/services.sh`` builds looks up any filter naming ``_id`` once by
+``_id``; :meth:`MongoStorage.prepare` detects that from ``explain``
+(``narrows_by_id``), and only then does a commit of a known reservation put its
+conditions in the filter, see ``_holds``.)
 (FerretDB v1.24's SQLite backend also misses its own ``_id`` index when it looks
 documents up, so there a read or update by ``_id`` is still a table scan,
 cheap per row but linear in the collection's size, while an insert uses the
@@ -121,11 +128,12 @@ Two modes (``transactions=None`` detects at :meth:`MongoStorage.setup`)
   of the business document, the write, and a share of two batched inserts (its
   transaction document, see *Batched intents*, and its step document); a decision
   on a step this storage recorded costs one update of its step document (see
-  *Cache*). Under ``read_committed`` (see *Isolation*) an ``increment`` on a document
-  this process wrote before costs one update to reserve (no read) and a read and an
-  update to commit (one update on MongoDB, whose compare-and-set is the server's), and
-  a batch's commits share one ``update`` command of the ledger (a statement per step
-  document, each by ``_id``).
+  *Cache*), or, when its write is idempotent (a commit or release under
+  ``read_committed``), a share of the batch's one insert of decision documents. Under
+  ``read_committed`` (see *Isolation*) an ``increment`` on a document this process
+  wrote before costs one update to reserve (no read) and one conditional update to
+  commit where the server checks the filter before it writes (MongoDB, and FerretDB as
+  ``infra/services.sh`` builds it); a stock FerretDB reads first.
 
 Batched intents. On a batch's first attempt without transactions, the transaction
 documents of the new transactions whose step writes (not a delete) are not inserted

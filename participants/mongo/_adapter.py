@@ -254,6 +254,7 @@ class MongoStorage(LedgerStorage[MongoSession, None]):
 
     def close(self) -> None:
         self.batch.flush_records(quietly=True)
+        self.batch.drop_writes()
         self.batch.drop_decisions()
         self.client.close()
 
@@ -267,15 +268,17 @@ class MongoStorage(LedgerStorage[MongoSession, None]):
         after them (*Batched intents* in the package doc; on a first attempt only). The
         step documents of the batch's new steps are inserted at its end; after a failure
         too, unless the connection is lost (then the next flush or reader does it). The
-        records of its idempotent decisions are inserted at its end too (after a failure
-        they are given up: those decisions run again, finding nothing left to write)."""
+        records of its idempotent decisions are inserted at its end too, after the writes
+        of those left to the batch's bulk update (``BatchWrites.flush_writes``; after a
+        failure both are given up: those decisions run again)."""
         batch = self.batch
         batch.deferring = attempt == 0 and not self.transactional
         try:
             yield None
-            batch.flush_intents()
+            batch.flush_pending()
         except BaseException as exc:
             batch.drop_intents()
+            batch.drop_writes()
             batch.drop_decisions()
             if not isinstance(exc, mongo_errors.ConnectionFailure):
                 batch.flush_records(quietly=True)

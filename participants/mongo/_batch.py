@@ -13,8 +13,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
+from pymongo import UpdateOne
 from pymongo import errors as mongo_errors
 from pymongo.collection import Collection
 
@@ -57,6 +58,27 @@ class _DeferredIntent:
     locks: list[Lock]
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class _DeferredWrite:
+    """A ``filtered`` idempotent write (the commit of a reservation this process knows,
+    see ``MongoActions._settle_reservation``) left to the batch's bulk update
+    (:meth:`BatchWrites.flush_writes`); ``locks``: the document lock, released once the
+    write is done or given up."""
+
+    unit: _MongoUnit
+    tx_id: str
+    staged: DocumentWrite
+    marker: str
+    lock: Lock
+    locks: list[Lock]
+
+
+WRITES_PER_BULK: Final = 32
+"""Statements per bulk update. FerretDB v1 keeps each statement's query open until the
+whole command ends, each on a connection of its own, and its SQLite pool has 100: one
+bulk of 100 updates once waited for ever."""
+
+
 class BatchWrites:
     """The deferred work of one storage's batch.
 
@@ -83,15 +105,27 @@ class BatchWrites:
         self._intent_txs: set[str] = set()
         self._unrecorded: dict[str, _StepRecord] = {}
         self._decisions: dict[str, tuple[str, Document]] = {}
+        self._writes: list[_DeferredWrite] = []
+        self._write_locks: set[Lock] = set()
 
     # -- batched intents
 
     def intents_pending(self) -> bool:
-        return bool(self._intents)
+        """Whether the batch holds document locks for writes still to run (its pending
+        intents and its deferred writes)."""
+        return bool(self._intents) or bool(self._writes)
 
     def intent_holds(self, lock: Lock) -> bool:
-        """Whether a pending intent of the batch holds the document lock ``lock``."""
-        return lock in self._intent_locks
+        """Whether a pending intent or deferred write of the batch holds the document
+        lock ``lock``."""
+        return lock in self._intent_locks or lock in self._write_locks
+
+    def flush_pending(self) -> None:
+        """Run the pending intents, then the deferred writes."""
+        try:
+            self.flush_intents()
+        finally:
+            self.flush_writes()
 
     def intent_for(self, tx_id: str) -> bool:
         """Whether a pending intent of the batch belongs to transaction ``tx_id``."""
@@ -156,6 +190,79 @@ class BatchWrites:
             for name in reversed(deferred.locks):
                 self.shared.locks.release(name)
 
+    # -- deferred writes
+
+    def defer_write(self, deferred: _DeferredWrite) -> None:
+        self._writes.append(deferred)
+        self._write_locks.add(deferred.lock)
+
+    def flush_writes(self) -> None:
+        """Run the deferred writes, in bulks of :data:`WRITES_PER_BULK` updates by
+        ``_id`` (each with its conditions in its filter, which the server checks before
+        it writes); every document lock they hold is released at the end.
+
+        A write that missed (its document is not as this process knew it) or a bulk the
+        server refused make the batch run again (:class:`RunBatchAgain`): the second
+        attempt runs item by item, each write at once, and reads what it needs. The
+        writes that took effect are idempotent: run again, they find nothing to do.
+        """
+        group, self._writes = self._writes, []
+        self._write_locks.clear()
+        if not group:
+            return
+        try:
+            missed = self._bulk(group)
+        except BaseException:
+            for deferred in group:  # which of them took effect is not known
+                self.shared.settled.pop(deferred.lock)
+            raise
+        finally:
+            for deferred in group:
+                for name in reversed(deferred.locks):
+                    self.shared.locks.release(name)
+        for deferred in group:
+            if deferred in missed:
+                self.shared.settled.pop(deferred.lock)
+                deferred.unit.forget()
+            else:
+                self.shared.settled.put(deferred.lock, deferred.marker)
+        if missed:
+            raise RunBatchAgain
+
+    def _bulk(self, group: list[_DeferredWrite]) -> list[_DeferredWrite]:
+        """Run ``group``'s writes; those that did not take effect."""
+        database = self.tx_collection.database
+        missed: list[_DeferredWrite] = []
+        targets: dict[str, list[_DeferredWrite]] = {}
+        for deferred in group:
+            targets.setdefault(deferred.staged.target, []).append(deferred)
+        for target, writes in targets.items():
+            collection = database[target]
+            for at in range(0, len(writes), WRITES_PER_BULK):
+                chunk = writes[at : at + WRITES_PER_BULK]
+                ops = [UpdateOne(*d.staged.filtered_update(d.marker)) for d in chunk]
+                try:
+                    done = collection.bulk_write(ops, ordered=False).matched_count
+                except mongo_errors.BulkWriteError as exc:
+                    log.info("participant %r: a bulk update was refused (%s)", self.name, exc)
+                    done = -1
+                if done != len(chunk):
+                    for d in chunk:
+                        found = collection.find_one({"_id": d.staged.key})
+                        if not d.staged.happened(found, d.marker):
+                            missed.append(d)
+        return missed
+
+    def drop_writes(self) -> None:
+        """Give the deferred writes up after a failure (none of them was run): their
+        decisions run again, and what the storage remembered of them is forgotten."""
+        group, self._writes = self._writes, []
+        self._write_locks.clear()
+        for deferred in group:
+            for name in reversed(deferred.locks):
+                self.shared.locks.release(name)
+        self._forget(deferred.tx_id for deferred in group)
+
     # -- deferred step documents
 
     def defer(self, record: _StepRecord) -> None:
@@ -213,6 +320,8 @@ class BatchWrites:
         self._decisions[decision["_id"][: -len(DECISION_SUFFIX)]] = (tx_id, decision)
 
     def flush_decisions(self) -> None:
+        """Insert the deferred decision documents, after the deferred writes they record."""
+        self.flush_writes()
         decisions, self._decisions = self._decisions, {}
         if not decisions:
             return

@@ -56,7 +56,8 @@ class _Cas:
     def __init__(self, server_side: bool) -> None:
         self.server_side = server_side
 
-    def _where(self, key: Any, expect: Mapping[str, Any]) -> Document:
+    def where(self, key: Any, expect: Mapping[str, Any]) -> Document:
+        """The filter of a server-side compare-and-set of document ``key``."""
         where: Document = {"_id": key}
         for name, value in expect.items():
             if value is ABSENT:
@@ -78,7 +79,7 @@ class _Cas:
     ) -> bool:
         if self.server_side or session is not None:
             assert check is None, "a checked write is client-side only"
-            found = collection.update_one(self._where(key, expect), change, session=session)
+            found = collection.update_one(self.where(key, expect), change, session=session)
             return found.matched_count == 1
         before = collection.find_one_and_update(
             {"_id": key}, change, return_document=ReturnDocument.BEFORE
@@ -102,7 +103,7 @@ class _Cas:
         session: ClientSession | None = None,
     ) -> bool:
         if self.server_side or session is not None:
-            found = collection.replace_one(self._where(key, expect), replacement, session=session)
+            found = collection.replace_one(self.where(key, expect), replacement, session=session)
             return found.matched_count == 1
         before = collection.find_one_and_replace(
             {"_id": key}, replacement, return_document=ReturnDocument.BEFORE
@@ -117,7 +118,7 @@ class _Cas:
         session: ClientSession | None = None,
     ) -> bool:
         if self.server_side or session is not None:
-            found = collection.delete_one(self._where(key, expect), session=session)
+            found = collection.delete_one(self.where(key, expect), session=session)
             return found.deleted_count == 1
         before = collection.find_one_and_delete({"_id": key})
         if before is None:

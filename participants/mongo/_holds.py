@@ -25,10 +25,12 @@ with :data:`RESERVED_PROJECTION`):
   process last recorded for the document and on the reservation being there (a miss,
   such as a document changed by another process, makes the step run again, reading).
   It is done so only for a reservation this process wrote and has not removed since,
-  which is sure to be there, and only where the server checks the compare-and-set
-  (MongoDB): on FerretDB it is checked on the document as it was, after the write, and
-  a miss put back, so a reader could see the amount added (twice, if the reservation
-  was committed already) until then; there a commit reads the document first. A
+  which is sure to be there, and only where the server checks the conditions before
+  it writes: MongoDB, and FerretDB where it looks a filter naming ``_id`` and more up
+  by ``_id`` (the build of ``infra/services.sh``). A stock FerretDB would decode the
+  whole collection for such a filter, and checking after the write instead would let
+  a reader see the amount added (twice, if the reservation was committed already)
+  until it is put back; there a commit reads the document first. A
   reservation itself is made without a read the same way; what it must pass is kept in
   its intent, so one found done after such a death is undone, not recorded, when it
   does not pass. A commit or release made without a read may leave an empty group

@@ -12,7 +12,7 @@ from pymongo import errors as mongo_errors
 
 from saga.participants._barrier import LedgerEntry
 from saga.participants._ledger import MARKER_STEP, SEEN_STEP
-from saga.participants.mongo._batch import _DeferredIntent
+from saga.participants.mongo._batch import _DeferredIntent, _DeferredWrite
 from saga.participants.mongo._cas import ABSENT
 from saga.participants.mongo._errors import _Speculation
 from saga.participants.mongo._ledger import (
@@ -183,6 +183,9 @@ class _MongoUnit(_UnitRecovery):
                 # Run again, it changes nothing: a crash before the record is healed by the
                 # redelivered signal, which finds nothing left to do (see _holds). So the
                 # write needs no intent, and its record may wait for the batch's end.
+                if staged.filtered and self._batch.deferring:
+                    self._defer_write(view, entry, current, fields, staged, marker)
+                    return
                 self._run_staged(staged, marker)
                 if staged.kind == "delete":
                     _purge(self.storage.db[staged.target], staged.key, marker, None, self._cas)
@@ -212,6 +215,27 @@ class _MongoUnit(_UnitRecovery):
         self._held = [n for n in self._held if n != name]
         deferred = _DeferredIntent(self, view, entry, staged, marker, fields, doc, held)
         self._batch.defer_intent(deferred)
+
+    def _defer_write(
+        self,
+        view: _TxView,
+        entry: LedgerEntry,
+        current: Document,
+        fields: Document,
+        staged: DocumentWrite,
+        marker: str,
+    ) -> None:
+        """Leave a ``filtered`` idempotent write (and its document lock) to the batch's
+        bulk update, and its record to the batch's decision documents, which go in after
+        it (``BatchWrites.flush_writes``): on FerretDB a bulk costs the server about half
+        of one update per statement."""
+        name = self._lock_name(staged.target, staged.key)
+        held = [n for n in self._held if n == name]
+        self._held = [n for n in self._held if n != name]
+        for step_id in staged.drops:  # before the write: after it, they may be gone
+            self._shared.reserved.pop(step_id)
+        self._batch.defer_write(_DeferredWrite(self, view.tx_id, staged, marker, name, held))
+        self._record_later(view, entry, current, fields)
 
     def run_deferred(self, deferred: _DeferredIntent) -> None:
         """The rest of :meth:`_write_through_intent` once ``deferred``'s transaction

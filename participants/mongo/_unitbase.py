@@ -134,7 +134,7 @@ class _UnitBase(Unit[MongoSession]):
         if not self._batch.intents_pending():
             locks.acquire(name)
         elif self._batch.intent_holds(name) or not locks.acquire(name, blocking=False):
-            self._batch.flush_intents()
+            self._batch.flush_pending()
             locks.acquire(name)
         self._held.append(name)
 

@@ -101,6 +101,12 @@ class DocumentWrite:
         if self.kind == "replace":
             replacement = {**self.document, MARKER_FIELD: marker}
             return cas.replace(collection, self.key, expect, replacement, session)
+        change = self._change(marker)
+        if self.filtered:
+            return _SERVER_CAS.update(collection, self.key, expect, change, session)
+        return cas.update(collection, self.key, expect, change, session, self.check())
+
+    def _change(self, marker: str) -> Document:
         change: Document = {"$set": {MARKER_FIELD: marker}}
         if self.kind == "update":
             change["$set"] = {**self.set, MARKER_FIELD: marker}
@@ -108,9 +114,13 @@ class DocumentWrite:
                 change["$unset"] = dict.fromkeys(self.unset, "")
             for operator, operands in self.ops.items():
                 change[operator] = dict(operands)
-        if self.filtered:
-            return _SERVER_CAS.update(collection, self.key, expect, change, session)
-        return cas.update(collection, self.key, expect, change, session, self.check())
+        return change
+
+    def filtered_update(self, marker: str) -> tuple[Document, Document]:
+        """A ``filtered`` update as one filter and one change (for a bulk write)."""
+        assert self.filtered and self.kind == "update"
+        expect = {MARKER_FIELD: self.expect, **self.guard}
+        return _SERVER_CAS.where(self.key, expect), self._change(marker)
 
     def check(self) -> Callable[[Document], bool] | None:
         """What the document as it was must pass (see ``reserve``)."""

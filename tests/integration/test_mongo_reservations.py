@@ -33,8 +33,8 @@ __all__ = ["store"]  # the fixture
 
 def test_the_hot_path_of_an_increment(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
     """Once this process has written a document, a reservation is one update of it (no
-    read), its commit one conditional update (the server looks it up by _id), then the
-    batch's decision records in one insert."""
+    read); the batch's commits are one bulk of conditional updates (the server looks each
+    up by _id), then their decision records one insert."""
     commands = Commands()
     real = mongo_adapter.MongoClient
     monkeypatch.setattr(
@@ -59,9 +59,10 @@ def test_the_hot_path_of_an_increment(store: Store, monkeypatch: pytest.MonkeyPa
     commands.seen.clear()
     assert [r.status for r in storage.execute([commit("t2"), commit("t3")])] == [COMMITTED] * 2
     assert commands.seen == [
-        ("update", "accounts", ["x"]),  # conditional: the server checks before it writes
-        ("update", "accounts", ["y"]),
-        # the batch's decision records, one insert (_batch.flush_decisions)
+        # the batch's commits, one bulk of updates by _id, each conditional (the server
+        # checks before it writes: _batch.flush_writes)
+        ("update", "accounts", ["x", "y"]),
+        # then their decision records, one insert (_batch.flush_decisions)
         ("insert", "saga_ledger", ["bank:t2:0/d", "bank:t3:0/d"]),
     ]
     assert (store.balance("x"), store.balance("y")) == (6, 46)
@@ -78,7 +79,7 @@ def test_a_commit_known_wrong_never_shows_its_amount_twice(
     other = store.make(shared=type(store.storage.shared)())  # another process
     assert one(other.execute([commit("t2")])).status is COMMITTED
     seen: list[Any] = []
-    for name in ("find_one_and_update", "update_one"):
+    for name in ("find_one_and_update", "update_one", "bulk_write"):
         real = getattr(pymongo.collection.Collection, name)
 
         def spy(self: Any, *args: Any, real: Any = real, **kwargs: Any) -> Any:
@@ -186,3 +187,68 @@ def test_a_server_that_scans_such_filters_has_the_commit_read_first(
         ("insert", "saga_ledger", ["bank:t1:0/d"]),
     ]
     assert commands.scans == [] and store.balance("x") == 2
+
+
+def test_a_bulk_of_commits_with_one_known_wrong_runs_the_batch_again(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two commits in one bulk, one of a reservation another process committed since: the
+    other commit takes effect once, the stale one writes nothing, and the batch's second
+    attempt (item by item, reading) records both; no reader sees an amount twice."""
+    assert status(store.run(inc("t1", "x", 1), inc("t2", "y", 1))) == [
+        ("t1", 0, APPLIED),
+        ("t2", 0, APPLIED),
+    ]
+    assert status(store.run(commit("t1"), commit("t2"))) == [
+        ("t1", 0, COMMITTED),
+        ("t2", 0, COMMITTED),
+    ]
+    assert status(store.run(inc("t3", "x", 59), inc("t4", "y", 9))) == [
+        ("t3", 0, APPLIED),
+        ("t4", 0, APPLIED),
+    ]
+    other = store.make(shared=type(store.storage.shared)())  # another process
+    assert one(other.execute([commit("t3")])).status is COMMITTED
+    seen: list[Any] = []
+    real = pymongo.collection.Collection.bulk_write
+
+    def spy(self: Any, *args: Any, **kwargs: Any) -> Any:
+        found = real(self, *args, **kwargs)
+        seen.append((store.balance("x"), store.balance("y")))
+        return found
+
+    monkeypatch.setattr(pymongo.collection.Collection, "bulk_write", spy)
+    assert status(store.run(commit("t3"), commit("t4"))) == [
+        ("t3", 0, COMMITTED),
+        ("t4", 0, COMMITTED),
+    ]
+    assert seen == [(60, 60)]  # the one bulk: t4's commit took effect, t3's wrote nothing
+    assert (store.balance("x"), store.balance("y")) == (60, 60)
+    assert not store.reserved("x") and not store.reserved("y")
+
+
+def test_commits_go_in_bulks_of_at_most_32(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """FerretDB v1 holds a connection per statement until its command ends (its pool has
+    100): a batch's commits go in bulks of at most WRITES_PER_BULK updates."""
+    commands = Commands()
+    real = mongo_adapter.MongoClient
+    monkeypatch.setattr(
+        mongo_adapter,
+        "MongoClient",
+        lambda *args, **kwargs: real(*args, event_listeners=[commands], **kwargs),
+    )
+    storage = store.make()
+    storage.setup()
+    keys = [f"k{i:02d}" for i in range(40)]
+    store.db["accounts"].insert_many([{"_id": key, "balance": 0} for key in keys])
+    first = [inc(f"a{i}", key, 1) for i, key in enumerate(keys)]
+    assert {r.status for r in storage.execute(first)} == {APPLIED}
+    assert {r.status for r in storage.execute([commit(f"a{i}") for i in range(40)])} == {COMMITTED}
+    again = [inc(f"b{i}", key, 2) for i, key in enumerate(keys)]
+    assert {r.status for r in storage.execute(again)} == {APPLIED}
+    commands.seen.clear()
+    assert {r.status for r in storage.execute([commit(f"b{i}") for i in range(40)])} == {COMMITTED}
+    bulks = [ids for name, target, ids in commands.seen if (name, target) == ("update", "accounts")]
+    if storage.ferretdb:
+        assert [len(ids) for ids in bulks] == [32, 8]
+    assert [store.balance(key) for key in keys] == [3] * 40
