@@ -202,8 +202,11 @@ the unrecorded steps above, belong to one :class:`~saga.participants.mongo._shar
 which all storages share by default). On FerretDB (detected from ``buildInfo``)
 a compare-and-set is an ``_id``-only ``findAndModify`` returning
 the document as it was, checked by the adapter; a mismatch (a change made since
-the read, by someone else) is put back at once and counts as a conflict. On
-MongoDB the conditions are part of the filter, atomic. The runtime handles one
+the read, by someone else) is put back at once and counts as a conflict. The one
+exception is the commit of a known reservation where FerretDB looks a filter naming
+``_id`` and more up by ``_id`` (``narrows_by_id``): its conditions are in the filter,
+checked by FerretDB when it reads the document to update it. On MongoDB the
+conditions are part of the filter, atomic. The runtime handles one
 batch at a time and owns a transaction's partition alone, so one process per
 participant is safe on FerretDB. Several processes writing the *same* documents
 (two workers of one participant, or another application) rely on the server's
