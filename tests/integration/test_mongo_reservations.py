@@ -10,6 +10,7 @@ from typing import Any
 import pymongo
 import pytest
 
+from saga.participants.mongo import MongoStorage
 from saga.participants.mongo import _adapter as mongo_adapter
 from saga.streams import StepStatus
 from tests.integration._mongo_commands import Commands
@@ -31,10 +32,8 @@ pytestmark = pytest.mark.integration
 __all__ = ["store"]  # the fixture
 
 
-def test_the_hot_path_of_an_increment(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Once this process has written a document, a reservation is one update of it (no
-    read); the batch's commits are one bulk of conditional updates (the server looks each
-    up by _id), then their decision records one insert."""
+def listened(store: Store, monkeypatch: pytest.MonkeyPatch) -> tuple[Commands, MongoStorage]:
+    """A storage of ``store`` whose commands are recorded (see :class:`Commands`)."""
     commands = Commands()
     real = mongo_adapter.MongoClient
     monkeypatch.setattr(
@@ -42,7 +41,14 @@ def test_the_hot_path_of_an_increment(store: Store, monkeypatch: pytest.MonkeyPa
         "MongoClient",
         lambda *args, **kwargs: real(*args, event_listeners=[commands], **kwargs),
     )
-    storage = store.make()
+    return commands, store.make()
+
+
+def test_the_hot_path_of_an_increment(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once this process has written a document, a reservation is one update of it (no
+    read); the batch's commits are one bulk of conditional updates (the server looks each
+    up by _id), then their decision records one insert."""
+    commands, storage = listened(store, monkeypatch)
     first = [inc("t0", "x", 1), inc("t1", "y", 1)]
     assert [r.status for r in storage.execute(first)] == [APPLIED] * 2
     assert [r.status for r in storage.execute([commit("t0"), commit("t1")])] == [COMMITTED] * 2
@@ -166,14 +172,7 @@ def test_a_server_that_scans_such_filters_has_the_commit_read_first(
 ) -> None:
     """A stock FerretDB decodes the whole collection for a filter naming more than _id:
     there a commit reads the document, then writes it by _id alone, checked client-side."""
-    commands = Commands()
-    real = mongo_adapter.MongoClient
-    monkeypatch.setattr(
-        mongo_adapter,
-        "MongoClient",
-        lambda *args, **kwargs: real(*args, event_listeners=[commands], **kwargs),
-    )
-    storage = store.make()
+    commands, storage = listened(store, monkeypatch)
     storage.setup()
     if not storage.ferretdb:
         pytest.skip("a MongoDB server checks every filter itself")
@@ -230,14 +229,7 @@ def test_a_bulk_of_commits_with_one_known_wrong_runs_the_batch_again(
 def test_commits_go_in_bulks_of_at_most_32(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
     """FerretDB v1 holds a connection per statement until its command ends (its pool has
     100): a batch's commits go in bulks of at most WRITES_PER_BULK updates."""
-    commands = Commands()
-    real = mongo_adapter.MongoClient
-    monkeypatch.setattr(
-        mongo_adapter,
-        "MongoClient",
-        lambda *args, **kwargs: real(*args, event_listeners=[commands], **kwargs),
-    )
-    storage = store.make()
+    commands, storage = listened(store, monkeypatch)
     storage.setup()
     keys = [f"k{i:02d}" for i in range(40)]
     store.db["accounts"].insert_many([{"_id": key, "balance": 0} for key in keys])
