@@ -18,6 +18,7 @@ import psycopg
 import pymongo
 import redis
 
+from saga.participants.mongo._ledger import _decided, _decision_id
 from tests._infra import Services
 from tests.chaos.workload import FIELD, PARTICIPANTS, TARGET
 
@@ -178,9 +179,13 @@ class Stores:
                 for participant, tx_id, step, status, effect in rows:
                     found[(participant, tx_id, int(step))] = LedgerRow(status, bool(effect))
         with self._mongo() as db:
-            for doc in db["saga_ledger"].find({}):
-                if "status" not in doc or int(doc.get("step", -1)) < 0:
+            docs = list(db["saga_ledger"].find({}))
+            # A decision recorded beside its step document (participants.mongo._ledger).
+            decisions = {d["_id"]: d for d in docs if "decides" in d}
+            for stored in docs:
+                if "status" not in stored or int(stored.get("step", -1)) < 0:
                     continue
+                doc = _decided(stored, decisions.get(_decision_id(stored["_id"])))
                 key = (str(doc["participant"]), str(doc["tx_id"]), int(doc["step"]))
                 found[key] = LedgerRow(str(doc["status"]), bool(doc.get("effect")))
         with self._redis() as r:
