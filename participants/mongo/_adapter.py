@@ -53,7 +53,7 @@ from saga.participants.mongo._ledger import (
     _decided,
     _decision_id,
     _entry_of,
-    _may_be_decided,
+    _find_step,
     _seen_doc,
     _step_id,
     _tx_doc_id,
@@ -384,10 +384,7 @@ class MongoStorage(LedgerStorage[MongoSession, None]):
                 found = self.tx_collection.find_one({"_id": _tx_doc_id(self.name, tx_id)})
                 docs = []
                 for step in [] if found is None else found.get("steps", []):
-                    step_id = _step_id(self.name, tx_id, step)
-                    doc = ledger.find_one({"_id": step_id})
-                    if doc is not None and _may_be_decided(doc):
-                        doc = _decided(doc, ledger.find_one({"_id": _decision_id(step_id)}))
+                    doc = _find_step(ledger, _step_id(self.name, tx_id, step))
                     if doc is not None and "status" in doc:
                         docs.append(doc)
         docs.sort(key=lambda doc: (doc["tx_id"], doc["step"]))

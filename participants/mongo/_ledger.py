@@ -163,6 +163,16 @@ def _may_be_decided(doc: Mapping[str, Any] | None) -> bool:
     return bool(doc.get("status") == LedgerStatus.APPLIED.value)
 
 
+def _find_step(ledger: Any, step_id: str, session: Any = None) -> Document | None:
+    """Step document ``step_id`` of collection ``ledger`` as stored, with its decision
+    document applied (:func:`_decided`)."""
+    doc: Document | None = ledger.find_one({"_id": step_id}, session=session)
+    if doc is not None and _may_be_decided(doc):
+        decision = ledger.find_one({"_id": _decision_id(step_id)}, session=session)
+        doc = _decided(doc, decision)
+    return doc
+
+
 def _entry_of(doc: Mapping[str, Any]) -> LedgerEntry:
     """The entry a step document holds (the inverse of :func:`_entry_fields`)."""
     return entry_of({**doc, "args": _plain(doc.get("args")), "before": _plain(doc.get("before"))})

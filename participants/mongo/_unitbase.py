@@ -26,10 +26,8 @@ from saga.participants.mongo._cas import _changed
 from saga.participants.mongo._errors import _Conflict, _Speculation, _Stale
 from saga.participants.mongo._ledger import (
     _check_tx_id,
-    _decided,
-    _decision_id,
     _entry_of,
-    _may_be_decided,
+    _find_step,
     _pending_key,
     _tx_doc_id,
     _TxView,
@@ -212,12 +210,7 @@ class _UnitBase(Unit[MongoSession]):
     def _find_step(self, step_id: str) -> Document | None:
         """Step document ``step_id`` as stored, with its decision document applied
         (:func:`~saga.participants.mongo._ledger._decided`)."""
-        session = self.transaction_session()
-        doc = self._ledger.find_one({"_id": step_id}, session=session)
-        if doc is not None and _may_be_decided(doc):
-            decision = self._ledger.find_one({"_id": _decision_id(step_id)}, session=session)
-            doc = _decided(doc, decision)
-        return doc
+        return _find_step(self._ledger, step_id, self.transaction_session())
 
     def _step(self, view: _TxView, step: int) -> Document | None:
         """The step document (``None``: absent) once its unfinished write is resolved."""
