@@ -62,11 +62,10 @@ from sqlalchemy import (
     literal,
     or_,
     select,
-    text,
 )
 
 from saga.participants.sql._mysql import TABLE_OPTIONS, record_locks
-from saga.participants.sql._rows import bulk_rows, bulk_statement, one_of
+from saga.participants.sql._rows import bulk_delete, bulk_rows, bulk_statement, one_of
 
 if TYPE_CHECKING:  # psycopg is PostgreSQL's driver: SQLite runs without it
     import psycopg
@@ -74,6 +73,17 @@ if TYPE_CHECKING:  # psycopg is PostgreSQL's driver: SQLite runs without it
 HOLD: Final = "hold"
 RESERVE: Final = "reserve"
 BOUNDS: Final = "bounds"
+
+HOLDS_LOOKUP: Final = (
+    "SELECT h.* FROM unnest(CAST({targets} AS text[]), CAST({records} AS text[])) "
+    "AS k(target, record) CROSS JOIN LATERAL (SELECT * FROM {table} AS r "
+    "WHERE r.target = k.target AND r.record = k.record OFFSET 0) AS h"
+)
+"""The rows of some records (PostgreSQL, :meth:`BatchHolds.load_pipelined`): one
+primary-key lookup per record. ``OFFSET 0`` keeps it from being flattened into a join
+of the whole table, which the planner ran as a scan of every row: its cost grew with
+the ``bounds`` rows, one per record ever bounded. The table's name is quoted by the
+dialect; the values are bound."""
 
 HoldKey: TypeAlias = tuple[str, str, str, str, int]
 """``(target, record, field, tx_id, step)``: the primary key of a row."""
@@ -299,9 +309,7 @@ class BatchHolds(Holds):
         table = self._connection.dialect.identifier_preparer.format_table(self.table)
         cursor = driver.cursor(row_factory=dict_row)
         cursor.execute(
-            f"SELECT h.* FROM unnest(CAST(%(targets)s AS text[]), CAST(%(records)s AS text[])) "  # noqa: S608
-            f"AS k(target, record) JOIN {table} AS h "
-            "ON h.target = k.target AND h.record = k.record",
+            HOLDS_LOOKUP.format(table=table, targets="%(targets)s", records="%(records)s"),
             {"targets": [r[0] for r in wanted], "records": [r[1] for r in wanted]},
         )
 
@@ -404,14 +412,6 @@ def _match(table: Table, key: HoldKey) -> Any:
 
 
 @lru_cache(maxsize=32)
-def _bulk_delete(dialect: Dialect, table: Table) -> TextClause:
+def _bulk_delete(dialect: Dialect, table: Table) -> TextClause | None:
     """PostgreSQL: delete any number of rows by key, bound as one JSON text."""
-    quote = dialect.identifier_preparer.quote
-    types = {"step": "integer"}
-    record = ", ".join(f"{quote(k)} {types.get(k, 'text')}" for k in _KEYS)
-    match = " AND ".join(f"h.{quote(k)} = v.{quote(k)}" for k in _KEYS)
-    target = dialect.identifier_preparer.format_table(table)
-    return text(
-        f"DELETE FROM {target} AS h USING json_to_recordset(CAST(:rows AS json)) "  # noqa: S608
-        f"AS v({record}) WHERE {match}"
-    )
+    return bulk_delete(dialect, table, _KEYS)

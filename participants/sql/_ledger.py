@@ -317,7 +317,7 @@ class BatchLedger:
         columns = (*LEDGER_COLUMNS[3:], *ADDED_COLUMNS)
         dialect = self._connection.dialect
         fresh = bulk_statement(dialect, self._table, keys, columns, insert=True)
-        known = bulk_statement(dialect, self._table, keys, columns)
+        known = bulk_statement(dialect, self._table, keys, columns, by_row_id=True)
         if fresh is None or known is None:
             return False
         inserts = [row_of(name, e) for key, e in self._dirty.items() if not self._existed.get(key)]
@@ -326,7 +326,7 @@ class BatchLedger:
             with self._collision():
                 self._connection.execute(fresh, bulk_rows(inserts))
         if updates:
-            self._connection.execute(known, bulk_rows(updates, keys))
+            self._connection.execute(known, bulk_rows(updates))
         self._flushed()
         return True
 

@@ -284,6 +284,7 @@ def bulk_statement(
     columns: tuple[str, ...],
     *,
     insert: bool = False,
+    by_row_id: bool = False,
 ) -> TextClause | None:
     """PostgreSQL: one statement for any number of rows, bound as one JSON array of
     objects (:func:`bulk_rows`) that ``json_to_recordset`` turns into rows of the
@@ -292,6 +293,13 @@ def bulk_statement(
     once per table and columns (the text is the same whatever the number of rows, so
     psycopg prepares it). ``None`` when a column's type cannot be named in SQL (the
     caller uses ``executemany``).
+
+    ``by_row_id`` (the product's own tables, never partitioned, whose rows the batch
+    holds locked): the update finds each row through the primary key, one lookup per
+    row, and writes it by its ``ctid``. Matching the key columns with ``= ANY`` lets
+    the planner scan an index that leads with a column every row shares (the ledger's
+    ``participant``): on a ledger whose statistics are older than its rows it read
+    every entry of the participant to update a batch's few (:func:`bulk_delete`).
 
     One JSON text rather than an array per column: psycopg quotes array elements one
     by one in Python, where ``json.dumps`` runs in C."""
@@ -310,6 +318,9 @@ def bulk_statement(
     if insert:
         return text(f"INSERT INTO {target} ({listed}) SELECT {listed} FROM {rows}")  # noqa: S608
     sets = ", ".join(f"{quote(c)} = v.{quote(c)}" for c in columns)
+    if by_row_id:
+        found = _row_ids(target, rows, keys, quote)
+        return text(f"UPDATE {target} AS t SET {sets} FROM {found} WHERE t.ctid = v.saga_row")  # noqa: S608
     match = " AND ".join(f"t.{quote(k)} = v.{quote(k)}" for k in keys)
     # The planner guesses 100 rows for json_to_recordset and would scan the whole table
     # to join them; each key column's values as an array (:keys0, ...) let it find the
@@ -318,6 +329,39 @@ def bulk_statement(
         f"t.{quote(k)} = ANY(CAST(:keys{i} AS {types[i]}[]))" for i, k in enumerate(keys)
     )
     return text(f"UPDATE {target} AS t SET {sets} FROM {rows} WHERE {match} AND {lookup}")  # noqa: S608
+
+
+def bulk_delete(dialect: Dialect, table: Table, keys: tuple[str, ...]) -> TextClause | None:
+    """PostgreSQL: delete any number of rows of one of the product's own tables by key,
+    bound as one JSON text (:func:`bulk_rows`); ``None`` when a key's type cannot be
+    named in SQL.
+
+    Each row is found through the primary key and deleted by its ``ctid``: a join of
+    the table with ``json_to_recordset`` (which the planner guesses at 100 rows) was
+    planned as a scan of the whole table, whose cost grew with its rows (found on the
+    holds table, whose ``bounds`` rows stay for good). ``OFFSET 0`` keeps the lookup a
+    subquery, run once per row, instead of being flattened into that join.
+    """
+    try:
+        types = [_sql_type(table.c[name], dialect) for name in keys]
+    except sa_exc.CompileError:
+        return None
+    quote = dialect.identifier_preparer.quote
+    record = ", ".join(f"{quote(n)} {t}" for n, t in zip(keys, types, strict=True))
+    target = dialect.identifier_preparer.format_table(table)
+    rows = f"json_to_recordset(CAST(:rows AS json)) AS v({record})"
+    found = _row_ids(target, rows, keys, quote)
+    return text(f"DELETE FROM {target} WHERE ctid = ANY(ARRAY(SELECT v.saga_row FROM {found}))")  # noqa: S608
+
+
+def _row_ids(target: str, rows: str, keys: tuple[str, ...], quote: Callable[[str], str]) -> str:
+    """``rows`` with the ``ctid`` of each one's row in ``target`` (as ``saga_row``),
+    looked up by the primary key ``keys``, one index lookup per row."""
+    match = " AND ".join(f"r.{quote(k)} = v.{quote(k)}" for k in keys)
+    return (
+        f"(SELECT k.saga_row, v.* FROM {rows} CROSS JOIN LATERAL "  # noqa: S608
+        f"(SELECT r.ctid AS saga_row FROM {target} AS r WHERE {match} OFFSET 0) AS k) AS v"
+    )
 
 
 def bulk_rows(rows: list[dict[str, Any]], keys: tuple[str, ...] = ()) -> dict[str, Any]:
