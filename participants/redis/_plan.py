@@ -258,8 +258,8 @@ class Planner:
             (e for name, e in decoded.items() if step_of_field(name) is not None),
             key=lambda e: e.step,
         )
-        commit = item.outcome is Outcome.COMMIT
-        if commit:
+        plans: list[tuple[LedgerEntry, Plan]] = []
+        if item.outcome is Outcome.COMMIT:
             plans = [(entry, self._decided(item, entry)) for entry in entries]
             if all(p.effect is Effect.NONE and p.entry is None for _, p in plans):
                 return Done(item, tuple(self._reports(item, plans)))
@@ -270,7 +270,7 @@ class Planner:
         if len(entries) != 1:
             return None
         [entry] = entries
-        p = self._decided(item, entry)
+        p = plans[0][1] if plans else self._decided(item, entry)  # a commit's is planned above
         target = p.entry
         view = self.actions.scoped(scope_of(entry))
         if p.effect is Effect.NONE:
