@@ -39,7 +39,6 @@ import zlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import TYPE_CHECKING, Any, Final, TypeAlias
 
 from sqlalchemy import (
@@ -48,13 +47,11 @@ from sqlalchemy import (
     Column,
     Connection,
     CursorResult,
-    Dialect,
     Executable,
     Integer,
     MetaData,
     String,
     Table,
-    TextClause,
     and_,
     delete,
     func,
@@ -385,7 +382,7 @@ class BatchHolds(Holds):
         dialect = self._connection.dialect
         if dropped:
             rows = [dict(zip(_KEYS, key, strict=True)) for key in dropped]
-            bulk = _bulk_delete(dialect, self.table) if self.locks.postgresql else None
+            bulk = bulk_delete(dialect, self.table, _KEYS) if self.locks.postgresql else None
             if bulk is not None:
                 self._connection.execute(bulk, bulk_rows(rows))
             else:
@@ -409,9 +406,3 @@ class BatchHolds(Holds):
 def _match(table: Table, key: HoldKey) -> Any:
     c = table.c
     return and_(*(c[name] == value for name, value in zip(_KEYS, key, strict=True)))
-
-
-@lru_cache(maxsize=32)
-def _bulk_delete(dialect: Dialect, table: Table) -> TextClause | None:
-    """PostgreSQL: delete any number of rows by key, bound as one JSON text."""
-    return bulk_delete(dialect, table, _KEYS)

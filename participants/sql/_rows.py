@@ -299,18 +299,15 @@ def bulk_statement(
     row, and writes it by its ``ctid``. Matching the key columns with ``= ANY`` lets
     the planner scan an index that leads with a column every row shares (the ledger's
     ``participant``): on a ledger whose statistics are older than its rows it read
-    every entry of the participant to update a batch's few (:func:`bulk_delete`).
+    every entry of the participant to update a batch's few (so does :func:`bulk_delete`).
 
     One JSON text rather than an array per column: psycopg quotes array elements one
     by one in Python, where ``json.dumps`` runs in C."""
     quote = dialect.identifier_preparer.quote
     names = (*keys, *columns)
-    try:
-        types = [_sql_type(table.c[name], dialect) for name in names]
-    except sa_exc.CompileError:
+    if (recordset := _recordset(dialect, table, names)) is None:
         return None
-    record = ", ".join(f"{quote(n)} {t}" for n, t in zip(names, types, strict=True))
-    rows = f"json_to_recordset(CAST(:rows AS json)) AS v({record})"
+    rows, types = recordset
     # Names come from the reflected table and are quoted by the dialect; values are
     # bound: nothing of a step's arguments becomes SQL text.
     target = dialect.identifier_preparer.format_table(table)
@@ -331,6 +328,7 @@ def bulk_statement(
     return text(f"UPDATE {target} AS t SET {sets} FROM {rows} WHERE {match} AND {lookup}")  # noqa: S608
 
 
+@lru_cache(maxsize=32)
 def bulk_delete(dialect: Dialect, table: Table, keys: tuple[str, ...]) -> TextClause | None:
     """PostgreSQL: delete any number of rows of one of the product's own tables by key,
     bound as one JSON text (:func:`bulk_rows`); ``None`` when a key's type cannot be
@@ -342,16 +340,25 @@ def bulk_delete(dialect: Dialect, table: Table, keys: tuple[str, ...]) -> TextCl
     holds table, whose ``bounds`` rows stay for good). ``OFFSET 0`` keeps the lookup a
     subquery, run once per row, instead of being flattened into that join.
     """
+    if (recordset := _recordset(dialect, table, keys)) is None:
+        return None
+    target = dialect.identifier_preparer.format_table(table)
+    found = _row_ids(target, recordset[0], keys, dialect.identifier_preparer.quote)
+    return text(f"DELETE FROM {target} WHERE ctid = ANY(ARRAY(SELECT v.saga_row FROM {found}))")  # noqa: S608
+
+
+def _recordset(
+    dialect: Dialect, table: Table, names: tuple[str, ...]
+) -> tuple[str, list[str]] | None:
+    """``json_to_recordset`` of the bound ``:rows`` as rows ``v`` of the columns ``names``
+    in their own SQL types, and those types; ``None`` when a type cannot be named."""
     try:
-        types = [_sql_type(table.c[name], dialect) for name in keys]
+        types = [_sql_type(table.c[name], dialect) for name in names]
     except sa_exc.CompileError:
         return None
     quote = dialect.identifier_preparer.quote
-    record = ", ".join(f"{quote(n)} {t}" for n, t in zip(keys, types, strict=True))
-    target = dialect.identifier_preparer.format_table(table)
-    rows = f"json_to_recordset(CAST(:rows AS json)) AS v({record})"
-    found = _row_ids(target, rows, keys, quote)
-    return text(f"DELETE FROM {target} WHERE ctid = ANY(ARRAY(SELECT v.saga_row FROM {found}))")  # noqa: S608
+    record = ", ".join(f"{quote(n)} {t}" for n, t in zip(names, types, strict=True))
+    return f"json_to_recordset(CAST(:rows AS json)) AS v({record})", types
 
 
 def _row_ids(target: str, rows: str, keys: tuple[str, ...], quote: Callable[[str], str]) -> str:

@@ -402,7 +402,7 @@ def test_ledger_and_holds_rows_are_found_by_key_whatever_the_statistics(
         committed = [{**e, "status": "committed", "finished_ms": 2} for e in entries[:40:2]]
         lookup = HOLDS_LOOKUP.format(table=quoted(holds), targets=":targets", records=":records")
         statements = {
-            "the ledger's update": (update.text, bulk_rows(committed, keys)),
+            "the ledger's update": (update.text, bulk_rows(committed)),
             "the holds' delete": (delete.text, bulk_rows(bounds[:40:2])),
             "the holds' lookup": (
                 lookup,
