@@ -95,7 +95,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 from sqlalchemy import (
@@ -103,13 +103,10 @@ from sqlalchemy import (
     MetaData,
     Table,
     and_,
-    case,
     delete,
     inspect,
     select,
-    text,
     tuple_,
-    update,
 )
 from sqlalchemy import exc as sa_exc
 
@@ -117,7 +114,7 @@ from saga.participants._actions import check_identifier
 from saga.participants._barrier import LedgerEntry, LedgerStatus
 from saga.participants._handlers import Handler, combine
 from saga.participants._refusals import StoreRefused, Verdict
-from saga.participants._storage import Actions, LedgerStorage, Unit, WorkItem
+from saga.participants._storage import Actions, LedgerStorage, Report, Unit, WorkItem
 from saga.participants.sql import _mysql as mysql
 from saga.participants.sql._actions import (
     BatchKeys,
@@ -140,6 +137,7 @@ from saga.participants.sql._errors import (
     tx_locks,
     verdict,
 )
+from saga.participants.sql._escrow import EscrowCommits
 from saga.participants.sql._holds import (
     HOLDS_COLUMNS,
     BatchHolds,
@@ -149,12 +147,12 @@ from saga.participants.sql._holds import (
 )
 from saga.participants.sql._ledger import (
     ADDED_COLUMNS,
-    FINAL_STATUSES,
     LEDGER_COLUMNS,
     BatchLedger,
     SqlUnit,
     define_ledger,
     entry_of_row,
+    upgrade_ledger,
 )
 from saga.participants.sql._rows import BatchRows
 from saga.participants.sql._session import SqlSession
@@ -189,6 +187,8 @@ class SqlBatch:
     """Not careful: the batch's copy of the rows its steps touch."""
     holds: BatchHolds | None = None
     """Not careful: the batch's copy of those records' holds."""
+    settled: dict[str, list[Report]] = field(default_factory=dict)
+    """The commit decisions settled in the database, by transaction (their events)."""
 
 
 class SqlStorage(LedgerStorage[SqlSession, SqlBatch]):
@@ -337,7 +337,14 @@ class SqlStorage(LedgerStorage[SqlSession, SqlBatch]):
                 ledger.load(tx_ids)
             pg = self._lock_transactions
             locks = RecordLocks(connection, self.holds_table, postgresql=pg, rows=self.locks_table)
-            keys = batch_keys(items, ledger.entries, self._tables)
+            escrow = None
+            if not careful and self._pipeline:
+                escrow = EscrowCommits(self.name, items, ledger, self._tables, self.holds_table)
+            keys = batch_keys(
+                escrow.others(items) if escrow else items, ledger.entries, self._tables
+            )
+            while escrow and escrow.keep_apart(keys.records):  # the rows' copy must not hold them
+                keys = batch_keys(escrow.others(items), ledger.entries, self._tables)
             rows = holds = None
             if careful:
                 locks.take(keys.creating)
@@ -345,8 +352,9 @@ class SqlStorage(LedgerStorage[SqlSession, SqlBatch]):
                 rows = BatchRows(connection, self._tables, postgresql=pg)
                 holds = BatchHolds(connection, self.holds_table, locks)
                 with _careful_if_refused():
-                    self._preload(connection, keys, rows, holds)
-            yield SqlBatch(connection, ledger, careful, locks, rows, holds)
+                    self._preload(connection, keys, rows, holds, escrow)
+            settled = {} if escrow is None else escrow.reports
+            yield SqlBatch(connection, ledger, careful, locks, rows, holds, settled)
             if rows is not None and holds is not None and self._pipeline:
                 # A refusal of the rows' write or of the ledger's (another worker's
                 # entry): the careful run, one statement at a time, tells which.
@@ -365,12 +373,32 @@ class SqlStorage(LedgerStorage[SqlSession, SqlBatch]):
             ledger.flush()
 
     def _preload(
-        self, connection: Connection, keys: BatchKeys, rows: BatchRows, holds: BatchHolds
+        self,
+        connection: Connection,
+        keys: BatchKeys,
+        rows: BatchRows,
+        holds: BatchHolds,
+        escrow: EscrowCommits | None = None,
     ) -> None:
         """Lock and read what the batch's built-in steps touch: first the record locks of
         rows a step may create (they have no row lock yet), then the rows (locked), then
         their holds (read once the rows are locked, so they are the latest). Through
-        psycopg, in one pipeline: one wait for the server."""
+        psycopg, in one pipeline: one wait for the server, which also settles the
+        ``escrow`` commits (:mod:`participants.sql._escrow`)."""
+        if escrow:
+            with pipelined(connection) as driver:
+                settle = escrow.send(driver, connection.dialect)
+                read_rows = None
+                if keys.records:
+                    holds.locks.take(keys.creating)
+                    read_rows = rows.load_pipelined(driver, keys.rows)
+                    if read_rows is not None:
+                        read_holds = holds.load_pipelined(driver, keys.records)
+            settle()
+            if read_rows is not None:
+                read_rows()
+                read_holds()
+                return
         if not keys.records:
             return
         if self._pipeline:
@@ -386,6 +414,9 @@ class SqlStorage(LedgerStorage[SqlSession, SqlBatch]):
         holds.locks.take(keys.creating)
         rows.preload(keys.rows)
         holds.preload(keys.records)
+
+    def settled(self, batch: SqlBatch) -> Mapping[str, list[Report]]:
+        return batch.settled
 
     def open_unit(
         self, batch: SqlBatch, item: WorkItem, previous: Unit[SqlSession] | None
@@ -499,43 +530,7 @@ class SqlStorage(LedgerStorage[SqlSession, SqlBatch]):
             )
         added = [name for name in ADDED_COLUMNS if name not in names]
         if added:
-            self._upgrade_ledger(added)
-
-    def _upgrade_ledger(self, added: Sequence[str]) -> None:
-        """Give a ledger of the first layout the columns added since, and their index.
-
-        Entries already there get their ``finished_ms`` (so they are pruned too) and
-        no fingerprint (they match every request). Two participants may race to do
-        this; the loser finds the columns there.
-        """
-        types = {"fingerprint": "VARCHAR(64)", "finished_ms": "BIGINT"}
-        table = self._engine.dialect.identifier_preparer.format_table(self.ledger_table)
-        try:
-            with self._engine.begin() as connection:
-                for name in added:
-                    connection.execute(text(f"ALTER TABLE {table} ADD COLUMN {name} {types[name]}"))
-                if "finished_ms" in added:
-                    c = self.ledger_table.c
-                    final = [str(status) for status in FINAL_STATUSES]
-                    # as finished_ms(): an applied step not waiting to be compensated
-                    applied = and_(
-                        c.status == str(LedgerStatus.APPLIED),
-                        c.rollback_pending.is_(False),
-                    )
-                    latest = case((c.deadline_ms > c.updated_ms, c.deadline_ms), else_=c.updated_ms)
-                    connection.execute(
-                        update(self.ledger_table)
-                        .where(c.status.in_(final) | (c.step < 0) | applied)
-                        .values(finished_ms=latest)
-                    )
-                index = next(i for i in self.ledger_table.indexes if i.name and "finish" in i.name)
-                index.create(connection, checkfirst=True)
-        except (sa_exc.ProgrammingError, sa_exc.OperationalError):
-            with self._engine.connect() as connection:
-                inspector = inspect(connection)
-                columns = inspector.get_columns(self.ledger_table.name, schema=self.schema)
-            if not set(added) <= {column["name"] for column in columns}:
-                raise
+            upgrade_ledger(self._engine, self.ledger_table, added, self.schema)
 
     def _reflect(self, connection: Connection, metadata: MetaData, name: str) -> Table:
         try:

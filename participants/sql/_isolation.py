@@ -105,7 +105,7 @@ class IsolatedRecord(RecordBase):
             values = self._values(action.set, "update", key_allowed=False)
             self._direct()
             if self._set(values) == 0:  # deleted behind the product's back: stays deleted
-                _nothing_to_write(scope, self.where)
+                nothing_to_write(scope, self.where)
         else:
             values = self._values(action.value, _name(action), key_allowed=True)
             row = self._row_or_lock()
@@ -131,12 +131,12 @@ class IsolatedRecord(RecordBase):
         cached = NOT_CACHED if rows is None else rows.row(self.table, self.key)
         if rows is not None and isinstance(cached, dict):
             if cached[column.name] is None:
-                _nothing_to_write(scope, self.where)
+                nothing_to_write(scope, self.where)
             else:
                 rows.set(self.table, self.key, column, add(cached[column.name], by))
             return
         if cached is None:
-            _nothing_to_write(scope, self.where)  # the row is gone: nothing to add to
+            nothing_to_write(scope, self.where)  # the row is gone: nothing to add to
             return
         self._direct()
         statement = (
@@ -145,7 +145,7 @@ class IsolatedRecord(RecordBase):
             .values({column.name: column + by})
         )
         if self.session.execute(statement).rowcount == 0:
-            _nothing_to_write(scope, self.where)
+            nothing_to_write(scope, self.where)
 
     def _try(self, tx_id: str, action: Held, values: dict[str, Any] | None, row: Any) -> None:
         """Run the write the commit will run, in a savepoint rolled back at once, so that
@@ -263,7 +263,7 @@ class IsolatedRecord(RecordBase):
             )
 
 
-def _nothing_to_write(scope: StepScope, where: str) -> None:
+def nothing_to_write(scope: StepScope, where: str) -> None:
     """A commit whose row changed outside the product (gone, or a ``NULL`` to add to)
     writes nothing: a commit never fails. Said in the log, for an operator."""
     log.warning(

@@ -8,7 +8,7 @@ ledger codec (:mod:`participants._ledger`), plus ``participant`` and
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Final, TypeAlias, cast
 
@@ -18,6 +18,7 @@ from sqlalchemy import (
     Boolean,
     Column,
     Connection,
+    Engine,
     Index,
     Integer,
     MetaData,
@@ -27,8 +28,11 @@ from sqlalchemy import (
     Table,
     Text,
     TextualSelect,
+    and_,
     bindparam,
+    case,
     insert,
+    inspect,
     select,
     text,
     update,
@@ -251,6 +255,17 @@ class BatchLedger:
         self._dirty[key] = entry
         self._steps.setdefault(entry.tx_id, set()).add(entry.step)
 
+    def stored(self, entry: LedgerEntry) -> None:
+        """``entry`` as the batch's statements have written it already (not written again)."""
+        key = (entry.tx_id, entry.step)
+        self._entries[key] = entry
+        self._existed[key] = True
+        self._steps.setdefault(entry.tx_id, set()).add(entry.step)
+
+    @property
+    def table(self) -> Table:
+        return self._table
+
     def checkpoint(self) -> int:
         return len(self._journal)
 
@@ -409,3 +424,39 @@ def row_of(participant: str, entry: LedgerEntry) -> dict[str, Any]:
 def entry_of_row(row: RowMapping) -> LedgerEntry:
     """The entry a ledger row holds (a ledger from before fingerprints has no such column)."""
     return entry_of(cast(Mapping[str, Any], row))
+
+
+def upgrade_ledger(engine: Engine, ledger: Table, added: Sequence[str], schema: str | None) -> None:
+    """Give a ledger of the first layout the columns added since, and their index.
+
+    Entries already there get their ``finished_ms`` (so they are pruned too) and
+    no fingerprint (they match every request). Two participants may race to do
+    this; the loser finds the columns there.
+    """
+    types = {"fingerprint": "VARCHAR(64)", "finished_ms": "BIGINT"}
+    table = engine.dialect.identifier_preparer.format_table(ledger)
+    try:
+        with engine.begin() as connection:
+            for name in added:
+                connection.execute(text(f"ALTER TABLE {table} ADD COLUMN {name} {types[name]}"))
+            if "finished_ms" in added:
+                c = ledger.c
+                final = [str(status) for status in FINAL_STATUSES]
+                # as finished_ms(): an applied step not waiting to be compensated
+                applied = and_(
+                    c.status == str(LedgerStatus.APPLIED),
+                    c.rollback_pending.is_(False),
+                )
+                latest = case((c.deadline_ms > c.updated_ms, c.deadline_ms), else_=c.updated_ms)
+                connection.execute(
+                    update(ledger)
+                    .where(c.status.in_(final) | (c.step < 0) | applied)
+                    .values(finished_ms=latest)
+                )
+            index = next(i for i in ledger.indexes if i.name and "finish" in i.name)
+            index.create(connection, checkfirst=True)
+    except (sa_exc.ProgrammingError, sa_exc.OperationalError):
+        with engine.connect() as connection:
+            columns = inspect(connection).get_columns(ledger.name, schema=schema)
+        if not set(added) <= {column["name"] for column in columns}:
+            raise

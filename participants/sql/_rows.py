@@ -141,7 +141,7 @@ class BatchRows:
             table = self._tables[name]
             pk = _pk(table)
             try:
-                kind = _sql_type(pk, dialect)
+                kind = sql_type(pk, dialect)
             except sa_exc.CompileError:
                 return None
             keys = [k for k in set(wanted[name]) if (name, k) not in self._rows]
@@ -353,7 +353,7 @@ def _recordset(
     """``json_to_recordset`` of the bound ``:rows`` as rows ``v`` of the columns ``names``
     in their own SQL types, and those types; ``None`` when a type cannot be named."""
     try:
-        types = [_sql_type(table.c[name], dialect) for name in names]
+        types = [sql_type(table.c[name], dialect) for name in names]
     except sa_exc.CompileError:
         return None
     quote = dialect.identifier_preparer.quote
@@ -399,7 +399,9 @@ def _pk(table: Table) -> Column[Any]:
     return next(iter(table.primary_key.columns))
 
 
-def _sql_type(column: Column[Any], dialect: Any) -> str:
+def sql_type(column: Column[Any], dialect: Any) -> str:
+    """The SQL name of ``column``'s type on ``dialect`` (a :class:`CompileError` when it
+    has none: a type reflection did not know)."""
     kind = column.type
     if isinstance(kind, sqltypes.NullType):
         raise sa_exc.CompileError(f"no type known for {column.name}")
