@@ -18,7 +18,10 @@ on a commit, to the participants that still have something to confirm) and is co
 in ``saga_decisions_redriven_total``, not as a decision. The participants' barrier
 makes a repeated decision harmless: a step acted on already reports its event again.
 The counts live in memory: a restarted coordinator starts them again, and re-drives
-at once what stalled before it started.
+at once what stalled before it started. A saga restored ``committing`` is re-driven at
+once whatever its age: while re-drives are on, a step's ``committed`` report that leaves
+its saga ``committing`` is not published on the status topic (:meth:`Chores.unpublished`),
+so the restored saga does not know it.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from typing import Final
 
 from saga.coordinator import _route
 from saga.coordinator._machine import Saga
+from saga.coordinator._machine_io import Input, StepReported
 from saga.coordinator._retention import PartitionState
 from saga.coordinator._timers import TimerBatch
 from saga.streams import Decision, SagaState, encode
@@ -97,6 +101,25 @@ class Chores:
         """Whether a timer of ``partitions`` is due at ``now`` (a batch should run)."""
         return any(part.due(now) for part in partitions)
 
+    def unpublished(self, before: Saga | None, after: Saga | None, inp: Input) -> bool:
+        """Whether the status of ``after`` goes unpublished: ``inp`` is a step's ``committed``
+        report that leaves its saga ``committing`` (its next status, ``committed``, says it).
+
+        The status topic is the coordinator's changelog, so a coordinator that takes the
+        saga over (a crash, a rebalance) restores it without those reports; it sends the
+        decision again at once (:meth:`restored`), and the participants report their
+        committed steps again. So only while re-drives are on. Under ``read_committed``
+        every step reports its commit: this saves the status topic, its readers and the
+        coordinator's encoding about a record and a half per saga."""
+        return (
+            self.redrive.on
+            and isinstance(inp, StepReported)
+            and before is not None
+            and after is not None
+            and before.state is SagaState.COMMITTING
+            and after.state is SagaState.COMMITTING
+        )
+
     def restored(self, part: PartitionState, saga: Saga) -> None:
         """Schedule a saga just rebuilt from the status topic (``part.forget`` is heapified
         by the caller once every saga is in)."""
@@ -104,7 +127,12 @@ class Chores:
             heapq.heappush(part.deadlines, (saga.deadline_ms, saga.tx_id))
         if (at := self.forget_at(saga)) is not None:
             part.forget.append((at, saga.tx_id))
-        if self.redrive.on and saga.state in STALLED:
+        if self.redrive.on and saga.state is SagaState.COMMITTING:
+            # Its steps' `committed` reports are not on the status topic (coordinator._service):
+            # the decision goes again at once, so its participants report them again.
+            part.redriven[saga.tx_id] = (saga.updated_ms, 0, saga.updated_ms)
+            heapq.heappush(part.redrive, (saga.updated_ms, saga.tx_id))
+        elif self.redrive.on and saga.state in STALLED:
             heapq.heappush(part.redrive, (self.redrive.first(saga.updated_ms), saga.tx_id))
 
     def merged(self, part: PartitionState, tx_id: str, before: Saga | None, after: Saga) -> None:

@@ -371,6 +371,8 @@ class CoordinatorService(Stoppable):
             before = current(partition, tx_id)
             try:
                 after, outs = decide(before, inp)
+                if self.chores.unpublished(before, after, inp):
+                    outs = [out for out in outs if not isinstance(out, SagaStatus)]
                 # Encoded here, not at commit: what the contract refuses is this input's fault.
                 encoded = [(out, encode(out)) for out in outs if not isinstance(out, Ignored)]
             except Exception as exc:  # no record may stop the coordinator

@@ -62,8 +62,8 @@ from saga.participants._storage import (
     RequestSeen,
     Storage,
     WorkItem,
-    unique,
 )
+from saga.participants._work import unique
 from saga.streams import (
     MAX_REASON_CHARS,
     ConfigurationError,

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import replace
 from typing import Any, ClassVar, Generic, NoReturn, cast
@@ -588,21 +588,3 @@ def _run_signal(
         and actions.has_confirm(recorded.action)
     )
     return [Report(signal.tx_id, signal.step, p.emit, reason, confirm)]
-
-
-def unique(items: Iterable[WorkItem]) -> list[WorkItem]:
-    """Drop exact repeats inside one batch (a redelivered record seen twice)."""
-    seen: set[tuple[object, ...]] = set()
-    out: list[WorkItem] = []
-    for item in items:
-        key = (
-            type(item).__name__,
-            item.tx_id,
-            getattr(item, "step", None),
-            getattr(item, "outcome", None),
-        )
-        if key in seen:
-            continue
-        seen.add(key)
-        out.append(item)
-    return out

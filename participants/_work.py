@@ -4,6 +4,7 @@ barrier signals, the scope an action runs in, and the events to emit (re-exporte
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from saga.participants._barrier import PredecessorApplied, Requested, SuccessorCompensated
@@ -62,3 +63,21 @@ class Report:
     reason: str | None = None
     confirm: bool = False
     parked: bool = False
+
+
+def unique(items: Iterable[WorkItem]) -> list[WorkItem]:
+    """Drop exact repeats inside one batch (a redelivered record seen twice)."""
+    seen: set[tuple[object, ...]] = set()
+    out: list[WorkItem] = []
+    for item in items:
+        key = (
+            type(item).__name__,
+            item.tx_id,
+            getattr(item, "step", None),
+            getattr(item, "outcome", None),
+        )
+        if key in seen:
+            continue
+        seen.add(key)
+        out.append(item)
+    return out
