@@ -262,8 +262,9 @@ class SagaSystem:
     def producer(self) -> Producer:
         return Producer(self.settings, client_id="test")
 
-    def read_topic(self, topic: str) -> list[Any]:
-        """Every decodable record of a topic, in partition then offset order."""
+    def read_topic(self, topic: str, *, unless: str | None = None) -> list[Any]:
+        """Every decodable record of a topic, in partition then offset order; with
+        ``unless``, those without that header."""
         consumer = Consumer(self.settings, group_id=None, client_id="test-reader")
         try:
             records: list[Any] = []
@@ -277,7 +278,7 @@ class SagaSystem:
                 done = False
                 while not done and time.monotonic() < deadline:
                     for m in consumer.poll_batch(1000, 0.2):
-                        if m.value is not None:
+                        if m.value is not None and (unless is None or m.header(unless) is None):
                             try:
                                 records.append(decode(m.value))
                             except Exception:  # poison: not ours to judge here
