@@ -116,7 +116,6 @@ class EscrowCommits:
     ) -> None:
         self._participant = participant
         self._ledger = ledger
-        self._tables = tables
         self._holds = holds
         self._now: dict[str, int] = {}
         self._steps: dict[str, list[_Step]] = {}
@@ -215,9 +214,10 @@ class EscrowCommits:
                     # A reservation gone already (a decision replayed): the per-step path
                     # tells which, and adds nothing for it.
                     raise NeedsSavepoints
-                added = {record_text(pk, key) for key in changed}
+                # as read back (a char(n) key padded, a numeric one with its scale's zeros)
+                added = {*changed, *(record_text(pk, key) for key in changed)}
                 for step in steps:
-                    if step.record not in added:
+                    if step.key not in added and step.record not in added:
                         scope = StepScope(
                             step.entry.tx_id, step.entry.step, Isolation.READ_COMMITTED
                         )
