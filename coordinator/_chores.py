@@ -110,7 +110,7 @@ class Chores:
         decision again at once (:meth:`restored`), and the participants report their
         committed steps again. So only while re-drives are on. Under ``read_committed``
         every step reports its commit: this saves the status topic, its readers and the
-        coordinator's encoding about a record and a half per saga."""
+        coordinator's encoding about half a record per saga of three steps."""
         return (
             self.redrive.on
             and isinstance(inp, StepReported)
