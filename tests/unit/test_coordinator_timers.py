@@ -207,25 +207,34 @@ def test_a_stalled_commit_is_sent_again_with_backoff_up_to_the_limit(
     assert statuses(log, tx)[-1].state is SagaState.COMMITTED
 
 
-def test_a_commit_report_that_leaves_the_saga_committing_is_not_published_and_a_restart_redrives(
-    log: InMemoryLog, clock: ManualClock, start: Any
-) -> None:
-    """`shop`'s `committed` report changes the saga in memory but publishes no status (the
-    next one, `committed`, says it); a coordinator restored from the status topic does not
-    know it, so it sends the decision again at once, not a re-drive period later."""
-    _, stepper = start(redrive=Redrive(after_ms=60_000, limit=3))
+def _committing_with_one_report(
+    log: InMemoryLog, clock: ManualClock, start: Any, redrive: Redrive
+) -> tuple[Stepper, str]:
+    """A coordinator with ``redrive``, and a saga it decided to commit whose step 1 then
+    reported `committed` (step 0 has not)."""
+    _, stepper = start(redrive=redrive)
     tx = key_on(0, PARTITIONS)
     submit(log, clock, tx, 120_000)
     report(log, clock, tx, StepStatus.APPLIED, 0, 1)
     stepper.step()
     report(log, clock, tx, StepStatus.COMMITTED, 1)
     stepper.step()
+    return stepper, tx
+
+
+def test_a_commit_report_that_leaves_the_saga_committing_is_not_published_and_a_restart_redrives(
+    log: InMemoryLog, clock: ManualClock, start: Any
+) -> None:
+    """`shop`'s `committed` report changes the saga in memory but publishes no status (the
+    next one, `committed`, says it); a coordinator restored from the status topic does not
+    know it, so it sends the decision again at once, not a re-drive period later."""
+    stepper, tx = _committing_with_one_report(log, clock, start, Redrive(after_ms=60_000))
     published = statuses(log, tx)
     assert [s.state for s in published] == [SagaState.COMMITTING]  # one batch: one status
     assert [p.status for p in published[-1].steps] == [StepStatus.APPLIED] * 2
     stepper.stop()  # a crash: the report of step 1 is read, its offset committed
     clock.advance(1_000)
-    _, again = start(redrive=Redrive(after_ms=60_000, limit=3))
+    _, again = start(redrive=Redrive(after_ms=60_000))
     again.step()
     assert decisions(log, tx) == [(Outcome.COMMIT, False), (Outcome.COMMIT, True)]
     report(log, clock, tx, StepStatus.COMMITTED, 0, 1)  # both report (again)
@@ -236,13 +245,7 @@ def test_a_commit_report_that_leaves_the_saga_committing_is_not_published_and_a_
 def test_without_redrives_every_commit_report_is_published(
     log: InMemoryLog, clock: ManualClock, start: Any
 ) -> None:
-    _, stepper = start(redrive=Redrive(after_ms=0))
-    tx = key_on(0, PARTITIONS)
-    submit(log, clock, tx, 120_000)
-    report(log, clock, tx, StepStatus.APPLIED, 0, 1)
-    stepper.step()
-    report(log, clock, tx, StepStatus.COMMITTED, 1)
-    stepper.step()
+    _, tx = _committing_with_one_report(log, clock, start, Redrive(after_ms=0))
     published = statuses(log, tx)[-1]
     assert published.state is SagaState.COMMITTING
     assert [p.status for p in published.steps] == [StepStatus.APPLIED, StepStatus.COMMITTED]
