@@ -37,7 +37,7 @@ from saga.coordinator._machine import Saga
 from saga.coordinator._machine_io import Input, StepReported
 from saga.coordinator._retention import PartitionState
 from saga.coordinator._timers import TimerBatch
-from saga.streams import Decision, SagaState, encode
+from saga.streams import Decision, SagaState, StepStatus, encode
 from saga.streams._routing import Headers
 from saga.streams._signing import UNSIGNED_HEADER_PREFIX
 
@@ -104,6 +104,8 @@ class Chores:
     def unpublished(self, before: Saga | None, after: Saga | None, inp: Input) -> bool:
         """Whether the status of ``after`` goes unpublished: ``inp`` is a step's ``committed``
         report that leaves its saga ``committing`` (its next status, ``committed``, says it).
+        Any other report is published: a commit the store refused (``compensation_failed``,
+        parked) is what an operator must see.
 
         The status topic is the coordinator's changelog, so a coordinator that takes the
         saga over (a crash, a rebalance) restores it without those reports; it sends the
@@ -114,6 +116,7 @@ class Chores:
         return (
             self.redrive.on
             and isinstance(inp, StepReported)
+            and inp.event.status is StepStatus.COMMITTED
             and before is not None
             and after is not None
             and before.state is SagaState.COMMITTING

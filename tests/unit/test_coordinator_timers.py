@@ -242,6 +242,19 @@ def test_a_commit_report_that_leaves_the_saga_committing_is_not_published_and_a_
     assert statuses(log, tx)[-1].state is SagaState.COMMITTED
 
 
+def test_a_refused_commit_is_published_while_the_saga_stays_committing(
+    log: InMemoryLog, clock: ManualClock, start: Any
+) -> None:
+    """A commit the store refused is parked and reported `compensation_failed`: an operator
+    must see it, so its status goes out although the saga stays `committing`."""
+    stepper, tx = _committing_with_one_report(log, clock, start, Redrive(after_ms=60_000))
+    report(log, clock, tx, StepStatus.COMPENSATION_FAILED, 0)
+    stepper.step()
+    published = statuses(log, tx)[-1]
+    assert published.state is SagaState.COMMITTING
+    assert published.steps[0].status is StepStatus.COMPENSATION_FAILED
+
+
 def test_without_redrives_every_commit_report_is_published(
     log: InMemoryLog, clock: ManualClock, start: Any
 ) -> None:
