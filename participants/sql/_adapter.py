@@ -385,31 +385,25 @@ class SqlStorage(LedgerStorage[SqlSession, SqlBatch]):
         their holds (read once the rows are locked, so they are the latest). Through
         psycopg, in one pipeline: one wait for the server, which also settles the
         ``escrow`` commits (:mod:`participants.sql._escrow`)."""
-        if escrow:
+        if not keys.records and not escrow:
+            return
+        if self._pipeline:  # (escrow commits only come with it)
+            settle = read_rows = None
             with pipelined(connection) as driver:
-                settle = escrow.send(driver, connection.dialect)
-                read_rows = None
+                if escrow:
+                    settle = escrow.send(driver, connection.dialect)
                 if keys.records:
                     holds.locks.take(keys.creating)
                     read_rows = rows.load_pipelined(driver, keys.rows)
                     if read_rows is not None:
                         read_holds = holds.load_pipelined(driver, keys.records)
-            settle()
+            if settle is not None:
+                settle()
             if read_rows is not None:
                 read_rows()
                 read_holds()
                 return
-        if not keys.records:
-            return
-        if self._pipeline:
-            with pipelined(connection) as driver:
-                holds.locks.take(keys.creating)
-                read_rows = rows.load_pipelined(driver, keys.rows)
-                if read_rows is not None:
-                    read_holds = holds.load_pipelined(driver, keys.records)
-            if read_rows is not None:
-                read_rows()
-                read_holds()
+            if not keys.records:
                 return
         holds.locks.take(keys.creating)
         rows.preload(keys.rows)
